@@ -1,0 +1,1 @@
+"""weightserve client: fetch model weights from a weightserve server."""

@@ -1,0 +1,113 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models", "problems")
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    PROBLEMS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelSummary]
+    problems: _containers.RepeatedCompositeFieldContainer[ModelProblem]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelSummary, _Mapping]]] = ..., problems: _Optional[_Iterable[_Union[ModelProblem, _Mapping]]] = ...) -> None: ...
+
+class ModelSummary(_message.Message):
+    __slots__ = ("id", "format", "revision", "tensor_count", "total_bytes")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    format: str
+    revision: str
+    tensor_count: int
+    total_bytes: int
+    def __init__(self, id: _Optional[str] = ..., format: _Optional[str] = ..., revision: _Optional[str] = ..., tensor_count: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
+class ModelProblem(_message.Message):
+    __slots__ = ("model", "file", "reason")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    file: str
+    reason: str
+    def __init__(self, model: _Optional[str] = ..., file: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class GetModelRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("id", "format", "revision", "alignment", "metadata_json", "tensors")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    ALIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    format: str
+    revision: str
+    alignment: int
+    metadata_json: str
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorInfo]
+    def __init__(self, id: _Optional[str] = ..., format: _Optional[str] = ..., revision: _Optional[str] = ..., alignment: _Optional[int] = ..., metadata_json: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ...) -> None: ...
+
+class TensorInfo(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "logical_shape", "encoding", "nbytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    LOGICAL_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    logical_shape: _containers.RepeatedScalarFieldContainer[int]
+    encoding: str
+    nbytes: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., logical_shape: _Optional[_Iterable[int]] = ..., encoding: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class TensorRequest(_message.Message):
+    __slots__ = ("model", "names", "prefix", "use_prefix", "shard_index", "shard_count", "shard_axis", "resume_tensor", "resume_offset", "chunk_bytes", "revision")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    USE_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    SHARD_AXIS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TENSOR_FIELD_NUMBER: _ClassVar[int]
+    RESUME_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    names: _containers.RepeatedScalarFieldContainer[str]
+    prefix: str
+    use_prefix: bool
+    shard_index: int
+    shard_count: int
+    shard_axis: int
+    resume_tensor: str
+    resume_offset: int
+    chunk_bytes: int
+    revision: str
+    def __init__(self, model: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., prefix: _Optional[str] = ..., use_prefix: _Optional[bool] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., shard_axis: _Optional[int] = ..., resume_tensor: _Optional[str] = ..., resume_offset: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., revision: _Optional[str] = ...) -> None: ...
+
+class ArrowData(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...

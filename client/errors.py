@@ -1,0 +1,143 @@
+"""The exception hierarchy shared by client and service.
+
+Every error carries a message that says what failed, on which model/tensor/file, why, and
+what to do. The service maps each class to one HTTP status and one gRPC status code
+(``STATUS_TABLE``); the client maps them back, so an error raised in the server surfaces in
+the client as the same class.
+
+    WeightserveError
+    ├── CheckpointError          a checkpoint file breaks a rule of its format (service
+    │                            defines one subclass per rule)
+    ├── NotFound
+    │   ├── ModelNotFound
+    │   └── TensorNotFound       also a KeyError, as MAX raises for missing weights
+    ├── InvalidRequest           a malformed request: bad slice, bad name, bad offset
+    ├── Unauthenticated          no valid token
+    ├── PermissionDenied         the token may not read this model
+    ├── ResourceExhausted        a limit was reached (streams, request size); retry later
+    ├── ModelUnavailable         the model exists but cannot be served now (failed checks,
+    │                            file changed underneath)
+    ├── RevisionMismatch         the model changed since the revision the request names
+    ├── TransportError           the server could not be reached, or the stream broke
+    │   └── ServerUnreachable
+    └── DataCorruption           a received tensor's digest did not match
+"""
+
+from __future__ import annotations
+
+
+class WeightserveError(Exception):
+    """Base class of every error weightserve raises on purpose."""
+
+
+class CheckpointError(WeightserveError):
+    """A checkpoint file breaks a rule of its format.
+
+    ``file`` names the file, ``rule`` is the short name of the broken rule, ``tensor`` the
+    tensor involved if any.
+    """
+
+    rule = "invalid checkpoint"
+
+    def __init__(self, file: object, detail: str, *, tensor: str | None = None) -> None:
+        self.file = str(file)
+        self.tensor = tensor
+        self.detail = detail
+        where = f"{self.file}" + (f", tensor {tensor!r}" if tensor else "")
+        super().__init__(f"{where}: {self.rule}: {detail}")
+
+
+class NotFound(WeightserveError):
+    """Something named in a request does not exist."""
+
+
+class ModelNotFound(NotFound):
+    pass
+
+
+class TensorNotFound(NotFound, KeyError):
+    """A tensor name that the model does not hold. A KeyError too, as in MAX."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class InvalidRequest(WeightserveError):
+    pass
+
+
+class Unauthenticated(WeightserveError):
+    pass
+
+
+class PermissionDenied(WeightserveError):
+    pass
+
+
+class ResourceExhausted(WeightserveError):
+    pass
+
+
+class ModelUnavailable(WeightserveError):
+    pass
+
+
+class RevisionMismatch(WeightserveError):
+    pass
+
+
+class TransportError(WeightserveError):
+    """The connection failed or the stream broke; retrying may help."""
+
+
+class ServerUnreachable(TransportError):
+    pass
+
+
+class DataCorruption(WeightserveError):
+    pass
+
+
+# One table: exception class -> (HTTP status, gRPC status code name). Subclasses inherit the
+# row of their nearest listed ancestor. A test checks every class above resolves to a row.
+STATUS_TABLE: dict[type[WeightserveError], tuple[int, str]] = {
+    TensorNotFound: (404, "NOT_FOUND"),
+    ModelNotFound: (404, "NOT_FOUND"),
+    NotFound: (404, "NOT_FOUND"),
+    InvalidRequest: (400, "INVALID_ARGUMENT"),
+    Unauthenticated: (401, "UNAUTHENTICATED"),
+    PermissionDenied: (403, "PERMISSION_DENIED"),
+    ResourceExhausted: (429, "RESOURCE_EXHAUSTED"),
+    CheckpointError: (422, "FAILED_PRECONDITION"),
+    ModelUnavailable: (503, "UNAVAILABLE"),
+    RevisionMismatch: (412, "FAILED_PRECONDITION"),
+    DataCorruption: (500, "DATA_LOSS"),
+    TransportError: (502, "UNAVAILABLE"),
+    WeightserveError: (500, "INTERNAL"),
+}
+
+
+def status_for(exc: WeightserveError) -> tuple[int, str]:
+    for cls in type(exc).__mro__:
+        if cls in STATUS_TABLE:
+            return STATUS_TABLE[cls]  # type: ignore[index]
+    return STATUS_TABLE[WeightserveError]
+
+
+# The wire carries the class name so the client can raise the same class.
+ERROR_CLASSES: dict[str, type[WeightserveError]] = {
+    cls.__name__: cls
+    for cls in [
+        WeightserveError, CheckpointError, NotFound, ModelNotFound, TensorNotFound,
+        InvalidRequest, Unauthenticated, PermissionDenied, ResourceExhausted,
+        ModelUnavailable, RevisionMismatch, TransportError, ServerUnreachable, DataCorruption,
+    ]
+}
+
+
+def error_from_wire(class_name: str, message: str) -> WeightserveError:
+    """Rebuild the exception a server reported, as the same class when it is one of ours."""
+    cls = ERROR_CLASSES.get(class_name, WeightserveError)
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, message)
+    return exc

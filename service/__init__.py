@@ -1,0 +1,1 @@
+"""weightserve service: the catalog, checkpoint format readers and the HTTP and gRPC transports."""

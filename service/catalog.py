@@ -1,0 +1,289 @@
+"""The catalog: finds the models under a root directory, indexes them, maps each file once.
+
+Start-up reads headers only (the readers never touch tensor data), so opening a root that
+holds hundreds of GiB takes milliseconds. A model that fails validation is recorded in
+``Catalog.problems`` with the file and the rule it breaks; every other model is served.
+
+How a root is laid out (the model id is the path relative to the root, so ``org/name`` works):
+
+- a directory below the root holding ``*.safetensors`` files is one model (all its shards,
+  checked against ``model.safetensors.index.json`` when present);
+- otherwise a directory holding PyTorch checkpoints (``*.bin``, ``*.pt``, ``*.pth``) is one
+  model (checked against ``pytorch_model.bin.index.json`` when present); a directory with
+  both formats is served from its safetensors files, as Hugging Face repositories intend;
+- every ``*.gguf`` file is a model of its own (GGUF is a single-file format);
+- a checkpoint file directly in the root is a model of its own, its id the file name.
+
+Paths never leave the root: symlinks that resolve outside it are skipped and reported.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import logging
+import mmap
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from weightserve.client.errors import (
+    CheckpointError,
+    InvalidRequest,
+    ModelNotFound,
+    ModelUnavailable,
+    TensorNotFound,
+)
+from weightserve.service.readers.base import FormatReader, ModelContents, TensorEntry
+
+log = logging.getLogger("weightserve.catalog")
+
+SAFETENSORS_SUFFIXES = (".safetensors",)
+PYTORCH_SUFFIXES = (".bin", ".pt", ".pth")
+GGUF_SUFFIXES = (".gguf",)
+INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def default_readers() -> dict[str, FormatReader]:
+    from weightserve.service.readers.gguf import GGUFReader
+    from weightserve.service.readers.pytorch import PytorchReader
+    from weightserve.service.readers.safetensors import SafetensorsReader
+
+    return {"safetensors": SafetensorsReader(), "gguf": GGUFReader(), "pytorch": PytorchReader()}
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A model the catalog found but refused: which file, which rule."""
+
+    model: str
+    file: str
+    reason: str
+
+
+class MappedFile:
+    """One read-only mmap of one file, shared by every request.
+
+    The mapping is made on first use, not at start-up. A replaced file (new inode) gets a new
+    MappedFile; the old mapping lives on while any stream still holds a view of it.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._map: mmap.mmap | None = None
+        self._view: memoryview | None = None
+        self.size = path.stat().st_size
+
+    def view(self) -> memoryview:
+        with self._lock:
+            if self._view is None:
+                if self.size == 0:
+                    self._view = memoryview(b"")
+                else:
+                    with open(self.path, "rb") as f:
+                        self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                    self._view = memoryview(self._map)
+            return self._view
+
+
+@dataclass
+class Model:
+    id: str
+    format: str
+    path: Path  # the model's directory or file
+    files: list[Path]
+    revision: str
+    contents: ModelContents
+    _maps: dict[Path, MappedFile] = field(default_factory=dict, repr=False)
+    _maps_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def tensors(self) -> dict[str, TensorEntry]:
+        return self.contents.tensors
+
+    @property
+    def metadata(self) -> dict:
+        return self.contents.metadata
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.nbytes for e in self.tensors.values())
+
+    def tensor(self, name: str) -> TensorEntry:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise TensorNotFound(missing_tensor_message(self.id, name, self.tensors)) from None
+
+    def with_prefix(self, prefix: str) -> Iterator[TensorEntry]:
+        """Tensors whose name starts with ``prefix`` (a raw string prefix, as MAX's items())."""
+        for name, entry in self.tensors.items():
+            if name.startswith(prefix):
+                yield entry
+
+    def mapped(self, file: Path) -> MappedFile:
+        with self._maps_lock:
+            mf = self._maps.get(file)
+            if mf is None:
+                mf = self._maps[file] = MappedFile(file)
+            return mf
+
+    def raw_view(self, entry: TensorEntry) -> memoryview:
+        """The bytes of a contiguous tensor as a view of the shared mmap (no copy)."""
+        if not entry.contiguous:
+            raise ValueError(f"tensor {entry.name!r} is a strided view; use its strides")
+        mf = self.mapped(entry.file)
+        if entry.offset + entry.nbytes > mf.size:
+            raise ModelUnavailable(
+                f"model {self.id!r}: file {entry.file.name} is shorter than when it was indexed"
+            )
+        return mf.view()[entry.offset : entry.offset + entry.nbytes]
+
+
+def missing_tensor_message(model_id: str, name: str, names: object) -> str:
+    msg = f"No weight named {name!r} in model {model_id!r}."
+    close = difflib.get_close_matches(name, list(names), n=1)  # type: ignore[arg-type]
+    if close:
+        msg += f" Did you mean {close[0]!r}?"
+    return msg
+
+
+def file_revision(files: list[Path], root: Path) -> str:
+    """A short digest of each file's identity: path, size, mtime, inode.
+
+    It changes when any file is rewritten, replaced or renamed, without reading data.
+    """
+    h = hashlib.sha256()
+    for f in sorted(files):
+        st = f.stat()
+        h.update(f"{f.relative_to(root)}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def validate_model_id(model_id: str) -> str:
+    """Refuse ids that could name something outside the root."""
+    if not model_id or model_id.startswith("/") or "\\" in model_id or "\0" in model_id:
+        raise InvalidRequest(f"invalid model id {model_id!r}")
+    if any(part in ("", ".", "..") for part in model_id.split("/")):
+        raise InvalidRequest(f"invalid model id {model_id!r}: empty, '.' or '..' path parts")
+    return model_id
+
+
+class Catalog:
+    """Every model under ``root``, indexed by id."""
+
+    def __init__(self, root: str | os.PathLike, readers: dict[str, FormatReader] | None = None):
+        self.root = Path(root).resolve()
+        if not self.root.is_dir():
+            raise FileNotFoundError(f"model root {self.root} is not a directory")
+        self.readers = readers if readers is not None else default_readers()
+        self.models: dict[str, Model] = {}
+        self.problems: dict[str, Problem] = {}
+        self._lock = threading.Lock()
+        self.scan()
+
+    # -- discovery ---------------------------------------------------------------------------
+
+    def _inside_root(self, path: Path) -> bool:
+        try:
+            path.resolve().relative_to(self.root)
+            return True
+        except ValueError:
+            return False
+
+    def discover(self) -> dict[str, tuple[str, Path, list[Path]]]:
+        """model id -> (format, path, files), from the directory layout alone."""
+        found: dict[str, tuple[str, Path, list[Path]]] = {}
+        for dirpath, dirnames, filenames in os.walk(self.root, followlinks=False):
+            directory = Path(dirpath)
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            files = []
+            for name in sorted(filenames):
+                p = directory / name
+                if name.startswith("."):
+                    continue
+                if not self._inside_root(p):
+                    rel = p.relative_to(self.root).as_posix()
+                    self.problems[rel] = Problem(rel, rel, "symlink points outside the model root")
+                    continue
+                if p.is_file():
+                    files.append(p)
+            at_root = directory == self.root
+            for f in files:
+                if f.suffix in GGUF_SUFFIXES:
+                    found[f.relative_to(self.root).as_posix()] = ("gguf", f, [f])
+            st = [f for f in files if f.suffix in SAFETENSORS_SUFFIXES]
+            pt = [f for f in files if f.suffix in PYTORCH_SUFFIXES]
+            if at_root:
+                for f in st:
+                    found[f.name] = ("safetensors", f, [f])
+                for f in pt:
+                    found[f.name] = ("pytorch", f, [f])
+                continue
+            model_id = directory.relative_to(self.root).as_posix()
+            index = {f.name: f for f in files if f.name in INDEX_FILES}
+            if st:
+                extra = [index[INDEX_FILES[0]]] if INDEX_FILES[0] in index else []
+                found[model_id] = ("safetensors", directory, st + extra)
+            elif pt:
+                extra = [index[INDEX_FILES[1]]] if INDEX_FILES[1] in index else []
+                found[model_id] = ("pytorch", directory, pt + extra)
+        return found
+
+    def _load(self, model_id: str, fmt: str, path: Path, files: list[Path]) -> Model:
+        contents = self.readers[fmt].read(files)
+        return Model(
+            id=model_id,
+            format=fmt,
+            path=path,
+            files=files,
+            revision=file_revision(files, self.root),
+            contents=contents,
+        )
+
+    def scan(self) -> None:
+        """(Re)discover models. Unchanged models keep their index and mappings."""
+        started = time.perf_counter()
+        with self._lock:
+            self.problems = {}
+            found = self.discover()
+            models: dict[str, Model] = {}
+            for model_id, (fmt, path, files) in found.items():
+                try:
+                    revision = file_revision(files, self.root)
+                    old = self.models.get(model_id)
+                    if old is not None and old.revision == revision:
+                        models[model_id] = old
+                        continue
+                    models[model_id] = self._load(model_id, fmt, path, files)
+                except CheckpointError as e:
+                    self.problems[model_id] = Problem(model_id, e.file, str(e))
+                    log.warning("model %s refused: %s", model_id, e)
+                except OSError as e:
+                    self.problems[model_id] = Problem(model_id, str(e.filename or path), str(e))
+                    log.warning("model %s unreadable: %s", model_id, e)
+            self.models = models
+        log.info(
+            "catalog: %d models, %d refused, in %.3f s",
+            len(self.models), len(self.problems), time.perf_counter() - started,
+        )
+
+    # -- lookup ------------------------------------------------------------------------------
+
+    def get(self, model_id: str) -> Model:
+        validate_model_id(model_id)
+        model = self.models.get(model_id)
+        if model is not None:
+            return model
+        problem = self.problems.get(model_id)
+        if problem is not None:
+            raise ModelUnavailable(f"model {model_id!r} is refused: {problem.reason}")
+        msg = f"No model {model_id!r} under the model root."
+        close = difflib.get_close_matches(model_id, list(self.models), n=1)
+        if close:
+            msg += f" Did you mean {close[0]!r}?"
+        raise ModelNotFound(msg)

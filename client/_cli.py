@@ -24,8 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _no_server(args: argparse.Namespace) -> int:
-    print("weightserve serve needs the server extra: pip install 'weightserve[server]'",
-          file=sys.stderr)
+    print(
+        "weightserve serve needs the server extra: pip install 'weightserve[server]'",
+        file=sys.stderr,
+    )
     return 2
 
 

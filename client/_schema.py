@@ -58,8 +58,15 @@ class ChunkHeader:
     """Every field of one row except ``data``; ``nbytes`` is the length of ``data``."""
 
     __slots__ = (
-        "name", "dtype", "shape", "logical_shape", "encoding",
-        "offset", "total_bytes", "digest", "nbytes",
+        "name",
+        "dtype",
+        "shape",
+        "logical_shape",
+        "encoding",
+        "offset",
+        "total_bytes",
+        "digest",
+        "nbytes",
     )
 
     def __init__(

@@ -128,9 +128,20 @@ def status_for(exc: WeightserveError) -> tuple[int, str]:
 ERROR_CLASSES: dict[str, type[WeightserveError]] = {
     cls.__name__: cls
     for cls in [
-        WeightserveError, CheckpointError, NotFound, ModelNotFound, TensorNotFound,
-        InvalidRequest, Unauthenticated, PermissionDenied, ResourceExhausted,
-        ModelUnavailable, RevisionMismatch, TransportError, ServerUnreachable, DataCorruption,
+        WeightserveError,
+        CheckpointError,
+        NotFound,
+        ModelNotFound,
+        TensorNotFound,
+        InvalidRequest,
+        Unauthenticated,
+        PermissionDenied,
+        ResourceExhausted,
+        ModelUnavailable,
+        RevisionMismatch,
+        TransportError,
+        ServerUnreachable,
+        DataCorruption,
     ]
 }
 

@@ -269,7 +269,9 @@ class Catalog:
             self.models = models
         log.info(
             "catalog: %d models, %d refused, in %.3f s",
-            len(self.models), len(self.problems), time.perf_counter() - started,
+            len(self.models),
+            len(self.problems),
+            time.perf_counter() - started,
         )
 
     # -- lookup ------------------------------------------------------------------------------

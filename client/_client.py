@@ -1,0 +1,187 @@
+"""``Client``: one weightserve server; ``RemoteModel``: one model on it, fetched in bulk.
+
+Fetching a set of tensors is one stream (or a few in parallel, split by bytes), never one
+round trip per tensor. Arrays handed out are views of the buffers the data was received in.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+from weightserve.client._dtypes import numpy_dtype, wire_dtype
+from weightserve.client._models import ModelInfo, ModelProblem, ModelSummary, TensorInfo
+from weightserve.client._receive import ReceivedTensor, receive
+from weightserve.client._transport import (
+    DEFAULT_READ_TIMEOUT,
+    StreamParams,
+    TLSOptions,
+    Transport,
+    make_transport,
+)
+from weightserve.client._url import ServerAddress, parse_url
+from weightserve.client.errors import InvalidRequest, TensorNotFound
+
+
+@dataclass(frozen=True)
+class FetchOptions:
+    parallel: int = 2  # concurrent streams for a bulk fetch (split by bytes)
+    retries: int = 5
+    chunk_bytes: int | None = None
+
+
+def as_array(t: ReceivedTensor | np.ndarray, info: TensorInfo) -> np.ndarray:
+    """The received bytes viewed as the tensor's served dtype and shape (no copy)."""
+    buffer = t.buffer if isinstance(t, ReceivedTensor) else t
+    spec = wire_dtype(info.dtype)
+    if spec.numpy_name is None:  # packed sub-byte types stay raw bytes
+        return buffer
+    return buffer.view(numpy_dtype(info.dtype)).reshape(info.shape)
+
+
+class Client:
+    """A connection to one weightserve server (``http(s)://host:port`` or ``grpc(s)://...``)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None = None,
+        tls: TLSOptions | None = None,
+        timeout: float = DEFAULT_READ_TIMEOUT,
+    ) -> None:
+        address, _ = parse_url(url)
+        self.address: ServerAddress = address
+        self.transport: Transport = make_transport(address, token=token, tls=tls, timeout=timeout)
+
+    def list_models(self) -> tuple[list[ModelSummary], list[ModelProblem]]:
+        listing = self.transport.list_models()
+        return (
+            [ModelSummary(**m) for m in listing["models"]],
+            [ModelProblem(**p) for p in listing["problems"]],
+        )
+
+    def model(self, model_id: str, options: FetchOptions | None = None) -> RemoteModel:
+        return RemoteModel(self, model_id, options)
+
+    def close(self) -> None:
+        self.transport.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class RemoteModel:
+    """One model on a server: its index (fetched once) and bulk tensor fetches."""
+
+    def __init__(self, client: Client, model_id: str, options: FetchOptions | None = None) -> None:
+        self.client = client
+        self.id = model_id
+        self.options = options or FetchOptions()
+        self.info = ModelInfo.from_json(client.transport.model_info(model_id))
+        self._lock = threading.Lock()
+
+    @property
+    def tensors(self) -> dict[str, TensorInfo]:
+        return self.info.tensors
+
+    def names(self, prefix: str = "") -> list[str]:
+        return [n for n in self.info.tensors if n.startswith(prefix)]
+
+    def fetch(
+        self,
+        names: Sequence[str] | None = None,
+        *,
+        prefix: str | None = None,
+        shard: tuple[int, int] | None = None,
+        axis: int = 0,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Arrays (served dtype and shape; uint8 blocks for GGML types) by name.
+
+        Give ``names`` or ``prefix`` (``prefix=""`` is the whole model). With ``shard=(k, n)``
+        each array is part k of n along ``axis`` (tensors with fewer dims come whole).
+        """
+        if names is None:
+            wanted = self.names(prefix or "")
+        else:
+            wanted = list(names)
+            for n in wanted:
+                if n not in self.info.tensors:
+                    from difflib import get_close_matches
+
+                    close = get_close_matches(n, list(self.info.tensors), n=1)
+                    hint = f" Did you mean {close[0]!r}?" if close else ""
+                    raise TensorNotFound(f"No weight named {n!r} in model {self.id!r}.{hint}")
+        if not wanted:
+            return {}
+        received = self._fetch_parallel(wanted, shard, axis, on_bytes)
+        out: dict[str, np.ndarray] = {}
+        for name in wanted:
+            r = received[name]
+            h = r.header
+            info = TensorInfo(name, h.dtype, h.shape, h.logical_shape, h.encoding, h.total_bytes)
+            out[name] = as_array(r, info)
+        return out
+
+    def _groups(self, names: list[str]) -> list[list[str]]:
+        """Split into up to ``parallel`` groups of about equal bytes, keeping stream order."""
+        parallel = max(1, self.options.parallel)
+        total = sum(self.info.tensors[n].nbytes for n in names)
+        if parallel == 1 or len(names) < 2 or total < (32 << 20):
+            return [names]
+        groups: list[list[str]] = [[]]
+        target, acc = total / parallel, 0
+        for n in names:
+            if acc >= target * len(groups) and len(groups) < parallel:
+                groups.append([])
+            groups[-1].append(n)
+            acc += self.info.tensors[n].nbytes
+        return [g for g in groups if g]
+
+    def _fetch_parallel(
+        self,
+        names: list[str],
+        shard: tuple[int, int] | None,
+        axis: int,
+        on_bytes: Callable[[int], None] | None,
+    ) -> dict[str, ReceivedTensor]:
+        if shard is not None and not 0 <= shard[0] < shard[1]:
+            raise InvalidRequest(f"shard {shard[0]}/{shard[1]}: need 0 <= index < count")
+        groups = self._groups(names)
+        progress_lock = threading.Lock()
+
+        def counted(n: int) -> None:
+            if on_bytes is not None:
+                with progress_lock:
+                    on_bytes(n)
+
+        def one(group: list[str]) -> dict[str, ReceivedTensor]:
+            params = StreamParams(
+                names=tuple(group),
+                shard=shard,
+                axis=axis,
+                chunk_bytes=self.options.chunk_bytes,
+                revision=self.info.revision,
+            )
+            return receive(
+                lambda p: self.client.transport.open_stream(self.id, p),
+                params,
+                group,
+                retries=self.options.retries,
+                on_bytes=counted,
+            )
+
+        if len(groups) == 1:
+            return one(groups[0])
+        result: dict[str, ReceivedTensor] = {}
+        with ThreadPoolExecutor(len(groups), thread_name_prefix="weightserve-fetch") as pool:
+            for part in pool.map(one, groups):
+                result.update(part)
+        return result

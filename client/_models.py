@@ -1,0 +1,74 @@
+"""Plain descriptions of models and tensors, as the server reports them."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str  # wire dtype of the served bytes
+    shape: tuple[int, ...]  # shape of the served bytes (GGML blocks: the byte shape)
+    logical_shape: tuple[int, ...]  # element shape
+    encoding: str | None  # GGML type name of quantized blocks, else None
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.logical_shape)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> TensorInfo:
+        return cls(
+            d["name"],
+            d["dtype"],
+            tuple(d["shape"]),
+            tuple(d["logical_shape"]),
+            d.get("encoding") or None,
+            int(d["nbytes"]),
+        )
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    id: str
+    format: str  # "safetensors" | "gguf" | "pytorch"
+    revision: str
+    alignment: int
+    metadata: dict[str, Any]
+    tensors: dict[str, TensorInfo] = field(repr=False)  # in MAX's items() order
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ModelInfo:
+        tensors = {t["name"]: TensorInfo.from_json(t) for t in d["tensors"]}
+        return cls(
+            d["id"],
+            d["format"],
+            d["revision"],
+            int(d.get("alignment", 1)),
+            d.get("metadata") or {},
+            tensors,
+        )
+
+
+@dataclass(frozen=True)
+class ModelSummary:
+    id: str
+    format: str
+    revision: str
+    tensor_count: int
+    total_bytes: int
+
+
+@dataclass(frozen=True)
+class ModelProblem:
+    model: str
+    file: str
+    reason: str

@@ -1,0 +1,142 @@
+"""Receive a tensor stream into final buffers: one buffer per tensor, chunks placed in it
+directly, every chunk's digest checked, a broken stream resumed from the last good chunk.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+import numpy as np
+import xxhash
+from weightserve.client._arrow_reader import ArrowChunkReader
+from weightserve.client._schema import ChunkHeader
+from weightserve.client._transport import ByteSource, StreamParams
+from weightserve.client.errors import DataCorruption, TransportError
+
+log = logging.getLogger("weightserve.client")
+
+ALIGNMENT = 64  # MAX checks CPU weight alignment by address; 64 covers every dtype and GGUF
+
+
+def aligned_empty(nbytes: int, alignment: int = ALIGNMENT) -> np.ndarray:
+    """A writable uint8 buffer whose address is a multiple of ``alignment``."""
+    raw = np.empty(nbytes + alignment, dtype=np.uint8)
+    start = (-raw.ctypes.data) % alignment
+    return raw[start : start + nbytes]
+
+
+class ReceivedTensor:
+    """A tensor's bytes as they arrive, and what the stream said about them."""
+
+    __slots__ = ("header", "buffer", "received")
+
+    def __init__(self, header: ChunkHeader, buffer: np.ndarray) -> None:
+        self.header = header
+        self.buffer = buffer  # uint8, exactly total_bytes long
+        self.received = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.received == self.header.total_bytes
+
+
+def receive(
+    open_stream: Callable[[StreamParams], ByteSource],
+    params: StreamParams,
+    expected: Sequence[str],
+    *,
+    retries: int = 5,
+    backoff: float = 0.2,
+    on_bytes: Callable[[int], None] | None = None,
+    allocate: Callable[[int], np.ndarray] = aligned_empty,
+) -> dict[str, ReceivedTensor]:
+    """Fetch ``expected`` tensors (in stream order) with resume on breaks.
+
+    ``params`` must pin the model revision so a resumed transfer never mixes two revisions.
+    """
+    done: dict[str, ReceivedTensor] = {}
+    partial: ReceivedTensor | None = None  # the tensor being received; kept across resumes
+
+    def destination(header: ChunkHeader) -> memoryview:
+        nonlocal partial
+        if partial is None or partial.header.name != header.name:
+            partial = ReceivedTensor(header, allocate(header.total_bytes))
+        if header.offset != partial.received or header.total_bytes != len(partial.buffer):
+            raise TransportError(
+                f"tensor {header.name!r}: chunk at byte {header.offset} of "
+                f"{header.total_bytes}, expected {partial.received} of {len(partial.buffer)}"
+            )
+        return memoryview(partial.buffer)[header.offset : header.offset + header.nbytes]
+
+    attempt = 0
+    request = params
+    while True:
+        source = open_stream(request)
+        try:
+            reader = ArrowChunkReader(source)
+            reader.read_schema()
+            while (header := reader.next_chunk(destination)) is not None:
+                assert partial is not None
+                chunk = memoryview(partial.buffer)[header.offset : header.offset + header.nbytes]
+                if xxhash.xxh3_64_intdigest(chunk) != header.digest:
+                    raise DataCorruption(
+                        f"tensor {header.name!r}: bytes {header.offset}.."
+                        f"{header.offset + header.nbytes} do not match their digest"
+                    )
+                partial.received += header.nbytes
+                if on_bytes is not None:
+                    on_bytes(header.nbytes)
+                if partial.complete:
+                    partial.header = replace_header(header)
+                    done[header.name] = partial
+                    partial = None
+            source.close()
+            missing = [n for n in expected if n not in done]
+            if missing:
+                raise TransportError(
+                    f"stream ended without {len(missing)} tensors, e.g. {missing[0]!r}"
+                )
+            return done
+        except (TransportError, DataCorruption) as e:
+            source.close()
+            attempt += 1
+            if attempt > retries:
+                raise
+            remaining = [n for n in expected if n not in done]
+            if partial is not None and partial.header.name in remaining:
+                request = replace(
+                    params, resume_tensor=partial.header.name, resume_offset=partial.received
+                )
+            elif remaining:
+                request = replace(params, resume_tensor=remaining[0], resume_offset=0)
+            else:
+                return done
+            delay = backoff * 2 ** (attempt - 1)
+            log.warning(
+                "stream broke (%s); resuming at %s byte %d in %.1f s (try %d of %d)",
+                e,
+                request.resume_tensor,
+                request.resume_offset,
+                delay,
+                attempt,
+                retries,
+            )
+            time.sleep(delay)
+
+
+def replace_header(header: ChunkHeader) -> ChunkHeader:
+    """The tensor-level header (offset 0, whole size) for a completed tensor."""
+    return ChunkHeader(
+        header.name,
+        header.dtype,
+        header.shape,
+        header.logical_shape,
+        header.encoding,
+        0,
+        header.total_bytes,
+        0,
+        header.total_bytes,
+    )

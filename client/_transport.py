@@ -1,0 +1,410 @@
+"""The one seam between the client and the wire: HTTP or gRPC.
+
+A transport answers three questions — which models, what is in one, and "open a tensor
+stream" — the last as a ``readinto``-able source of Arrow IPC stream bytes, so the receiver
+can read tensor data straight into its final buffers. Foreign errors (socket, http.client,
+grpc) are translated here, at this one boundary, into weightserve errors.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import ssl
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+from urllib.parse import quote
+
+from weightserve.client._url import ServerAddress
+from weightserve.client.errors import (
+    ServerUnreachable,
+    TransportError,
+    WeightserveError,
+    error_from_wire,
+)
+
+DEFAULT_CONNECT_TIMEOUT = 10.0
+DEFAULT_READ_TIMEOUT = 60.0  # longest silence tolerated inside a stream
+MAX_GRPC_MESSAGE = (64 << 20) + (1 << 20)
+
+
+@dataclass(frozen=True)
+class StreamParams:
+    """A tensor request as the client sends it (mirrors the server's TensorRequest)."""
+
+    names: tuple[str, ...] | None = None
+    prefix: str | None = None
+    shard: tuple[int, int] | None = None  # (index, count)
+    axis: int = 0
+    resume_tensor: str | None = None
+    resume_offset: int = 0
+    chunk_bytes: int | None = None
+    revision: str | None = None
+
+
+class ByteSource(Protocol):
+    def readinto(self, view: memoryview) -> int: ...
+    def close(self) -> None: ...
+
+
+class Transport(Protocol):
+    address: ServerAddress
+
+    def list_models(self) -> dict[str, Any]: ...
+    def model_info(self, model: str) -> dict[str, Any]: ...
+    def open_stream(self, model: str, params: StreamParams) -> ByteSource: ...
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class TLSOptions:
+    ca_file: str | None = None  # trust this CA (PEM) instead of the system store
+    cert_file: str | None = None  # client certificate, for mutual TLS
+    key_file: str | None = None
+
+
+def _token(token: str | None) -> str | None:
+    return token if token is not None else os.environ.get("WEIGHTSERVE_TOKEN") or None
+
+
+class HttpTransport:
+    """Plain http.client: its responses ``readinto`` straight from the socket."""
+
+    def __init__(
+        self,
+        address: ServerAddress,
+        token: str | None = None,
+        tls: TLSOptions | None = None,
+        timeout: float = DEFAULT_READ_TIMEOUT,
+    ) -> None:
+        self.address = address
+        self.token = _token(token)
+        self.timeout = timeout
+        self._ssl: ssl.SSLContext | None = None
+        if address.tls:
+            tls = tls or TLSOptions()
+            self._ssl = ssl.create_default_context(cafile=tls.ca_file)
+            if tls.cert_file:
+                self._ssl.load_cert_chain(tls.cert_file, tls.key_file)
+
+    def _connect(self) -> http.client.HTTPConnection:
+        if self._ssl is not None:
+            return http.client.HTTPSConnection(
+                self.address.host, self.address.port, timeout=self.timeout, context=self._ssl
+            )
+        return http.client.HTTPConnection(
+            self.address.host, self.address.port, timeout=self.timeout
+        )
+
+    def _request(
+        self, method: str, path: str, body: dict | None = None
+    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        headers = {"accept": "application/json, application/vnd.apache.arrow.stream"}
+        if self.token:
+            headers["authorization"] = f"Bearer {self.token}"
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode()
+            headers["content-type"] = "application/json"
+        conn = self._connect()
+        try:
+            conn.request(method, path, body=data, headers=headers)
+            resp = conn.getresponse()
+        except (ConnectionRefusedError, TimeoutError, OSError) as e:
+            conn.close()
+            raise ServerUnreachable(f"cannot reach weightserve at {self.address.url}: {e}") from e
+        except http.client.HTTPException as e:
+            conn.close()
+            raise TransportError(f"{self.address.url}: broken HTTP exchange: {e}") from e
+        if resp.status != 200:
+            raw = resp.read()
+            conn.close()
+            raise _http_error(resp.status, raw, f"{method} {self.address.url}{path}")
+        return conn, resp
+
+    def _json(self, path: str) -> dict[str, Any]:
+        conn, resp = self._request("GET", path)
+        try:
+            return json.loads(resp.read())
+        except (OSError, http.client.HTTPException) as e:
+            raise TransportError(f"{self.address.url}{path}: {e}") from e
+        finally:
+            conn.close()
+
+    def list_models(self) -> dict[str, Any]:
+        return self._json("/v1/models")
+
+    def model_info(self, model: str) -> dict[str, Any]:
+        return self._json(f"/v1/models/{quote(model, safe='/')}")
+
+    def open_stream(self, model: str, params: StreamParams) -> ByteSource:
+        body: dict[str, Any] = {
+            "names": list(params.names) if params.names is not None else None,
+            "prefix": params.prefix,
+            "axis": params.axis,
+            "resume_tensor": params.resume_tensor,
+            "resume_offset": params.resume_offset,
+            "revision": params.revision,
+        }
+        if params.shard:
+            body["shard"] = f"{params.shard[0]}/{params.shard[1]}"
+        if params.chunk_bytes:
+            body["chunk_bytes"] = params.chunk_bytes
+        conn, resp = self._request("POST", f"/v1/models/{quote(model, safe='/')}/stream", body)
+        return _HttpSource(conn, resp, self.address.url)
+
+    def close(self) -> None:
+        pass
+
+
+class _HttpSource:
+    def __init__(
+        self, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse, where: str
+    ) -> None:
+        self.conn, self.resp, self.where = conn, resp, where
+
+    def readinto(self, view: memoryview) -> int:
+        try:
+            return self.resp.readinto(view)
+        except (OSError, http.client.HTTPException) as e:
+            raise TransportError(f"stream from {self.where} broke: {e!r}") from e
+
+    def close(self) -> None:
+        self.resp.close()
+        self.conn.close()
+
+
+def _http_error(status: int, raw: bytes, what: str) -> WeightserveError:
+    try:
+        err = json.loads(raw)["error"]
+        return error_from_wire(err["type"], err["message"])
+    except (ValueError, KeyError, TypeError):
+        text = raw[:200].decode(errors="replace")
+        if status >= 500:
+            return TransportError(f"{what}: HTTP {status}: {text}")
+        return WeightserveError(f"{what}: HTTP {status}: {text}")
+
+
+class GrpcTransport:
+    def __init__(
+        self,
+        address: ServerAddress,
+        token: str | None = None,
+        tls: TLSOptions | None = None,
+        timeout: float = DEFAULT_READ_TIMEOUT,
+    ) -> None:
+        import grpc
+        from weightserve.client._proto.weightserve.v1 import weightserve_pb2 as pb
+
+        self._grpc, self._pb = grpc, pb
+        self.address = address
+        self.token = _token(token)
+        self.timeout = timeout
+        target = (
+            f"{address.host}:{address.port}"
+            if ":" not in address.host
+            else f"[{address.host}]:{address.port}"
+        )
+        options = [("grpc.max_receive_message_length", MAX_GRPC_MESSAGE)]
+        if address.tls:
+            tls = tls or TLSOptions()
+
+            def read(path: str | None) -> bytes | None:
+                if path is None:
+                    return None
+                with open(path, "rb") as f:
+                    return f.read()
+
+            creds = grpc.ssl_channel_credentials(
+                read(tls.ca_file), read(tls.key_file), read(tls.cert_file)
+            )
+            self.channel = grpc.secure_channel(target, creds, options=options)
+        else:
+            self.channel = grpc.insecure_channel(target, options=options)
+        service = "/weightserve.v1.WeightService/"
+        self._list = self.channel.unary_unary(
+            service + "ListModels",
+            request_serializer=pb.ListModelsRequest.SerializeToString,
+            response_deserializer=pb.ListModelsResponse.FromString,
+        )
+        self._get = self.channel.unary_unary(
+            service + "GetModel",
+            request_serializer=pb.GetModelRequest.SerializeToString,
+            response_deserializer=pb.ModelInfo.FromString,
+        )
+        self._stream = self.channel.unary_stream(
+            service + "StreamTensors",
+            request_serializer=pb.TensorRequest.SerializeToString,
+            response_deserializer=_arrow_data_payload,
+        )
+
+    def _metadata(self) -> list[tuple[str, str]]:
+        return [("authorization", f"Bearer {self.token}")] if self.token else []
+
+    def _translate(self, e: Any) -> WeightserveError:
+        grpc = self._grpc
+        trailing = dict(e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else {}
+        kind = trailing.get("weightserve-error")
+        if kind:
+            return error_from_wire(kind, e.details())
+        if e.code() == grpc.StatusCode.UNAVAILABLE:
+            return ServerUnreachable(
+                f"cannot reach weightserve at {self.address.url}: {e.details()}"
+            )
+        if e.code() in (
+            grpc.StatusCode.CANCELLED,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            grpc.StatusCode.INTERNAL,
+            grpc.StatusCode.UNKNOWN,
+        ):
+            return TransportError(
+                f"gRPC stream from {self.address.url} broke: {e.code().name}: {e.details()}"
+            )
+        return error_from_wire(
+            _GRPC_CODE_CLASSES.get(e.code().name, "WeightserveError"),
+            f"{self.address.url}: {e.code().name}: {e.details()}",
+        )
+
+    def list_models(self) -> dict[str, Any]:
+        try:
+            resp = self._list(
+                self._pb.ListModelsRequest(), timeout=self.timeout, metadata=self._metadata()
+            )
+        except self._grpc.RpcError as e:
+            raise self._translate(e) from None
+        return {
+            "models": [
+                {
+                    "id": m.id,
+                    "format": m.format,
+                    "revision": m.revision,
+                    "tensor_count": m.tensor_count,
+                    "total_bytes": m.total_bytes,
+                }
+                for m in resp.models
+            ],
+            "problems": [
+                {"model": p.model, "file": p.file, "reason": p.reason} for p in resp.problems
+            ],
+        }
+
+    def model_info(self, model: str) -> dict[str, Any]:
+        try:
+            m = self._get(
+                self._pb.GetModelRequest(model=model),
+                timeout=self.timeout,
+                metadata=self._metadata(),
+            )
+        except self._grpc.RpcError as e:
+            raise self._translate(e) from None
+        return {
+            "id": m.id,
+            "format": m.format,
+            "revision": m.revision,
+            "alignment": m.alignment,
+            "metadata": json.loads(m.metadata_json or "{}"),
+            "tensors": [
+                {
+                    "name": t.name,
+                    "dtype": t.dtype,
+                    "shape": list(t.shape),
+                    "logical_shape": list(t.logical_shape),
+                    "encoding": t.encoding or None,
+                    "nbytes": t.nbytes,
+                }
+                for t in m.tensors
+            ],
+        }
+
+    def open_stream(self, model: str, params: StreamParams) -> ByteSource:
+        pb = self._pb
+        request = pb.TensorRequest(
+            model=model,
+            names=list(params.names or ()),
+            prefix=params.prefix or "",
+            use_prefix=params.names is None,
+            shard_index=params.shard[0] if params.shard else 0,
+            shard_count=params.shard[1] if params.shard else 0,
+            shard_axis=params.axis,
+            resume_tensor=params.resume_tensor or "",
+            resume_offset=params.resume_offset,
+            chunk_bytes=params.chunk_bytes or 0,
+            revision=params.revision or "",
+        )
+        call = self._stream(request, metadata=self._metadata())
+        return _GrpcSource(call, self)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+_GRPC_CODE_CLASSES = {
+    "NOT_FOUND": "NotFound",
+    "INVALID_ARGUMENT": "InvalidRequest",
+    "UNAUTHENTICATED": "Unauthenticated",
+    "PERMISSION_DENIED": "PermissionDenied",
+    "RESOURCE_EXHAUSTED": "ResourceExhausted",
+    "DATA_LOSS": "DataCorruption",
+}
+
+
+def _arrow_data_payload(message: bytes) -> memoryview:
+    """ArrowData.data without a protobuf object: skip the tag and length varint (no copy)."""
+    view = memoryview(message)
+    if not view or view[0] != 0x0A:
+        return view[:0] if not view else _arrow_data_slow(message)
+    i, shift, size = 1, 0, 0
+    while True:
+        byte = view[i]
+        size |= (byte & 0x7F) << shift
+        i += 1
+        if not byte & 0x80:
+            break
+        shift += 7
+    if i + size != len(view):
+        return _arrow_data_slow(message)
+    return view[i:]
+
+
+def _arrow_data_slow(message: bytes) -> memoryview:
+    from weightserve.client._proto.weightserve.v1 import weightserve_pb2 as pb
+
+    return memoryview(pb.ArrowData.FromString(message).data)
+
+
+class _GrpcSource:
+    """readinto over the gRPC message stream (one copy: message -> destination)."""
+
+    def __init__(self, call: Any, transport: GrpcTransport) -> None:
+        self.call = call
+        self.transport = transport
+        self._messages: Iterator[memoryview] = iter(call)
+        self._current = memoryview(b"")
+
+    def readinto(self, view: memoryview) -> int:
+        while not self._current:
+            try:
+                self._current = next(self._messages)
+            except StopIteration:
+                return 0
+            except self.transport._grpc.RpcError as e:
+                raise self.transport._translate(e) from None
+        n = min(len(view), len(self._current))
+        view[:n] = self._current[:n]
+        self._current = self._current[n:]
+        return n
+
+    def close(self) -> None:
+        self.call.cancel()
+
+
+def make_transport(
+    address: ServerAddress,
+    token: str | None = None,
+    tls: TLSOptions | None = None,
+    timeout: float = DEFAULT_READ_TIMEOUT,
+) -> Transport:
+    cls = HttpTransport if address.transport == "http" else GrpcTransport
+    return cls(address, token=token, tls=tls, timeout=timeout)  # type: ignore[return-value]

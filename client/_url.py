@@ -1,0 +1,68 @@
+"""Parse weightserve URLs: a server (``http://h:p``, ``grpc://h:p``) or a model on one
+(``http://h:p/v1/models/ORG/NAME``, ``grpc://h:p/ORG/NAME``; ``https``/``grpcs`` for TLS)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from urllib.parse import unquote, urlsplit
+
+SCHEMES = {
+    "http": ("http", False),
+    "https": ("http", True),
+    "grpc": ("grpc", False),
+    "grpcs": ("grpc", True),
+}
+DEFAULT_PORTS = {
+    ("http", False): 80,
+    ("http", True): 443,
+    ("grpc", False): 50051,
+    ("grpc", True): 443,
+}
+
+
+@dataclass(frozen=True)
+class ServerAddress:
+    transport: str  # "http" | "grpc"
+    tls: bool
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        scheme = {
+            ("http", False): "http",
+            ("http", True): "https",
+            ("grpc", False): "grpc",
+            ("grpc", True): "grpcs",
+        }[(self.transport, self.tls)]
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{scheme}://{host}:{self.port}"
+
+
+def is_url(text: str) -> bool:
+    return urlsplit(str(text)).scheme in SCHEMES
+
+
+def parse_url(url: str) -> tuple[ServerAddress, str | None]:
+    """(server, model id or None) from a server or model URL."""
+    parts = urlsplit(url)
+    if parts.scheme not in SCHEMES:
+        raise ValueError(
+            f"not a weightserve URL: {url!r} (use http://, https://, grpc:// or grpcs://)"
+        )
+    transport, tls = SCHEMES[parts.scheme]
+    if not parts.hostname:
+        raise ValueError(f"no host in {url!r}")
+    server = ServerAddress(
+        transport, tls, parts.hostname, parts.port or DEFAULT_PORTS[(transport, tls)]
+    )
+    path = unquote(parts.path).strip("/")
+    if transport == "http":
+        if path in ("", "v1/models"):
+            return server, None
+        if not path.startswith("v1/models/"):
+            raise ValueError(
+                f"an HTTP model URL looks like http://HOST:PORT/v1/models/MODEL, got {url!r}"
+            )
+        path = path[len("v1/models/") :]
+    return server, path or None

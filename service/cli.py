@@ -1,0 +1,108 @@
+"""``weightserve serve``: the server's part of the command line (the rest is the client's)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from weightserve.service.state import Limits
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(f"WEIGHTSERVE_{name}", default)
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "root", nargs="?", default=_env("ROOT"), help="model root directory (env WEIGHTSERVE_ROOT)"
+    )
+    parser.add_argument(
+        "--demo",
+        action="store_true",
+        help="write a small demonstration model into the cache directory and serve it",
+    )
+    parser.add_argument(
+        "--host",
+        default=_env("HOST", "127.0.0.1"),
+        help="address to bind (env WEIGHTSERVE_HOST; default 127.0.0.1)",
+    )
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=int(_env("HTTP_PORT", "8080") or 8080),
+        help="HTTP port, 0 for any free port (env WEIGHTSERVE_HTTP_PORT; default 8080)",
+    )
+    parser.add_argument(
+        "--grpc-port",
+        type=int,
+        default=int(_env("GRPC_PORT", "50051") or 50051),
+        help="gRPC port, 0 for any free port (env WEIGHTSERVE_GRPC_PORT; default 50051)",
+    )
+    parser.add_argument(
+        "--grace",
+        type=float,
+        default=float(_env("GRACE_SECONDS", "30") or 30),
+        help="seconds open streams get to finish on shutdown (env WEIGHTSERVE_GRACE_SECONDS)",
+    )
+    parser.add_argument(
+        "--max-streams",
+        type=int,
+        default=int(_env("MAX_STREAMS", "64") or 64),
+        help="concurrent tensor streams allowed (env WEIGHTSERVE_MAX_STREAMS)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default=_env("LOG_LEVEL", "info"),
+        choices=["debug", "info", "warning", "error"],
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from weightserve.service.demo import default_cache_dir, write_demo
+    from weightserve.service.server import ServerConfig, WeightServer
+
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format='{"time":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","message":"%(message)s"}',
+    )
+    if args.demo:
+        root = write_demo(Path(args.root) if args.root else default_cache_dir() / "demo-root")
+    elif args.root:
+        root = Path(args.root)
+    else:
+        print("weightserve serve: give a model root directory, or --demo", file=sys.stderr)
+        return 2
+    if not root.is_dir():
+        print(f"weightserve serve: model root {root} is not a directory", file=sys.stderr)
+        return 2
+    config = ServerConfig(
+        root=str(root),
+        host=args.host,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        grace_seconds=args.grace,
+        limits=Limits(max_streams=args.max_streams),
+    )
+    server = WeightServer(config).start()
+    catalog = server.catalog
+    print(f"weightserve: {len(catalog.models)} models from {root}", flush=True)
+    for problem in catalog.problems.values():
+        print(f"  refused {problem.model}: {problem.reason}", flush=True)
+    print(f"  HTTP  {server.http_url}/v1/models   (OpenAPI: {server.http_url}/docs)", flush=True)
+    print(f"  gRPC  {server.grpc_url}", flush=True)
+    for model_id in list(catalog.models)[:5]:
+        print(f"  model {server.http_url}/v1/models/{model_id}", flush=True)
+    print("ready", flush=True)
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    print(f"weightserve: shutting down, open streams get {args.grace:.0f} s", flush=True)
+    server.stop()
+    return 0

@@ -1,0 +1,180 @@
+"""The gRPC transport: the same catalog and streams as HTTP, plus health and reflection.
+
+StreamTensors sends the Arrow IPC stream as ArrowData messages, one per IPC message. Its
+responses are encoded by hand (field 1, length-delimited) so each chunk is copied once, into
+the message, instead of twice through a protobuf object.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from weightserve.client._proto.weightserve.v1 import weightserve_pb2 as pb
+from weightserve.client._schema import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
+from weightserve.client.errors import WeightserveError, status_for
+from weightserve.service import models_view
+from weightserve.service.state import ServiceState
+from weightserve.service.streaming import Shard, TensorRequest, plan_stream, stream_messages
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WeightService"].full_name
+ERROR_METADATA_KEY = "weightserve-error"
+# A chunk message plus its framing; the client and server both allow this much per message.
+MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + (1 << 20)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def encode_arrow_data(parts: tuple | list) -> bytes:
+    """ArrowData{data = concatenation of parts}, in protobuf wire format, one copy."""
+    size = sum(len(p) for p in parts)
+    return b"".join([b"\x0a", _varint(size), *parts])
+
+
+def _abort(context: grpc.ServicerContext, exc: WeightserveError) -> None:
+    _, code = status_for(exc)
+    context.set_trailing_metadata(((ERROR_METADATA_KEY, type(exc).__name__),))
+    context.abort(getattr(grpc.StatusCode, code), str(exc))
+
+
+def _request_from_proto(msg: pb.TensorRequest) -> TensorRequest:
+    shard = None
+    if msg.shard_count > 1:
+        shard = Shard(msg.shard_index, msg.shard_count, msg.shard_axis)
+    return TensorRequest(
+        names=tuple(msg.names) if not msg.use_prefix else None,
+        prefix=msg.prefix if msg.use_prefix else None,
+        shard=shard,
+        resume_tensor=msg.resume_tensor or None,
+        resume_offset=msg.resume_offset,
+        chunk_bytes=msg.chunk_bytes or DEFAULT_CHUNK_BYTES,
+        revision=msg.revision or None,
+    )
+
+
+class WeightService:
+    def __init__(self, state: ServiceState) -> None:
+        self.state = state
+
+    def ListModels(self, request: pb.ListModelsRequest, context: grpc.ServicerContext) -> Any:
+        listing = models_view.model_list(self.state.catalog)
+        return pb.ListModelsResponse(
+            models=[pb.ModelSummary(**m) for m in listing["models"]],
+            problems=[pb.ModelProblem(**p) for p in listing["problems"]],
+        )
+
+    def GetModel(self, request: pb.GetModelRequest, context: grpc.ServicerContext) -> Any:
+        try:
+            model = self.state.catalog.get(request.model)
+        except WeightserveError as e:
+            _abort(context, e)
+        info = models_view.model_info(model)
+        return pb.ModelInfo(
+            id=info["id"],
+            format=info["format"],
+            revision=info["revision"],
+            alignment=info["alignment"],
+            metadata_json=json.dumps(info["metadata"]),
+            tensors=[
+                pb.TensorInfo(
+                    name=t["name"],
+                    dtype=t["dtype"],
+                    shape=t["shape"],
+                    logical_shape=t["logical_shape"],
+                    encoding=t["encoding"] or "",
+                    nbytes=t["nbytes"],
+                )
+                for t in info["tensors"]
+            ],
+        )
+
+    def StreamTensors(
+        self, request: pb.TensorRequest, context: grpc.ServicerContext
+    ) -> Iterator[bytes]:
+        state = self.state
+        try:
+            model = state.catalog.get(request.model)
+            tensor_request = _request_from_proto(request)
+            planned = plan_stream(model, tensor_request, state.limits.max_names)
+            slot = state.stream_slot("grpc")
+            slot.__enter__()
+        except WeightserveError as e:
+            _abort(context, e)
+        started = time.perf_counter()
+        sent = 0
+        try:
+            for parts in stream_messages(model, planned, tensor_request.chunk_bytes):
+                if not context.is_active():
+                    return
+                message = encode_arrow_data(parts)
+                sent += len(message)
+                yield message
+        finally:
+            slot.__exit__(None, None, None)
+            state.metrics.bytes_served.labels("grpc", model.id).inc(sent)
+            state.metrics.latency.labels("grpc", "stream").observe(time.perf_counter() - started)
+
+
+def create_grpc_server(
+    state: ServiceState,
+    address: str,
+    max_workers: int | None = None,
+    credentials: grpc.ServerCredentials | None = None,
+) -> tuple[grpc.Server, int]:
+    """A started-ready (not started) grpc.Server bound to address; returns (server, port)."""
+    options = [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", 4 << 20),
+        ("grpc.so_reuseport", 0),
+    ]
+    workers = max_workers or state.limits.max_streams + 8
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=options)
+    service = WeightService(state)
+    handlers = {
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            service.ListModels,
+            request_deserializer=pb.ListModelsRequest.FromString,
+            response_serializer=pb.ListModelsResponse.SerializeToString,
+        ),
+        "GetModel": grpc.unary_unary_rpc_method_handler(
+            service.GetModel,
+            request_deserializer=pb.GetModelRequest.FromString,
+            response_serializer=pb.ModelInfo.SerializeToString,
+        ),
+        "StreamTensors": grpc.unary_stream_rpc_method_handler(
+            service.StreamTensors,
+            request_deserializer=pb.TensorRequest.FromString,
+            response_serializer=lambda b: b,  # already encoded ArrowData
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    port = (
+        server.add_secure_port(address, credentials)
+        if credentials
+        else server.add_insecure_port(address)
+    )
+    server.health_servicer = health_servicer  # type: ignore[attr-defined]
+    return server, port

@@ -1,0 +1,238 @@
+"""The HTTP transport: FastAPI routes over the shared catalog.
+
+Metadata is JSON; tensor data is an Arrow IPC stream (``application/vnd.apache.arrow.stream``)
+sent with an exact Content-Length, so uvicorn writes each piece — mmap views included — to the
+socket as it is, with no chunked-encoding copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Annotated, Any
+
+from fastapi import Body, FastAPI, Query, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, Field
+from weightserve.client._schema import ARROW_STREAM_MEDIA_TYPE, DEFAULT_CHUNK_BYTES
+from weightserve.client.errors import InvalidRequest, WeightserveError, status_for
+from weightserve.service import models_view
+from weightserve.service.state import ServiceState
+from weightserve.service.streaming import (
+    Shard,
+    TensorRequest,
+    plan_stream,
+    stream_length,
+    stream_messages,
+)
+
+
+def parse_shard(shard: str | None, axis: int) -> Shard | None:
+    if not shard:
+        return None
+    try:
+        index, count = (int(x) for x in shard.split("/"))
+    except ValueError:
+        raise InvalidRequest(f"shard must look like 'k/n' (e.g. 0/4), got {shard!r}") from None
+    return Shard(index, count, axis)
+
+
+class StreamBody(BaseModel):
+    """A tensor request in a POST body (for name lists too long for a URL)."""
+
+    names: list[str] | None = None
+    prefix: str | None = None
+    shard: str | None = Field(None, description="'k/n': part k of n along `axis`")
+    axis: int = 0
+    resume_tensor: str | None = None
+    resume_offset: int = 0
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    revision: str | None = None
+
+
+class ArrowStreamResponse(Response):
+    """Writes the stream's pieces as they come; stops early when the client goes away."""
+
+    media_type = ARROW_STREAM_MEDIA_TYPE
+
+    def __init__(
+        self,
+        state: ServiceState,
+        model_id: str,
+        messages: Iterator,
+        length: int,
+        headers: dict[str, str],
+        release: Any,
+    ) -> None:
+        super().__init__(content=None, headers={**headers, "content-length": str(length)})
+        self.state = state
+        self.model_id = model_id
+        self.messages = messages
+        self.release = release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def wait_disconnect() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        gone = asyncio.ensure_future(wait_disconnect())
+        sent = 0
+        started = time.perf_counter()
+        metrics = self.state.metrics
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            for message in self.messages:
+                if gone.done():
+                    break
+                for part in message:
+                    if part:
+                        await send({"type": "http.response.body", "body": part, "more_body": True})
+                        sent += len(part)
+            else:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            gone.cancel()
+            self.release()
+            metrics.bytes_served.labels("http", self.model_id).inc(sent)
+            metrics.latency.labels("http", "stream").observe(time.perf_counter() - started)
+
+
+def create_app(state: ServiceState) -> FastAPI:
+    app = FastAPI(
+        title="weightserve",
+        description="Model weights as Apache Arrow streams. Tensor data: Arrow IPC stream, "
+        "one row per chunk of a tensor (see docs/protocol.md).",
+        version="1",
+    )
+    catalog = state.catalog
+
+    @app.exception_handler(WeightserveError)
+    async def weightserve_error(request: Request, exc: WeightserveError) -> JSONResponse:
+        status, _ = status_for(exc)
+        state.metrics.requests.labels("http", "error", str(status)).inc()
+        return JSONResponse(
+            {"error": {"type": type(exc).__name__, "message": str(exc)}}, status_code=status
+        )
+
+    @app.get("/healthz", tags=["operations"])
+    def healthz() -> dict[str, str]:
+        """Liveness: the process answers."""
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["operations"])
+    def readyz() -> JSONResponse:
+        """Readiness: the catalog is loaded and the server accepts new streams."""
+        ready = not state.draining
+        body = {
+            "status": "ready" if ready else "draining",
+            "models": len(catalog.models),
+            "refused": len(catalog.problems),
+        }
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    @app.get("/metrics", tags=["operations"])
+    def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", tags=["models"])
+    def list_models() -> dict[str, Any]:
+        """Every model served, and those refused with the file and rule they broke."""
+        return models_view.model_list(catalog)
+
+    def start_stream(model_id: str, request: TensorRequest) -> ArrowStreamResponse:
+        model = catalog.get(model_id)
+        planned = plan_stream(model, request, state.limits.max_names)
+        length = stream_length(planned, request.chunk_bytes)
+        slot = state.stream_slot("http")
+        slot.__enter__()
+        messages = stream_messages(model, planned, request.chunk_bytes)
+        state.metrics.requests.labels("http", "stream", "200").inc()
+        return ArrowStreamResponse(
+            state,
+            model.id,
+            messages,
+            length,
+            {
+                "etag": f'"{model.revision}"',
+                "x-weightserve-revision": model.revision,
+                "x-weightserve-tensors": str(len(planned)),
+            },
+            lambda: slot.__exit__(None, None, None),
+        )
+
+    @app.get(
+        "/v1/models/{model:path}/stream",
+        tags=["tensors"],
+        response_class=ArrowStreamResponse,
+        responses={200: {"content": {ARROW_STREAM_MEDIA_TYPE: {}}}},
+    )
+    def stream_get(
+        model: str,
+        name: Annotated[list[str] | None, Query(description="tensor names (repeat)")] = None,
+        prefix: Annotated[
+            str | None, Query(description="every tensor whose name starts so")
+        ] = None,
+        shard: Annotated[str | None, Query(description="'k/n': part k of n along axis")] = None,
+        axis: int = 0,
+        resume_tensor: str | None = None,
+        resume_offset: int = 0,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        revision: str | None = None,
+    ) -> ArrowStreamResponse:
+        """Tensor data as an Arrow IPC stream: by name list or by prefix."""
+        request = TensorRequest(
+            names=tuple(name) if name else None,
+            prefix=prefix if not name else None,
+            shard=parse_shard(shard, axis),
+            resume_tensor=resume_tensor,
+            resume_offset=resume_offset,
+            chunk_bytes=chunk_bytes,
+            revision=revision,
+        )
+        return start_stream(model, request)
+
+    @app.post(
+        "/v1/models/{model:path}/stream",
+        tags=["tensors"],
+        response_class=ArrowStreamResponse,
+        responses={200: {"content": {ARROW_STREAM_MEDIA_TYPE: {}}}},
+    )
+    def stream_post(model: str, body: Annotated[StreamBody, Body()]) -> ArrowStreamResponse:
+        """The same stream, with the request in a JSON body (long name lists)."""
+        request = TensorRequest(
+            names=tuple(body.names) if body.names is not None else None,
+            prefix=body.prefix if body.names is None else None,
+            shard=parse_shard(body.shard, body.axis),
+            resume_tensor=body.resume_tensor,
+            resume_offset=body.resume_offset,
+            chunk_bytes=body.chunk_bytes,
+            revision=body.revision,
+        )
+        return start_stream(model, request)
+
+    @app.get(
+        "/v1/models/{model:path}/tensors/{name}",
+        tags=["tensors"],
+        response_class=ArrowStreamResponse,
+        responses={200: {"content": {ARROW_STREAM_MEDIA_TYPE: {}}}},
+    )
+    def one_tensor(
+        model: str, name: str, shard: str | None = None, axis: int = 0, revision: str | None = None
+    ) -> ArrowStreamResponse:
+        """One tensor as an Arrow IPC stream."""
+        request = TensorRequest(names=(name,), shard=parse_shard(shard, axis), revision=revision)
+        return start_stream(model, request)
+
+    @app.get("/v1/models/{model:path}", tags=["models"])
+    def get_model(model: str, request: Request) -> Response:
+        """Format, revision, metadata and the tensor index (in MAX's items() order)."""
+        m = catalog.get(model)
+        etag = f'"{m.revision}"'
+        headers = {"etag": etag, "cache-control": "no-cache"}
+        if request.headers.get("if-none-match") == etag:
+            return Response(status_code=304, headers=headers)
+        return JSONResponse(models_view.model_info(m), headers=headers)
+
+    return app

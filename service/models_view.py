@@ -1,0 +1,48 @@
+"""The JSON/protobuf-neutral description of models: what /v1/models and GetModel return."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from weightserve.service.catalog import Catalog, Model
+from weightserve.service.readers.base import TensorEntry
+
+
+def tensor_info(entry: TensorEntry) -> dict[str, Any]:
+    return {
+        "name": entry.name,
+        "dtype": entry.dtype,
+        "shape": list(entry.shape),
+        "logical_shape": list(entry.logical_shape),
+        "encoding": entry.encoding,
+        "nbytes": entry.nbytes,
+    }
+
+
+def model_summary(model: Model) -> dict[str, Any]:
+    return {
+        "id": model.id,
+        "format": model.format,
+        "revision": model.revision,
+        "tensor_count": len(model.tensors),
+        "total_bytes": model.total_bytes,
+    }
+
+
+def model_info(model: Model) -> dict[str, Any]:
+    return {
+        **model_summary(model),
+        "alignment": model.contents.alignment,
+        "metadata": model.metadata,
+        "tensors": [tensor_info(e) for e in model.tensors.values()],
+    }
+
+
+def model_list(catalog: Catalog) -> dict[str, Any]:
+    return {
+        "models": [model_summary(m) for m in catalog.models.values()],
+        "problems": [
+            {"model": p.model, "file": p.file, "reason": p.reason}
+            for p in catalog.problems.values()
+        ],
+    }

@@ -1,0 +1,129 @@
+"""Both transports in one process over one catalog, with a clean shutdown.
+
+``WeightServer`` binds its sockets first (port 0 picks a free port, which tests use), then runs
+uvicorn on its own thread and the gRPC server on its thread pool. ``stop`` drains: readiness
+turns false, new streams are refused, open streams get ``grace`` seconds to finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+from dataclasses import dataclass
+
+import grpc
+import uvicorn
+from weightserve.service.catalog import Catalog
+from weightserve.service.grpc_app import create_grpc_server
+from weightserve.service.http_app import create_app
+from weightserve.service.state import Limits, ServiceState
+
+log = logging.getLogger("weightserve.server")
+
+
+@dataclass
+class ServerConfig:
+    root: str
+    host: str = "127.0.0.1"
+    http_port: int = 8080
+    grpc_port: int = 50051
+    grace_seconds: float = 30.0
+    limits: Limits | None = None
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+class WeightServer:
+    def __init__(self, config: ServerConfig, catalog: Catalog | None = None) -> None:
+        self.config = config
+        self.catalog = catalog or Catalog(config.root)
+        self.state = ServiceState(self.catalog, config.limits)
+        self._http_thread: threading.Thread | None = None
+        self._uvicorn: uvicorn.Server | None = None
+        self._grpc: grpc.Server | None = None
+        self.http_port = 0
+        self.grpc_port = 0
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{_url_host(self.config.host)}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"grpc://{_url_host(self.config.host)}:{self.grpc_port}"
+
+    def start(self) -> WeightServer:
+        host = self.config.host
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, self.config.http_port))
+        self.http_port = sock.getsockname()[1]
+        app = create_app(self.state)
+        config = uvicorn.Config(
+            app,
+            log_level="warning",
+            lifespan="off",
+            access_log=False,
+            timeout_graceful_shutdown=int(self.config.grace_seconds),
+        )
+        self._uvicorn = uvicorn.Server(config)
+        started = threading.Event()
+
+        def run_http() -> None:
+            loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(loop)
+
+            async def main() -> None:
+                task = asyncio.ensure_future(self._uvicorn.serve(sockets=[sock]))  # type: ignore[union-attr]
+                while not self._uvicorn.started and not task.done():  # type: ignore[union-attr]
+                    await asyncio.sleep(0.01)
+                started.set()
+                await task
+
+            try:
+                loop.run_until_complete(main())
+            finally:
+                started.set()
+                loop.close()
+
+        self._http_thread = threading.Thread(target=run_http, name="weightserve-http", daemon=True)
+        self._http_thread.start()
+        self._grpc, self.grpc_port = create_grpc_server(
+            self.state, f"{_url_host(host)}:{self.config.grpc_port}"
+        )
+        self._grpc.start()
+        started.wait()
+        if not self._uvicorn.started:
+            raise RuntimeError(f"HTTP server failed to start on {host}:{self.http_port}")
+        log.info("serving %d models: %s %s", len(self.catalog.models), self.http_url, self.grpc_url)
+        return self
+
+    def stop(self, grace: float | None = None) -> None:
+        grace = self.config.grace_seconds if grace is None else grace
+        self.state.draining = True
+        if self._grpc is not None:
+            self._grpc.health_servicer.enter_graceful_shutdown()  # type: ignore[attr-defined]
+        drained = self.state.wait_for_streams(grace)
+        if not drained:
+            log.warning(
+                "%d streams still open after %.0f s; closing them", self.state.open_streams, grace
+            )
+        if self._grpc is not None:
+            self._grpc.stop(0).wait()
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+            if not drained:
+                self._uvicorn.force_exit = True
+        if self._http_thread is not None:
+            self._http_thread.join(timeout=grace + 5)
+
+    def __enter__(self) -> WeightServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop(grace=1.0)

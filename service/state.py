@@ -1,0 +1,69 @@
+"""What both transports share in one process: the catalog, settings, metrics, stream limits."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from weightserve.client._schema import DEFAULT_CHUNK_BYTES
+from weightserve.client.errors import ModelUnavailable, ResourceExhausted
+from weightserve.service.catalog import Catalog
+from weightserve.service.metrics import Metrics
+
+
+@dataclass
+class Limits:
+    """Bounded by default: a weight server must not be exhausted by one client."""
+
+    max_streams: int = 64  # concurrent tensor streams, all transports together
+    max_names: int = 100_000  # tensor names in one request
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+
+
+class ServiceState:
+    def __init__(self, catalog: Catalog, limits: Limits | None = None) -> None:
+        self.catalog = catalog
+        self.limits = limits or Limits()
+        self.metrics = Metrics()
+        self.draining = False
+        self._streams = 0
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self.refresh_gauges()
+
+    def refresh_gauges(self) -> None:
+        self.metrics.models.set(len(self.catalog.models))
+        self.metrics.refused_models.set(len(self.catalog.problems))
+
+    @property
+    def open_streams(self) -> int:
+        return self._streams
+
+    @contextlib.contextmanager
+    def stream_slot(self, transport: str) -> Iterator[None]:
+        """Hold one of the limited stream slots for the duration of a stream."""
+        with self._lock:
+            if self.draining:
+                raise ModelUnavailable("the server is shutting down; retry on another replica")
+            if self._streams >= self.limits.max_streams:
+                raise ResourceExhausted(
+                    f"{self._streams} streams are open, the limit is {self.limits.max_streams}; "
+                    "retry shortly"
+                )
+            self._streams += 1
+        gauge = self.metrics.open_streams.labels(transport)
+        gauge.inc()
+        try:
+            yield
+        finally:
+            gauge.dec()
+            with self._lock:
+                self._streams -= 1
+                self._idle.notify_all()
+
+    def wait_for_streams(self, timeout: float) -> bool:
+        """Block until every open stream ended (True) or the timeout passed (False)."""
+        with self._lock:
+            return self._idle.wait_for(lambda: self._streams == 0, timeout=timeout)

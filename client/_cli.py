@@ -3,7 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
+
+from weightserve.client.errors import WeightserveError
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -12,14 +24,45 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve model weights as Arrow streams over HTTP and gRPC, and fetch them.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="serve a model root over HTTP and gRPC")
+    serve = sub.add_parser(
+        "serve",
+        help="serve a model root over HTTP and gRPC",
+        description="Serve every model under ROOT over HTTP and gRPC.",
+    )
     try:
-        from weightserve.service.cli import add_serve_arguments
+        from weightserve.service.cli import add_serve_arguments  # optional: the server extra
     except ImportError:
         serve.set_defaults(func=_no_server)
     else:
         add_serve_arguments(serve)
         serve.set_defaults(func=_serve)
+
+    token_help = "bearer token (env WEIGHTSERVE_TOKEN)"
+    ls = sub.add_parser(
+        "ls",
+        help="list a server's models, or one model's tensors",
+        description="URL: http://HOST:PORT or grpc://HOST:PORT lists models; "
+        "http://HOST:PORT/v1/models/MODEL or grpc://HOST:PORT/MODEL lists tensors.",
+    )
+    ls.add_argument("url")
+    ls.add_argument("--prefix", default="", help="only tensors whose name starts so")
+    ls.add_argument("--token", default=None, help=token_help)
+    ls.set_defaults(func=_ls)
+
+    pull = sub.add_parser(
+        "pull",
+        help="download a model (or a prefix) into a safetensors file",
+        description="Stream a model into OUT/model.safetensors with a progress bar.",
+    )
+    pull.add_argument("url", help="model URL")
+    pull.add_argument("--prefix", default="", help="only tensors whose name starts so")
+    pull.add_argument(
+        "--out", default=None, help="output directory (default: the model's last path part)"
+    )
+    pull.add_argument("--token", default=None, help=token_help)
+    pull.add_argument("--parallel", type=int, default=2, help="concurrent streams (default 2)")
+    pull.add_argument("--quiet", action="store_true", help="no progress bar")
+    pull.set_defaults(func=_pull)
     return parser
 
 
@@ -37,9 +80,81 @@ def _serve(args: argparse.Namespace) -> int:
     return run_serve(args)
 
 
+def _ls(args: argparse.Namespace) -> int:
+    from weightserve.client._client import Client
+    from weightserve.client._url import parse_url
+
+    _, model_id = parse_url(args.url)
+    with Client(args.url, token=args.token) as client:
+        if model_id is None:
+            models, problems = client.list_models()
+            print(f"{'MODEL':40} {'FORMAT':12} {'TENSORS':>8} {'SIZE':>10}  REVISION")
+            for m in models:
+                print(
+                    f"{m.id:40} {m.format:12} {m.tensor_count:>8} {_size(m.total_bytes):>10}  {m.revision}"
+                )
+            for p in problems:
+                print(f"refused {p.model}: {p.reason}")
+            return 0
+        model = client.model(model_id)
+        info = model.info
+        print(
+            f"{info.id}  {info.format}  revision {info.revision}  "
+            f"{len(info.tensors)} tensors  {_size(info.total_bytes)}"
+        )
+        for name in model.names(args.prefix):
+            t = info.tensors[name]
+            kind = f"{t.dtype}" + (f" ({t.encoding} {list(t.logical_shape)})" if t.encoding else "")
+            print(f"{name:60} {kind:24} {str(list(t.shape)):20} {_size(t.nbytes):>10}")
+    return 0
+
+
+def _pull(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from weightserve.client._client import Client, FetchOptions
+    from weightserve.client._pull import pull_to_safetensors
+    from weightserve.client._url import parse_url
+
+    _, model_id = parse_url(args.url)
+    if model_id is None:
+        print(
+            "weightserve pull: give a model URL, e.g. http://HOST:PORT/v1/models/MODEL",
+            file=sys.stderr,
+        )
+        return 2
+    out_dir = Path(args.out) if args.out else Path(model_id.rstrip("/").split("/")[-1])
+    with Client(args.url, token=args.token) as client:
+        model = client.model(model_id, FetchOptions(parallel=args.parallel))
+        total = sum(model.tensors[n].nbytes for n in model.names(args.prefix))
+        with tqdm(
+            total=total,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            desc=model_id,
+            disable=args.quiet or None,
+            file=sys.stderr,
+        ) as bar:
+            path = pull_to_safetensors(
+                model, out_dir / "model.safetensors", args.prefix, on_bytes=bar.update
+            )
+    print(path)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except WeightserveError as e:
+        print(f"weightserve {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -12,9 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+
 from weightserve.client._dtypes import numpy_dtype, wire_dtype
 from weightserve.client._models import ModelInfo, ModelProblem, ModelSummary, TensorInfo
 from weightserve.client._receive import ReceivedTensor, receive
+from weightserve.client._schema import ChunkHeader
 from weightserve.client._transport import (
     DEFAULT_READ_TIMEOUT,
     StreamParams,
@@ -102,6 +104,7 @@ class RemoteModel:
         shard: tuple[int, int] | None = None,
         axis: int = 0,
         on_bytes: Callable[[int], None] | None = None,
+        allocate: Callable[[ChunkHeader], np.ndarray] | None = None,
     ) -> dict[str, np.ndarray]:
         """Arrays (served dtype and shape; uint8 blocks for GGML types) by name.
 
@@ -121,7 +124,7 @@ class RemoteModel:
                     raise TensorNotFound(f"No weight named {n!r} in model {self.id!r}.{hint}")
         if not wanted:
             return {}
-        received = self._fetch_parallel(wanted, shard, axis, on_bytes)
+        received = self._fetch_parallel(wanted, shard, axis, on_bytes, allocate)
         out: dict[str, np.ndarray] = {}
         for name in wanted:
             r = received[name]
@@ -151,6 +154,7 @@ class RemoteModel:
         shard: tuple[int, int] | None,
         axis: int,
         on_bytes: Callable[[int], None] | None,
+        allocate: Callable[[ChunkHeader], np.ndarray] | None = None,
     ) -> dict[str, ReceivedTensor]:
         if shard is not None and not 0 <= shard[0] < shard[1]:
             raise InvalidRequest(f"shard {shard[0]}/{shard[1]}: need 0 <= index < count")
@@ -176,6 +180,7 @@ class RemoteModel:
                 group,
                 retries=self.options.retries,
                 on_bytes=counted,
+                allocate=allocate,
             )
 
         if len(groups) == 1:

@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import numpy as np
 import xxhash
+
 from weightserve.client._arrow_reader import ArrowChunkReader
 from weightserve.client._schema import ChunkHeader
 from weightserve.client._transport import ByteSource, StreamParams
@@ -51,11 +52,13 @@ def receive(
     retries: int = 5,
     backoff: float = 0.2,
     on_bytes: Callable[[int], None] | None = None,
-    allocate: Callable[[int], np.ndarray] = aligned_empty,
+    allocate: Callable[[ChunkHeader], np.ndarray] | None = None,
 ) -> dict[str, ReceivedTensor]:
     """Fetch ``expected`` tensors (in stream order) with resume on breaks.
 
     ``params`` must pin the model revision so a resumed transfer never mixes two revisions.
+    ``allocate`` gives the buffer for a tensor from its first chunk's header (default: fresh
+    aligned memory; ``weightserve pull`` passes slices of the output file instead).
     """
     done: dict[str, ReceivedTensor] = {}
     partial: ReceivedTensor | None = None  # the tensor being received; kept across resumes
@@ -63,7 +66,8 @@ def receive(
     def destination(header: ChunkHeader) -> memoryview:
         nonlocal partial
         if partial is None or partial.header.name != header.name:
-            partial = ReceivedTensor(header, allocate(header.total_bytes))
+            buffer = allocate(header) if allocate else aligned_empty(header.total_bytes)
+            partial = ReceivedTensor(header, buffer)
         if header.offset != partial.received or header.total_bytes != len(partial.buffer):
             raise TransportError(
                 f"tensor {header.name!r}: chunk at byte {header.offset} of "

@@ -71,8 +71,12 @@ def write_demo(root: Path) -> Path:
 
 
 def _write_demo_gguf(path: Path) -> None:
+    import logging
+
     import gguf
     from gguf.quants import quantize
+
+    logging.getLogger("gguf").setLevel(logging.WARNING)  # its writer logs every file at INFO
 
     tmp = path.with_name(path.name + ".tmp")
     writer = gguf.GGUFWriter(str(tmp), "llama")

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from weightserve.client.errors import WeightserveError
 
+_SERVER_EXTRA = "pip install 'weightserve[server]'"
+
 
 def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -32,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     try:
         from weightserve.service.cli import add_serve_arguments  # optional: the server extra
     except ImportError:
+        # Without the server extra, `serve` takes any arguments and says what to install.
+        serve.description = f"{serve.description} Needs the server extra: {_SERVER_EXTRA}"
         serve.set_defaults(func=_no_server)
     else:
         add_serve_arguments(serve)
@@ -67,10 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _no_server(args: argparse.Namespace) -> int:
-    print(
-        "weightserve serve needs the server extra: pip install 'weightserve[server]'",
-        file=sys.stderr,
-    )
+    print(f"weightserve serve needs the server extra: {_SERVER_EXTRA}", file=sys.stderr)
     return 2
 
 
@@ -126,7 +127,15 @@ def _pull(args: argparse.Namespace) -> int:
     out_dir = Path(args.out) if args.out else Path(model_id.rstrip("/").split("/")[-1])
     with Client(args.url, token=args.token) as client:
         model = client.model(model_id, FetchOptions(parallel=args.parallel))
-        total = sum(model.tensors[n].nbytes for n in model.names(args.prefix))
+        names = model.names(args.prefix)
+        if not names:
+            print(
+                f"weightserve pull: model {model_id!r} has no tensor whose name starts with "
+                f"{args.prefix!r}",
+                file=sys.stderr,
+            )
+            return 1
+        total = sum(model.tensors[n].nbytes for n in names)
         with tqdm(
             total=total,
             unit="B",
@@ -144,7 +153,17 @@ def _pull(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and args.func is not _no_server:  # `serve --demo` without the server extra
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.command in ("ls", "pull"):
+        from weightserve.client._url import parse_url
+
+        try:
+            parse_url(args.url)
+        except ValueError as e:  # a malformed URL is a usage error, not a traceback
+            parser.error(str(e))
     try:
         return int(args.func(args) or 0)
     except WeightserveError as e:

@@ -196,6 +196,7 @@ class GrpcTransport:
         timeout: float = DEFAULT_READ_TIMEOUT,
     ) -> None:
         import grpc
+
         from weightserve.client._proto.weightserve.v1 import weightserve_pb2 as pb
 
         self._grpc, self._pb = grpc, pb

@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 from weightserve.client.errors import (
     CheckpointError,
@@ -74,6 +75,7 @@ class MappedFile:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lock = threading.Lock()
+        self._file: BinaryIO | None = None
         self._map: mmap.mmap | None = None
         self._view: memoryview | None = None
         self.size = path.stat().st_size
@@ -84,10 +86,24 @@ class MappedFile:
                 if self.size == 0:
                     self._view = memoryview(b"")
                 else:
-                    with open(self.path, "rb") as f:
-                        self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                    # The file stays open: ensure_covers() fstat()s it before data is touched.
+                    self._file = open(self.path, "rb")  # noqa: SIM115
+                    self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
                     self._view = memoryview(self._map)
             return self._view
+
+    def ensure_covers(self, end: int) -> None:
+        """Refuse to touch mapped bytes past the file's current end.
+
+        Reading a mapped page that a truncation removed raises SIGBUS and kills the process;
+        checking the size (one fstat) before each chunk turns that into a clean error for
+        the streams of this file only.
+        """
+        if self._file is not None and os.fstat(self._file.fileno()).st_size < end:
+            raise ModelUnavailable(
+                f"{self.path.name} was truncated while being served; the model reloads on "
+                "its next request"
+            )
 
 
 @dataclass
@@ -98,6 +114,7 @@ class Model:
     files: list[Path]
     revision: str
     contents: ModelContents
+    checked_at: float = field(default_factory=time.monotonic, repr=False)
     _maps: dict[Path, MappedFile] = field(default_factory=dict, repr=False)
     _maps_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -176,8 +193,10 @@ def validate_model_id(model_id: str) -> str:
 class Catalog:
     """Every model under ``root``, indexed by id."""
 
-    def __init__(self, root: str | os.PathLike, readers: dict[str, FormatReader] | None = None):
+    def __init__(self, root: str | os.PathLike, readers: dict[str, FormatReader] | None = None,
+                 recheck_seconds: float = 1.0):
         self.root = Path(root).resolve()
+        self.recheck_seconds = recheck_seconds
         if not self.root.is_dir():
             raise FileNotFoundError(f"model root {self.root} is not a directory")
         self.readers = readers if readers is not None else default_readers()
@@ -276,11 +295,34 @@ class Catalog:
 
     # -- lookup ------------------------------------------------------------------------------
 
+    def _fresh(self, model: Model) -> Model:
+        """The model as its files are now: re-read if any changed (checked once a second).
+
+        Streams already open keep the Model (and mappings) they started with, so a file
+        replaced by an atomic rename serves old bytes to old streams, new bytes to new ones.
+        """
+        now = time.monotonic()
+        if now - model.checked_at < self.recheck_seconds:
+            return model
+        model.checked_at = now
+        try:
+            revision = file_revision(model.files, self.root)
+        except OSError:
+            revision = None
+        if revision == model.revision:
+            return model
+        self.scan()
+        if model.id in self.models:
+            return self.models[model.id]
+        problem = self.problems.get(model.id)
+        reason = problem.reason if problem else "its files are gone"
+        raise ModelUnavailable(f"model {model.id!r} changed on disk and is refused: {reason}")
+
     def get(self, model_id: str) -> Model:
         validate_model_id(model_id)
         model = self.models.get(model_id)
         if model is not None:
-            return model
+            return self._fresh(model)
         problem = self.problems.get(model_id)
         if problem is not None:
             raise ModelUnavailable(f"model {model_id!r} is refused: {problem.reason}")

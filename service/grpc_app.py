@@ -16,10 +16,12 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
 from weightserve.client._proto.weightserve.v1 import weightserve_pb2 as pb
 from weightserve.client._schema import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
 from weightserve.client.errors import WeightserveError, status_for
 from weightserve.service import models_view
+from weightserve.service.auth import Access, authorize
 from weightserve.service.state import ServiceState
 from weightserve.service.streaming import Shard, TensorRequest, plan_stream, stream_messages
 
@@ -68,12 +70,25 @@ def _request_from_proto(msg: pb.TensorRequest) -> TensorRequest:
     )
 
 
+def _peer_host(context: grpc.ServicerContext) -> str:
+    """The client's address without its port: 'ipv4:127.0.0.1:5000' -> 'ipv4:127.0.0.1'."""
+    return context.peer().rsplit(":", 1)[0]
+
+
 class WeightService:
     def __init__(self, state: ServiceState) -> None:
         self.state = state
 
+    def _access(self, context: grpc.ServicerContext) -> Access:
+        metadata = dict(context.invocation_metadata())
+        return authorize(self.state.tokens, metadata.get("authorization"))
+
     def ListModels(self, request: pb.ListModelsRequest, context: grpc.ServicerContext) -> Any:
-        listing = models_view.model_list(self.state.catalog)
+        try:
+            access = self._access(context)
+        except WeightserveError as e:
+            _abort(context, e)
+        listing = models_view.model_list(self.state.catalog, access.may_read)
         return pb.ListModelsResponse(
             models=[pb.ModelSummary(**m) for m in listing["models"]],
             problems=[pb.ModelProblem(**p) for p in listing["problems"]],
@@ -81,6 +96,7 @@ class WeightService:
 
     def GetModel(self, request: pb.GetModelRequest, context: grpc.ServicerContext) -> Any:
         try:
+            self._access(context).check(request.model)
             model = self.state.catalog.get(request.model)
         except WeightserveError as e:
             _abort(context, e)
@@ -109,10 +125,11 @@ class WeightService:
     ) -> Iterator[bytes]:
         state = self.state
         try:
+            self._access(context).check(request.model)
             model = state.catalog.get(request.model)
             tensor_request = _request_from_proto(request)
             planned = plan_stream(model, tensor_request, state.limits.max_names)
-            slot = state.stream_slot("grpc")
+            slot = state.stream_slot("grpc", _peer_host(context))
             slot.__enter__()
         except WeightserveError as e:
             _abort(context, e)

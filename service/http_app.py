@@ -16,9 +16,11 @@ from fastapi import Body, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
+
 from weightserve.client._schema import ARROW_STREAM_MEDIA_TYPE, DEFAULT_CHUNK_BYTES
 from weightserve.client.errors import InvalidRequest, WeightserveError, status_for
 from weightserve.service import models_view
+from weightserve.service.auth import Access, authorize
 from weightserve.service.state import ServiceState
 from weightserve.service.streaming import (
     Shard,
@@ -108,6 +110,21 @@ def create_app(state: ServiceState) -> FastAPI:
     )
     catalog = state.catalog
 
+    def access(request: Request) -> Access:
+        return authorize(state.tokens, request.headers.get("authorization"))
+
+    @app.middleware("http")
+    async def refuse_large_bodies(request: Request, call_next: Any) -> Response:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > state.limits.max_request_bytes:
+            return JSONResponse(
+                {"error": {"type": "ResourceExhausted",
+                           "message": f"request body of {length} bytes; the limit is "
+                                      f"{state.limits.max_request_bytes}"}},
+                status_code=413,
+            )
+        return await call_next(request)
+
     @app.exception_handler(WeightserveError)
     async def weightserve_error(request: Request, exc: WeightserveError) -> JSONResponse:
         status, _ = status_for(exc)
@@ -133,19 +150,23 @@ def create_app(state: ServiceState) -> FastAPI:
         return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/metrics", tags=["operations"])
-    def metrics() -> Response:
+    def metrics(request: Request) -> Response:
+        """Prometheus metrics (needs a token when the server protects metrics)."""
+        if state.protect_metrics:
+            access(request)
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", tags=["models"])
-    def list_models() -> dict[str, Any]:
+    def list_models(request: Request) -> dict[str, Any]:
         """Every model served, and those refused with the file and rule they broke."""
-        return models_view.model_list(catalog)
+        return models_view.model_list(catalog, access(request).may_read)
 
-    def start_stream(model_id: str, request: TensorRequest) -> ArrowStreamResponse:
+    def start_stream(http: Request, model_id: str, request: TensorRequest) -> ArrowStreamResponse:
+        access(http).check(model_id)
         model = catalog.get(model_id)
         planned = plan_stream(model, request, state.limits.max_names)
         length = stream_length(planned, request.chunk_bytes)
-        slot = state.stream_slot("http")
+        slot = state.stream_slot("http", http.client.host if http.client else "")
         slot.__enter__()
         messages = stream_messages(model, planned, request.chunk_bytes)
         state.metrics.requests.labels("http", "stream", "200").inc()
@@ -169,6 +190,7 @@ def create_app(state: ServiceState) -> FastAPI:
         responses={200: {"content": {ARROW_STREAM_MEDIA_TYPE: {}}}},
     )
     def stream_get(
+        http: Request,
         model: str,
         name: Annotated[list[str] | None, Query(description="tensor names (repeat)")] = None,
         prefix: Annotated[
@@ -191,7 +213,7 @@ def create_app(state: ServiceState) -> FastAPI:
             chunk_bytes=chunk_bytes,
             revision=revision,
         )
-        return start_stream(model, request)
+        return start_stream(http, model, request)
 
     @app.post(
         "/v1/models/{model:path}/stream",
@@ -199,7 +221,7 @@ def create_app(state: ServiceState) -> FastAPI:
         response_class=ArrowStreamResponse,
         responses={200: {"content": {ARROW_STREAM_MEDIA_TYPE: {}}}},
     )
-    def stream_post(model: str, body: Annotated[StreamBody, Body()]) -> ArrowStreamResponse:
+    def stream_post(http: Request, model: str, body: Annotated[StreamBody, Body()]) -> ArrowStreamResponse:
         """The same stream, with the request in a JSON body (long name lists)."""
         request = TensorRequest(
             names=tuple(body.names) if body.names is not None else None,
@@ -210,7 +232,7 @@ def create_app(state: ServiceState) -> FastAPI:
             chunk_bytes=body.chunk_bytes,
             revision=body.revision,
         )
-        return start_stream(model, request)
+        return start_stream(http, model, request)
 
     @app.get(
         "/v1/models/{model:path}/tensors/{name}",
@@ -228,6 +250,7 @@ def create_app(state: ServiceState) -> FastAPI:
     @app.get("/v1/models/{model:path}", tags=["models"])
     def get_model(model: str, request: Request) -> Response:
         """Format, revision, metadata and the tensor index (in MAX's items() order)."""
+        access(request).check(model)
         m = catalog.get(model)
         etag = f'"{m.revision}"'
         headers = {"etag": etag, "cache-control": "no-cache"}

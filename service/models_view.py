@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from weightserve.service.catalog import Catalog, Model
@@ -38,11 +39,13 @@ def model_info(model: Model) -> dict[str, Any]:
     }
 
 
-def model_list(catalog: Catalog) -> dict[str, Any]:
+def model_list(catalog: Catalog, may_read: Callable[[str], bool] = lambda _: True) -> dict[str, Any]:
+    """Models (and refused models) the caller may read; the others are not even named."""
     return {
-        "models": [model_summary(m) for m in catalog.models.values()],
+        "models": [model_summary(m) for m in catalog.models.values() if may_read(m.id)],
         "problems": [
             {"model": p.model, "file": p.file, "reason": p.reason}
             for p in catalog.problems.values()
+            if may_read(p.model)
         ],
     }

@@ -12,9 +12,12 @@ import logging
 import socket
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import uvicorn
+
+from weightserve.service.auth import TokenStore
 from weightserve.service.catalog import Catalog
 from weightserve.service.grpc_app import create_grpc_server
 from weightserve.service.http_app import create_app
@@ -31,6 +34,12 @@ class ServerConfig:
     grpc_port: int = 50051
     grace_seconds: float = 30.0
     limits: Limits | None = None
+    token_file: str | None = None  # bearer tokens, one per line (see service/auth.py)
+    protect_metrics: bool = False  # /metrics needs a token too
+    tls_cert: str | None = None  # PEM certificate chain: enables TLS on both transports
+    tls_key: str | None = None
+    tls_client_ca: str | None = None  # require client certificates signed by this CA (mTLS)
+    rescan_seconds: float = 30.0  # how often the root is searched for new or removed models
 
 
 def _url_host(host: str) -> str:
@@ -41,20 +50,40 @@ class WeightServer:
     def __init__(self, config: ServerConfig, catalog: Catalog | None = None) -> None:
         self.config = config
         self.catalog = catalog or Catalog(config.root)
-        self.state = ServiceState(self.catalog, config.limits)
+        tokens = TokenStore(config.token_file) if config.token_file else None
+        self.state = ServiceState(self.catalog, config.limits, tokens, config.protect_metrics)
+        if bool(config.tls_cert) != bool(config.tls_key):
+            raise ValueError("TLS needs both a certificate and its key")
         self._http_thread: threading.Thread | None = None
         self._uvicorn: uvicorn.Server | None = None
         self._grpc: grpc.Server | None = None
         self.http_port = 0
         self.grpc_port = 0
+        self._stop_rescan = threading.Event()
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.config.tls_cert)
 
     @property
     def http_url(self) -> str:
-        return f"http://{_url_host(self.config.host)}:{self.http_port}"
+        scheme = "https" if self.tls else "http"
+        return f"{scheme}://{_url_host(self.config.host)}:{self.http_port}"
 
     @property
     def grpc_url(self) -> str:
-        return f"grpc://{_url_host(self.config.host)}:{self.grpc_port}"
+        scheme = "grpcs" if self.tls else "grpc"
+        return f"{scheme}://{_url_host(self.config.host)}:{self.grpc_port}"
+
+    def _grpc_credentials(self) -> grpc.ServerCredentials | None:
+        c = self.config
+        if not c.tls_cert:
+            return None
+        key, cert = Path(c.tls_key or "").read_bytes(), Path(c.tls_cert).read_bytes()
+        ca = Path(c.tls_client_ca).read_bytes() if c.tls_client_ca else None
+        return grpc.ssl_server_credentials(
+            [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+        )
 
     def start(self) -> WeightServer:
         host = self.config.host
@@ -94,17 +123,29 @@ class WeightServer:
         self._http_thread = threading.Thread(target=run_http, name="weightserve-http", daemon=True)
         self._http_thread.start()
         self._grpc, self.grpc_port = create_grpc_server(
-            self.state, f"{_url_host(host)}:{self.config.grpc_port}"
+            self.state, f"{_url_host(host)}:{self.config.grpc_port}",
+            credentials=self._grpc_credentials(),
         )
         self._grpc.start()
         started.wait()
         if not self._uvicorn.started:
             raise RuntimeError(f"HTTP server failed to start on {host}:{self.http_port}")
+        if self.config.rescan_seconds > 0:
+            threading.Thread(target=self._rescan_loop, name="weightserve-rescan", daemon=True).start()
         log.info("serving %d models: %s %s", len(self.catalog.models), self.http_url, self.grpc_url)
         return self
 
+    def _rescan_loop(self) -> None:
+        while not self._stop_rescan.wait(self.config.rescan_seconds):
+            try:
+                self.catalog.scan()
+                self.state.refresh_gauges()
+            except Exception:  # a failed scan must not stop later ones
+                log.exception("rescan of %s failed", self.catalog.root)
+
     def stop(self, grace: float | None = None) -> None:
         grace = self.config.grace_seconds if grace is None else grace
+        self._stop_rescan.set()
         self.state.draining = True
         if self._grpc is not None:
             self._grpc.health_servicer.enter_graceful_shutdown()  # type: ignore[attr-defined]

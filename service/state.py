@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from weightserve.client._schema import DEFAULT_CHUNK_BYTES
 from weightserve.client.errors import ModelUnavailable, ResourceExhausted
+from weightserve.service.auth import TokenStore
 from weightserve.service.catalog import Catalog
 from weightserve.service.metrics import Metrics
 
@@ -18,14 +19,21 @@ class Limits:
     """Bounded by default: a weight server must not be exhausted by one client."""
 
     max_streams: int = 64  # concurrent tensor streams, all transports together
+    max_streams_per_client: int = 16  # per client address, so one client can't take them all
     max_names: int = 100_000  # tensor names in one request
+    max_request_bytes: int = 16 << 20  # request bodies (JSON name lists)
+    idle_timeout: float = 60.0  # a stream whose client reads nothing this long is cut
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
 
 
 class ServiceState:
-    def __init__(self, catalog: Catalog, limits: Limits | None = None) -> None:
+    def __init__(self, catalog: Catalog, limits: Limits | None = None,
+                 tokens: TokenStore | None = None, protect_metrics: bool = False) -> None:
         self.catalog = catalog
         self.limits = limits or Limits()
+        self.tokens = tokens
+        self.protect_metrics = protect_metrics
+        self._per_client: dict[str, int] = {}
         self.metrics = Metrics()
         self.draining = False
         self._streams = 0
@@ -42,7 +50,7 @@ class ServiceState:
         return self._streams
 
     @contextlib.contextmanager
-    def stream_slot(self, transport: str) -> Iterator[None]:
+    def stream_slot(self, transport: str, client: str = "") -> Iterator[None]:
         """Hold one of the limited stream slots for the duration of a stream."""
         with self._lock:
             if self.draining:
@@ -52,7 +60,14 @@ class ServiceState:
                     f"{self._streams} streams are open, the limit is {self.limits.max_streams}; "
                     "retry shortly"
                 )
+            mine = self._per_client.get(client, 0)
+            if mine >= self.limits.max_streams_per_client:
+                raise ResourceExhausted(
+                    f"this client has {mine} streams open, the limit per client is "
+                    f"{self.limits.max_streams_per_client}; retry when one finishes"
+                )
             self._streams += 1
+            self._per_client[client] = mine + 1
         gauge = self.metrics.open_streams.labels(transport)
         gauge.inc()
         try:
@@ -61,6 +76,11 @@ class ServiceState:
             gauge.dec()
             with self._lock:
                 self._streams -= 1
+                left = self._per_client[client] - 1
+                if left:
+                    self._per_client[client] = left
+                else:
+                    del self._per_client[client]
                 self._idle.notify_all()
 
     def wait_for_streams(self, timeout: float) -> bool:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import xxhash
+
 from weightserve.client._dtypes import wire_dtype
 from weightserve.client._schema import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, ChunkHeader
 from weightserve.client.errors import (
@@ -198,7 +199,9 @@ def _source_bytes(model: Model, p: PlannedTensor) -> memoryview:
             raise ModelUnavailable(f"model {model.id!r}: {entry.file.name} shrank since indexing")
         return whole[p.byte_offset : p.byte_offset + p.nbytes]
     itemsize = wire_dtype(entry.dtype).itemsize
-    raw = np.frombuffer(model.mapped(entry.file).view(), dtype=np.uint8)
+    mapped = model.mapped(entry.file)
+    raw = np.frombuffer(mapped.view(), dtype=np.uint8)
+    mapped.ensure_covers(mapped.size)  # the gather below reads the mapping in user space
     strides = entry.strides or tuple(
         math.prod(entry.shape[i + 1 :]) for i in range(len(entry.shape))
     )
@@ -251,7 +254,10 @@ def stream_messages(
     yield (schema_message(),)
     for p in planned:
         source = _source_bytes(model, p) if p.nbytes else memoryview(b"")
+        mapped = model.mapped(p.entry.file) if p.byte_offset is not None else None
         for offset, n in _chunk_bounds(p, chunk_bytes):
+            if mapped is not None and n:
+                mapped.ensure_covers(p.byte_offset + offset + n)  # type: ignore[operator]
             data = source[offset : offset + n]
             header = ChunkHeader(
                 p.entry.name,

@@ -13,9 +13,6 @@ import gguf
 import numpy as np
 import pytest
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
-from weightserve.service import errors
-from weightserve.service.readers.base import ModelContents
-from weightserve.service.readers.gguf import PLAIN_DTYPES, GGUFReader
 
 from tests._util import entry_array, entry_bytes
 from tests.fixtures_gguf import (
@@ -29,6 +26,9 @@ from tests.fixtures_gguf import (
     write_edge,
     write_mixed,
 )
+from weightserve.service import errors
+from weightserve.service.readers.base import ModelContents
+from weightserve.service.readers.gguf import PLAIN_DTYPES, GGUFReader
 
 Q = GGMLQuantizationType
 V = GGUFValueType

@@ -43,6 +43,7 @@ from gguf.constants import (
     GGUFValueType,
     Keys,
 )
+
 from weightserve.service import errors
 from weightserve.service.readers.base import ModelContents, TensorEntry
 

@@ -1,0 +1,105 @@
+"""Bearer-token authentication and per-model access, shared by HTTP and gRPC.
+
+The token file holds one token per line, optionally followed by the model ids (or
+``fnmatch`` patterns) it may read; a token with no patterns may read every model::
+
+    s3cr3t-token-for-everything
+    team-a-token   team-a/*  shared/base-model
+
+Blank lines and lines starting with ``#`` are ignored. The file is re-read when it changes
+(checked at most once a second), so tokens rotate without a restart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import hmac
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from weightserve.client.errors import PermissionDenied, Unauthenticated
+
+
+@dataclass(frozen=True)
+class Grant:
+    token: str
+    patterns: tuple[str, ...]  # empty: every model
+
+    def may_read(self, model_id: str) -> bool:
+        return not self.patterns or any(fnmatch.fnmatchcase(model_id, p) for p in self.patterns)
+
+
+def parse_tokens(text: str) -> list[Grant]:
+    grants = []
+    for line in text.splitlines():
+        fields = line.split("#", 1)[0].split()
+        if fields:
+            grants.append(Grant(fields[0], tuple(p.rstrip(",") for p in fields[1:])))
+    return grants
+
+
+class TokenStore:
+    def __init__(self, path: str | os.PathLike, check_interval: float = 1.0) -> None:
+        self.path = Path(path)
+        self.check_interval = check_interval
+        self._lock = threading.Lock()
+        self._stamp: tuple[int, int, int] | None = None
+        self._checked = 0.0
+        self._grants: list[Grant] = []
+        self._reload(force=True)
+
+    def _reload(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._checked < self.check_interval:
+            return
+        self._checked = now
+        st = self.path.stat()
+        stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+        if stamp != self._stamp:
+            grants = parse_tokens(self.path.read_text())
+            if not grants:
+                raise ValueError(f"token file {self.path} holds no token")
+            self._grants, self._stamp = grants, stamp
+
+    def grant(self, authorization: str | None) -> Grant:
+        """The grant for an ``Authorization: Bearer ...`` value, or Unauthenticated."""
+        with self._lock:
+            # Keep the last good tokens if the file is briefly missing or empty (a rotation).
+            with contextlib.suppress(OSError, ValueError):
+                self._reload()
+            grants = self._grants
+        if not authorization or not authorization.startswith("Bearer "):
+            raise Unauthenticated("this server needs a bearer token (Authorization: Bearer ...)")
+        presented = authorization[len("Bearer ") :].strip().encode()
+        found = None
+        for g in grants:  # compare with every token, in constant time each
+            if hmac.compare_digest(presented, g.token.encode()):
+                found = g
+        if found is None:
+            raise Unauthenticated("the bearer token is not valid")
+        return found
+
+
+class Access:
+    """What one request may do: everything (no auth configured) or what its grant allows."""
+
+    def __init__(self, grant: Grant | None) -> None:
+        self.grant = grant
+
+    def may_read(self, model_id: str) -> bool:
+        return self.grant is None or self.grant.may_read(model_id)
+
+    def check(self, model_id: str) -> None:
+        if not self.may_read(model_id):
+            raise PermissionDenied(f"this token may not read model {model_id!r}")
+
+
+OPEN_ACCESS = Access(None)
+
+
+def authorize(store: TokenStore | None, authorization: str | None) -> Access:
+    return OPEN_ACCESS if store is None else Access(store.grant(authorization))

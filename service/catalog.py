@@ -14,7 +14,10 @@ How a root is laid out (the model id is the path relative to the root, so ``org/
 - every ``*.gguf`` file is a model of its own (GGUF is a single-file format);
 - a checkpoint file directly in the root is a model of its own, its id the file name.
 
-Paths never leave the root: symlinks that resolve outside it are skipped and reported.
+Paths never leave the root: symlinks that resolve outside it are skipped and reported, and a
+model directory with a shard (or shard index) that leaves the root is refused as a whole rather
+than served in part. Symlinked files inside the root are served; symlinked directories are not
+walked (a directory symlink that leaves the root is reported).
 """
 
 from __future__ import annotations
@@ -193,8 +196,12 @@ def validate_model_id(model_id: str) -> str:
 class Catalog:
     """Every model under ``root``, indexed by id."""
 
-    def __init__(self, root: str | os.PathLike, readers: dict[str, FormatReader] | None = None,
-                 recheck_seconds: float = 1.0):
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        readers: dict[str, FormatReader] | None = None,
+        recheck_seconds: float = 1.0,
+    ):
         self.root = Path(root).resolve()
         self.recheck_seconds = recheck_seconds
         if not self.root.is_dir():
@@ -217,21 +224,38 @@ class Catalog:
     def discover(self) -> dict[str, tuple[str, Path, list[Path]]]:
         """model id -> (format, path, files), from the directory layout alone."""
         found: dict[str, tuple[str, Path, list[Path]]] = {}
+        outside = "symlink points outside the model root"
         for dirpath, dirnames, filenames in os.walk(self.root, followlinks=False):
             directory = Path(dirpath)
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            at_root = directory == self.root
+            model_id = None if at_root else directory.relative_to(self.root).as_posix()
+            # Symlinked directories are never walked; one that leaves the root is reported.
+            kept = []
+            for name in sorted(d for d in dirnames if not d.startswith(".")):
+                sub = directory / name
+                if sub.is_symlink() and not self._inside_root(sub):
+                    rel = sub.relative_to(self.root).as_posix()
+                    self.problems[rel] = Problem(rel, rel, outside)
+                else:
+                    kept.append(name)
+            dirnames[:] = kept
             files = []
+            escaped_shard = None
             for name in sorted(filenames):
                 p = directory / name
                 if name.startswith("."):
                     continue
                 if not self._inside_root(p):
                     rel = p.relative_to(self.root).as_posix()
-                    self.problems[rel] = Problem(rel, rel, "symlink points outside the model root")
+                    if at_root or p.suffix in GGUF_SUFFIXES:  # a model of its own
+                        self.problems[rel] = Problem(rel, rel, outside)
+                    elif p.suffix in SAFETENSORS_SUFFIXES + PYTORCH_SUFFIXES or name in INDEX_FILES:
+                        escaped_shard = escaped_shard or rel  # never serve a model in part
                     continue
                 if p.is_file():
                     files.append(p)
-            at_root = directory == self.root
+            if model_id is not None and escaped_shard is not None:
+                self.problems[model_id] = Problem(model_id, escaped_shard, outside)
             for f in files:
                 if f.suffix in GGUF_SUFFIXES:
                     found[f.relative_to(self.root).as_posix()] = ("gguf", f, [f])
@@ -243,9 +267,10 @@ class Catalog:
                 for f in pt:
                     found[f.name] = ("pytorch", f, [f])
                 continue
-            model_id = directory.relative_to(self.root).as_posix()
             index = {f.name: f for f in files if f.name in INDEX_FILES}
-            if st:
+            if model_id is None or model_id in self.problems:
+                pass
+            elif st:
                 extra = [index[INDEX_FILES[0]]] if INDEX_FILES[0] in index else []
                 found[model_id] = ("safetensors", directory, st + extra)
             elif pt:
@@ -264,6 +289,10 @@ class Catalog:
             contents=contents,
         )
 
+    def _relative(self, text: str) -> str:
+        """Problems go to clients: name files relative to the root, never by server paths."""
+        return text.replace(f"{self.root}{os.sep}", "").replace(str(self.root), ".")
+
     def scan(self) -> None:
         """(Re)discover models. Unchanged models keep their index and mappings."""
         started = time.perf_counter()
@@ -280,10 +309,14 @@ class Catalog:
                         continue
                     models[model_id] = self._load(model_id, fmt, path, files)
                 except CheckpointError as e:
-                    self.problems[model_id] = Problem(model_id, e.file, str(e))
+                    self.problems[model_id] = Problem(
+                        model_id, self._relative(e.file), self._relative(str(e))
+                    )
                     log.warning("model %s refused: %s", model_id, e)
                 except OSError as e:
-                    self.problems[model_id] = Problem(model_id, str(e.filename or path), str(e))
+                    self.problems[model_id] = Problem(
+                        model_id, self._relative(str(e.filename or path)), self._relative(str(e))
+                    )
                     log.warning("model %s unreadable: %s", model_id, e)
             self.models = models
         log.info(

@@ -1,0 +1,520 @@
+"""The ``weightserve`` command as a user runs it: real subprocesses, real ports, real files.
+
+One demo server (``weightserve serve --demo`` on ports 0) serves the module; the shutdown and
+environment tests start their own.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from tests import fixtures_safetensors as fx
+from weightserve.service.demo import DEMO_GGUF, DEMO_MODEL, demo_tensors
+
+_SCRIPT = Path(sys.executable).with_name("weightserve")
+WEIGHTSERVE = (
+    [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "weightserve.client._cli"]
+)
+START_TIMEOUT = 90.0
+DEMO_NAMES = sorted(demo_tensors())
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without any WEIGHTSERVE_* setting, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTSERVE_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*WEIGHTSERVE, *args],
+        capture_output=True,
+        text=True,
+        env=env if env is not None else clean_env(),
+        timeout=timeout,
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Served:
+    proc: subprocess.Popen
+    lines: list[str]  # stdout up to and including "ready"
+    http: str  # http://host:port
+    grpc: str  # grpc://host:port
+    stderr: Path
+    _lines: queue.Queue[str | None]
+
+    def more_output(self, timeout: float = 10) -> list[str]:
+        """The stdout lines after "ready", up to the end of the output (call after exit)."""
+        rest = []
+        while (line := self._lines.get(timeout=timeout)) is not None:
+            rest.append(line)
+        return rest
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=timeout)
+
+
+def start_server(args: list[str], env: dict[str, str], log_dir: Path) -> Served:
+    """Start ``weightserve serve ARGS``; wait for "ready"; parse the URLs it printed."""
+    stderr = log_dir / f"serve-{time.monotonic_ns()}.log"
+    with open(stderr, "wb") as err:
+        proc = subprocess.Popen(
+            [*WEIGHTSERVE, "serve", *args],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env=env,
+        )
+    lines_q: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines_q.put(line.rstrip("\n"))
+        lines_q.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    lines: list[str] = []
+    deadline = time.monotonic() + START_TIMEOUT
+    while True:
+        try:
+            line = lines_q.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            proc.kill()
+            raise AssertionError(f"no 'ready' in {START_TIMEOUT} s; got {lines}") from None
+        if line is None:
+            proc.wait(timeout=10)
+            raise AssertionError(
+                f"server exited {proc.returncode} before 'ready': {lines}\n{stderr.read_text()}"
+            )
+        lines.append(line)
+        if line == "ready":
+            break
+    text = "\n".join(lines)
+    http_m = re.search(r"^\s*HTTP\s+(http://\S+?)/v1/models\b", text, re.M)
+    grpc_m = re.search(r"^\s*gRPC\s+(grpc://\S+)\s*$", text, re.M)
+    assert http_m and grpc_m, text
+    return Served(proc, lines, http_m.group(1), grpc_m.group(1), stderr, lines_q)
+
+
+def get_json(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    cache = tmp_path_factory.mktemp("cache")
+    served = start_server(
+        ["--demo", "--http-port", "0", "--grpc-port", "0"],
+        clean_env(WEIGHTSERVE_CACHE_DIR=str(cache)),
+        cache,
+    )
+    served.cache = cache  # type: ignore[attr-defined]
+    try:
+        yield served
+    finally:
+        assert served.stop() == 0
+
+
+def demo_file(demo: Served) -> Path:
+    return demo.cache / "demo-root" / DEMO_MODEL / "model.safetensors"  # type: ignore[attr-defined]
+
+
+# ------------------------------------------------------------------------------ help
+
+
+@pytest.mark.parametrize(
+    ("args", "mentions"),
+    [
+        ([], ["serve", "ls", "pull"]),
+        (["serve"], ["--demo", "--host", "--http-port", "--grpc-port", "--grace",
+                     "--max-streams", "--log-level", "WEIGHTSERVE_ROOT", "WEIGHTSERVE_HTTP_PORT",
+                     "WEIGHTSERVE_GRPC_PORT"]),
+        (["ls"], ["url", "--prefix", "--token"]),
+        (["pull"], ["url", "--prefix", "--out", "--token", "--parallel", "--quiet"]),
+    ],
+)  # fmt: skip
+def test_help(args: list[str], mentions: list[str]) -> None:
+    result = run_cli(*args, "--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: weightserve")
+    for word in mentions:
+        assert word in result.stdout, f"{word} missing from {args} --help"
+    assert result.stderr == ""
+
+
+def test_no_command_is_a_usage_error() -> None:
+    result = run_cli()
+    assert result.returncode == 2
+    assert "usage: weightserve" in result.stderr
+
+
+# ------------------------------------------------------------------------------ serve --demo
+
+
+def test_demo_prints_urls_then_ready(demo: Served) -> None:
+    lines = demo.lines
+    assert lines[-1] == "ready"
+    assert lines[0].startswith("weightserve: 2 models from ")
+    http_line = next(i for i, line in enumerate(lines) if line.strip().startswith("HTTP"))
+    grpc_line = next(i for i, line in enumerate(lines) if line.strip().startswith("gRPC"))
+    assert http_line < len(lines) - 1 and grpc_line < len(lines) - 1
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+", demo.http)
+    assert re.fullmatch(r"grpc://127\.0\.0\.1:\d+", demo.grpc)
+    assert int(demo.http.rsplit(":", 1)[1]) != 0 and int(demo.grpc.rsplit(":", 1)[1]) != 0
+    assert f"  model {demo.http}/v1/models/{DEMO_MODEL}" in lines
+    assert get_json(f"{demo.http}/healthz") == (200, {"status": "ok"})
+    status, body = get_json(f"{demo.http}/readyz")
+    assert status == 200 and body["status"] == "ready" and body["models"] == 2
+    assert demo_file(demo).is_file()  # written under WEIGHTSERVE_CACHE_DIR
+
+
+def test_ls_server_over_http(demo: Served) -> None:
+    result = run_cli("ls", demo.http)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["MODEL", "FORMAT", "TENSORS", "SIZE", "REVISION"]
+    rows = {line.split()[0]: line.split() for line in lines[1:]}
+    assert set(rows) == {DEMO_MODEL, DEMO_GGUF}
+    assert rows[DEMO_MODEL][1:3] == ["safetensors", str(len(DEMO_NAMES))]
+    assert rows[DEMO_GGUF][1:3] == ["gguf", str(len(DEMO_NAMES) - 1)]  # no int64 in GGUF
+    # The same listing over gRPC.
+    result_grpc = run_cli("ls", demo.grpc)
+    assert result_grpc.returncode == 0, result_grpc.stderr
+    assert result_grpc.stdout == result.stdout
+
+
+def test_ls_model_over_grpc_and_http(demo: Served) -> None:
+    result = run_cli("ls", f"{demo.grpc}/{DEMO_MODEL}")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    head = lines[0].split()
+    assert head[:4] == [DEMO_MODEL, "safetensors", "revision", head[3]]
+    assert head[4:6] == [str(len(DEMO_NAMES)), "tensors"]
+    assert [line.split()[0] for line in lines[1:]] == DEMO_NAMES
+    row = next(line.split() for line in lines[1:] if line.startswith("lm_head.weight "))
+    assert row[1] == "bfloat16" and "".join(row[2:4]) == "[1024,256]"
+
+    http_result = run_cli("ls", f"{demo.http}/v1/models/{DEMO_MODEL}")
+    assert http_result.returncode == 0, http_result.stderr
+    assert http_result.stdout == result.stdout
+
+    prefixed = run_cli("ls", f"{demo.grpc}/{DEMO_MODEL}", "--prefix", "model.layers.1.")
+    assert prefixed.returncode == 0, prefixed.stderr
+    names = [line.split()[0] for line in prefixed.stdout.splitlines()[1:]]
+    assert names == [n for n in DEMO_NAMES if n.startswith("model.layers.1.")] and len(names) == 9
+
+
+def test_ls_gguf_model_shows_encodings(demo: Served) -> None:
+    result = run_cli("ls", f"{demo.http}/v1/models/{DEMO_GGUF}")
+    assert result.returncode == 0, result.stderr
+    q = next(line for line in result.stdout.splitlines() if line.startswith("lm_head.weight "))
+    assert "uint8 (Q8_0 [1024, 256])" in q
+
+
+def _load_pt(path: Path) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - not a Mapping
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+def test_pull_whole_model_equals_the_served_file(
+    demo: Served, tmp_path: Path, transport: str
+) -> None:
+    torch = pytest.importorskip("torch")
+    url = (
+        f"{demo.http}/v1/models/{DEMO_MODEL}"
+        if transport == "http"
+        else f"{demo.grpc}/{DEMO_MODEL}"
+    )
+    out = tmp_path / "out"
+    result = run_cli("pull", url, "--out", str(out), "--quiet")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(out / "model.safetensors")
+    assert result.stderr == ""  # --quiet: no progress bar
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]  # no .partial left
+
+    pulled = _load_pt(out / "model.safetensors")
+    source = _load_pt(demo_file(demo))
+    assert list(pulled) == list(source) == DEMO_NAMES
+    dtypes = set()
+    for name, expected in source.items():
+        got = pulled[name]
+        assert got.dtype == expected.dtype and got.shape == expected.shape, name
+        assert torch.equal(got, expected), name
+        dtypes.add(got.dtype)
+    assert dtypes == {torch.bfloat16, torch.float32, torch.int64}
+
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        meta = f.metadata()
+    assert meta["weightserve.model"] == DEMO_MODEL
+    assert meta["weightserve.format"] == "safetensors"
+
+
+@pytest.mark.torch
+def test_pull_prefix_pulls_only_those(demo: Served, tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    out = tmp_path / "layer0"
+    result = run_cli(
+        "pull", f"{demo.http}/v1/models/{DEMO_MODEL}", "--prefix", "model.layers.0",
+        "--out", str(out), "--quiet",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    pulled = _load_pt(out / "model.safetensors")
+    source = _load_pt(demo_file(demo))
+    wanted = [n for n in DEMO_NAMES if n.startswith("model.layers.0")]
+    assert len(wanted) == 9
+    assert list(pulled) == wanted
+    for name in wanted:
+        assert torch.equal(pulled[name], source[name]), name
+
+
+def test_pull_default_out_dir_is_the_model_name(demo: Served, tmp_path: Path) -> None:
+    result = subprocess.run(
+        [*WEIGHTSERVE, "pull", f"{demo.grpc}/{DEMO_MODEL}", "--prefix", "model.norm", "--quiet"],
+        capture_output=True, text=True, env=clean_env(), cwd=tmp_path, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(Path("tiny-llama") / "model.safetensors")
+    assert (tmp_path / "tiny-llama" / "model.safetensors").is_file()
+
+
+def test_pull_unknown_model_fails_clearly(demo: Served, tmp_path: Path) -> None:
+    out = tmp_path / "nope"
+    for url in (f"{demo.http}/v1/models/demo/no-such-model", f"{demo.grpc}/demo/no-such-model"):
+        result = run_cli("pull", url, "--out", str(out), "--quiet")
+        assert result.returncode == 1
+        assert result.stdout == ""
+        assert "Traceback" not in result.stderr
+        assert result.stderr.startswith("weightserve pull: ModelNotFound: ")
+        assert "'demo/no-such-model'" in result.stderr
+        assert not out.exists()
+
+
+def test_pull_prefix_without_match_fails_clearly(demo: Served, tmp_path: Path) -> None:
+    out = tmp_path / "none"
+    url = f"{demo.http}/v1/models/{DEMO_MODEL}"
+    result = run_cli("pull", url, "--prefix", "no.such.prefix", "--out", str(out), "--quiet")
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert "no tensor whose name starts with 'no.such.prefix'" in result.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("scheme", ["http", "grpc"])
+def test_ls_with_nothing_listening_is_server_unreachable(scheme: str) -> None:
+    url = f"{scheme}://127.0.0.1:{free_port()}"
+    result = run_cli("ls", url, timeout=60)
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert "Traceback" not in result.stderr
+    assert result.stderr.startswith(
+        f"weightserve ls: ServerUnreachable: cannot reach weightserve at {url}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["ls", "localhost:8080"], "not a weightserve URL: 'localhost:8080'"),
+        (["pull", "http://127.0.0.1:1/models/x"], "an HTTP model URL looks like"),
+        (["pull", "http://127.0.0.1:1"], "give a model URL"),
+    ],
+)
+def test_malformed_urls_are_usage_errors(args: list[str], message: str) -> None:
+    result = run_cli(*args)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert message in result.stderr
+
+
+# ------------------------------------------------------------------------------ serve errors
+
+
+def test_serve_without_root_fails_clearly(tmp_path: Path) -> None:
+    result = run_cli("serve", "--http-port", "0", "--grpc-port", "0")
+    assert result.returncode == 2
+    assert "give a model root directory, or --demo" in result.stderr
+    missing = tmp_path / "missing"
+    result = run_cli("serve", str(missing), "--http-port", "0", "--grpc-port", "0")
+    assert result.returncode == 2
+    assert f"model root {missing} is not a directory" in result.stderr
+
+
+def test_serve_rejects_unknown_options() -> None:
+    result = run_cli("serve", "--no-such-option")
+    assert result.returncode == 2
+    assert "unrecognized arguments: --no-such-option" in result.stderr
+
+
+# ------------------------------------------------------------------------------ environment
+
+
+def test_environment_configures_serve(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    fx.write_sharded(root / "org" / "sharded")
+    http_port, grpc_port = free_port(), free_port()
+    env = clean_env(
+        WEIGHTSERVE_ROOT=str(root),
+        WEIGHTSERVE_HOST="127.0.0.1",
+        WEIGHTSERVE_HTTP_PORT=str(http_port),
+        WEIGHTSERVE_GRPC_PORT=str(grpc_port),
+        WEIGHTSERVE_LOG_LEVEL="warning",
+        WEIGHTSERVE_GRACE_SECONDS="7",
+    )
+    served = start_server([], env, tmp_path)
+    try:
+        assert served.http == f"http://127.0.0.1:{http_port}"
+        assert served.grpc == f"grpc://127.0.0.1:{grpc_port}"
+        assert served.lines[0] == f"weightserve: 1 models from {root}"
+        status, listing = get_json(f"{served.http}/v1/models")
+        assert status == 200
+        assert [m["id"] for m in listing["models"]] == ["org/sharded"]
+        ls = run_cli("ls", served.grpc)
+        assert ls.returncode == 0 and "org/sharded" in ls.stdout
+        # warning level: the info lines of a normal start are not logged
+        assert '"level":"INFO"' not in served.stderr.read_text()
+    finally:
+        assert served.stop(signal.SIGINT) == 0
+    assert served.more_output() == ["weightserve: shutting down, open streams get 7 s"]
+
+
+def test_flags_override_the_environment(tmp_path: Path) -> None:
+    env_root = tmp_path / "env-root"
+    fx.write_sharded(env_root / "from-env")
+    flag_root = tmp_path / "flag-root"
+    fx.write_sharded(flag_root / "from-flag")
+    env = clean_env(WEIGHTSERVE_ROOT=str(env_root), WEIGHTSERVE_HTTP_PORT=str(free_port()))
+    served = start_server([str(flag_root), "--http-port", "0", "--grpc-port", "0"], env, tmp_path)
+    try:
+        status, listing = get_json(f"{served.http}/v1/models")
+        assert [m["id"] for m in listing["models"]] == ["from-flag"]
+        assert served.http.rsplit(":", 1)[1] != env["WEIGHTSERVE_HTTP_PORT"]
+    finally:
+        assert served.stop() == 0
+
+
+# ------------------------------------------------------------------------------ shutdown
+
+
+def write_big_model(path: Path, nbytes: int) -> Path:
+    """A safetensors file with one F32 tensor of ``nbytes`` (a sparse hole: reads as zeros)."""
+    header = {"big.weight": {"dtype": "F32", "shape": [nbytes // 4], "data_offsets": [0, nbytes]}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fx.write_crafted(path, header)
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size + nbytes)
+    return path
+
+
+def test_sigterm_drains_open_streams_then_exits_0(tmp_path: Path) -> None:
+    nbytes = 128 << 20  # far more than the socket buffers hold
+    write_big_model(tmp_path / "root" / "big" / "model.safetensors", nbytes)
+    served = start_server(
+        [str(tmp_path / "root"), "--http-port", "0", "--grpc-port", "0", "--grace", "60"],
+        clean_env(),
+        tmp_path,
+    )
+    host, port = served.http.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request("GET", "/v1/models/big/stream?prefix=")
+        response = conn.getresponse()
+        assert response.status == 200
+        assert response.getheader("content-type", "").startswith(
+            "application/vnd.apache.arrow.stream"
+        )
+        received = bytearray(response.read(1 << 20))
+
+        served.proc.send_signal(signal.SIGTERM)
+        # While the stream is open: readiness goes 503 on a new connection, new streams are
+        # refused, and the process stays up.
+        deadline = time.monotonic() + 10
+        while True:
+            status, body = get_json(f"{served.http}/readyz")
+            if status == 503 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert (status, body["status"]) == (503, "draining")
+        status, body = get_json(f"{served.http}/v1/models/big/stream?prefix=")
+        assert status == 503 and body["error"]["type"] == "ModelUnavailable"
+        assert "shutting down" in body["error"]["message"]
+        time.sleep(0.5)
+        assert served.proc.poll() is None, "the server exited with a stream still open"
+
+        # Finish reading the stream slowly-then-fully: every byte arrives intact.
+        while chunk := response.read(4 << 20):
+            received += chunk
+    finally:
+        conn.close()
+    started = time.monotonic()
+    assert served.proc.wait(timeout=15) == 0
+    assert time.monotonic() - started < 10
+
+    table = pa.ipc.open_stream(bytes(received)).read_all()
+    assert set(table.column("name").to_pylist()) == {"big.weight"}
+    data = table.column("data").to_pylist()
+    assert sum(len(d) for d in data) == nbytes
+    assert table.column("total_bytes").to_pylist()[0] == nbytes
+    offsets = table.column("offset").to_pylist()
+    assert offsets == sorted(offsets) and offsets[0] == 0
+    assert all(d == bytes(len(d)) for d in data[:2])  # the hole is zeros
+    assert served.more_output() == ["weightserve: shutting down, open streams get 60 s"]
+
+
+def test_sigterm_idle_server_exits_quickly(small_root: Path, tmp_path: Path) -> None:
+    served = start_server(
+        [str(small_root), "--http-port", "0", "--grpc-port", "0"], clean_env(), tmp_path
+    )
+    started = time.monotonic()
+    assert served.stop(signal.SIGTERM, timeout=15) == 0
+    assert time.monotonic() - started < 5
+
+
+@pytest.fixture
+def small_root(tmp_path: Path) -> Path:
+    root = tmp_path / "root"
+    fx.write_sharded(root / "m")
+    shutil.copy(root / "m" / fx.SHARD_NAMES[0], root / "single.safetensors")
+    return root

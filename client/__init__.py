@@ -1,1 +1,57 @@
-"""weightserve client: fetch model weights from a weightserve server."""
+"""weightserve client: fetch model weights from a weightserve server.
+
+    from weightserve.client import Client, load_weights
+
+    weights = load_weights(["http://127.0.0.1:8080/v1/models/demo/tiny-llama"])
+    state = {name: w.data() for name, w in weights.items()}   # one bulk request
+
+One flat namespace. Importing it never imports ``max`` or ``torch``: ``WeightData``,
+``DType`` and ``QuantizationEncoding`` resolve on first use to MAX's own types when ``max``
+is installed, to look-alikes otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from weightserve.client import errors
+from weightserve.client._client import Client, FetchOptions, RemoteModel
+from weightserve.client._load import WeightsFormat, load_weights, weights_format
+from weightserve.client._models import ModelInfo, ModelProblem, ModelSummary, TensorInfo
+from weightserve.client._transport import TLSOptions
+from weightserve.client._weights import RandomWeights, RemoteWeights, WeightsClosed
+
+__all__ = [
+    "Client",
+    "DType",
+    "FetchOptions",
+    "ModelInfo",
+    "ModelProblem",
+    "ModelSummary",
+    "QuantizationEncoding",
+    "RandomWeights",
+    "RemoteModel",
+    "RemoteWeights",
+    "TLSOptions",
+    "TensorInfo",
+    "WeightData",
+    "WeightsClosed",
+    "WeightsFormat",
+    "errors",
+    "load_weights",
+    "weights_format",
+]
+
+_BACKEND_TYPES = ("WeightData", "DType", "QuantizationEncoding")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _BACKEND_TYPES:
+        from weightserve.client._max_compat import backend
+
+        return getattr(backend(), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

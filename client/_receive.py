@@ -78,8 +78,11 @@ def receive(
     attempt = 0
     request = params
     while True:
-        source = open_stream(request)
+        source: ByteSource | None = None
         try:
+            # Inside the try: a server restarting refuses connections for a moment, and
+            # reconnecting is what the retries are for.
+            source = open_stream(request)
             reader = ArrowChunkReader(source)
             reader.read_schema()
             while (header := reader.next_chunk(destination)) is not None:
@@ -105,7 +108,8 @@ def receive(
                 )
             return done
         except (TransportError, DataCorruption) as e:
-            source.close()
+            if source is not None:
+                source.close()
             attempt += 1
             if attempt > retries:
                 raise

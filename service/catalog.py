@@ -29,7 +29,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -68,6 +68,13 @@ class Problem:
     reason: str
 
 
+FileStamp = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
+
+
+def file_stamp(st: os.stat_result) -> FileStamp:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 class MappedFile:
     """One read-only mmap of one file, shared by every request.
 
@@ -75,24 +82,41 @@ class MappedFile:
     MappedFile; the old mapping lives on while any stream still holds a view of it.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, stamp: FileStamp | None = None) -> None:
         self.path = path
+        self.stamp = stamp  # the file as it was indexed; another file under its name is refused
         self._lock = threading.Lock()
         self._file: BinaryIO | None = None
         self._map: mmap.mmap | None = None
         self._view: memoryview | None = None
-        self.size = path.stat().st_size
+        self.size = stamp[2] if stamp is not None else path.stat().st_size
 
     def view(self) -> memoryview:
         with self._lock:
             if self._view is None:
-                if self.size == 0:
-                    self._view = memoryview(b"")
-                else:
-                    # The file stays open: ensure_covers() fstat()s it before data is touched.
-                    self._file = open(self.path, "rb")  # noqa: SIM115
-                    self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
-                    self._view = memoryview(self._map)
+                # The file stays open: ensure_covers() fstat()s it before data is touched, and
+                # the open file pins this inode, so a later rename over it changes nothing here.
+                f = open(self.path, "rb")  # noqa: SIM115
+                try:
+                    found = file_stamp(os.fstat(f.fileno()))
+                    if self.stamp is not None and found != self.stamp:
+                        # Replaced between indexing and first use: the index describes another
+                        # file, so serving these bytes under the old revision would mix two.
+                        raise ModelUnavailable(
+                            f"{self.path.name} changed since it was indexed; the model reloads "
+                            "on its next request"
+                        )
+                    self.size = found[2]
+                    if self.size == 0:
+                        f.close()
+                        self._view = memoryview(b"")
+                    else:
+                        self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                        self._file, self._view = f, memoryview(self._map)
+                except BaseException:
+                    if self._file is not f:
+                        f.close()
+                    raise
             return self._view
 
     def ensure_covers(self, end: int) -> None:
@@ -118,6 +142,7 @@ class Model:
     revision: str
     contents: ModelContents
     checked_at: float = field(default_factory=time.monotonic, repr=False)
+    stamps: dict[Path, FileStamp] = field(default_factory=dict, repr=False)  # as indexed
     _maps: dict[Path, MappedFile] = field(default_factory=dict, repr=False)
     _maps_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -149,8 +174,19 @@ class Model:
         with self._maps_lock:
             mf = self._maps.get(file)
             if mf is None:
-                mf = self._maps[file] = MappedFile(file)
+                mf = self._maps[file] = MappedFile(file, self.stamps.get(file))
             return mf
+
+    def pin(self, files: Iterable[Path]) -> None:
+        """Map these files now (each once), before a stream sends anything: the stream then
+        reads the files as they are at its start, whatever is renamed over them later, and a
+        file replaced since indexing fails the request with a status instead of mid-stream."""
+        try:
+            for f in dict.fromkeys(files):
+                self.mapped(f).view()
+        except ModelUnavailable:
+            self.checked_at = float("-inf")  # recheck the files on the next request
+            raise
 
     def raw_view(self, entry: TensorEntry) -> memoryview:
         """The bytes of a contiguous tensor as a view of the shared mmap (no copy)."""
@@ -172,15 +208,18 @@ def missing_tensor_message(model_id: str, name: str, names: object) -> str:
     return msg
 
 
-def file_revision(files: list[Path], root: Path) -> str:
+def file_revision(
+    files: list[Path], root: Path, stamps: dict[Path, FileStamp] | None = None
+) -> str:
     """A short digest of each file's identity: path, size, mtime, inode.
 
     It changes when any file is rewritten, replaced or renamed, without reading data.
+    ``stamps`` gives the identities to use (taken earlier) instead of stat()ing now.
     """
     h = hashlib.sha256()
     for f in sorted(files):
-        st = f.stat()
-        h.update(f"{f.relative_to(root)}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\n".encode())
+        _, ino, size, mtime_ns = stamps[f] if stamps is not None else file_stamp(f.stat())
+        h.update(f"{f.relative_to(root)}\0{size}\0{mtime_ns}\0{ino}\n".encode())
     return h.hexdigest()[:16]
 
 
@@ -279,14 +318,16 @@ class Catalog:
         return found
 
     def _load(self, model_id: str, fmt: str, path: Path, files: list[Path]) -> Model:
+        stamps = {f: file_stamp(f.stat()) for f in files}  # before reading: see MappedFile.view
         contents = self.readers[fmt].read(files)
         return Model(
             id=model_id,
             format=fmt,
             path=path,
             files=files,
-            revision=file_revision(files, self.root),
+            revision=file_revision(files, self.root, stamps),  # the files the index is of
             contents=contents,
+            stamps=stamps,
         )
 
     def _relative(self, text: str) -> str:

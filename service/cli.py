@@ -88,6 +88,10 @@ def run_serve(args: argparse.Namespace) -> int:
         grace_seconds=args.grace,
         limits=Limits(max_streams=args.max_streams),
     )
+    # Handlers first: a SIGTERM that arrives right after "ready" must still drain cleanly.
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
     server = WeightServer(config).start()
     catalog = server.catalog
     print(f"weightserve: {len(catalog.models)} models from {root}", flush=True)
@@ -99,9 +103,6 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"  model {server.http_url}/v1/models/{model_id}", flush=True)
     print("ready", flush=True)
 
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     print(f"weightserve: shutting down, open streams get {args.grace:.0f} s", flush=True)
     server.stop()

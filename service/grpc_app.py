@@ -8,10 +8,13 @@ the message, instead of twice through a protobuf object.
 from __future__ import annotations
 
 import json
+import logging
+import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
 from typing import Any
+from urllib.parse import unquote
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -29,6 +32,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WeightService"].full_name
 ERROR_METADATA_KEY = "weightserve-error"
 # A chunk message plus its framing; the client and server both allow this much per message.
 MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + (1 << 20)
+
+log = logging.getLogger("weightserve.grpc")
 
 
 def _varint(n: int) -> bytes:
@@ -71,13 +76,68 @@ def _request_from_proto(msg: pb.TensorRequest) -> TensorRequest:
 
 
 def _peer_host(context: grpc.ServicerContext) -> str:
-    """The client's address without its port: 'ipv4:127.0.0.1:5000' -> 'ipv4:127.0.0.1'."""
-    return context.peer().rsplit(":", 1)[0]
+    """The client's address without its port, spelled as HTTP spells it, so one client's
+    streams count against one per-client limit on both transports:
+    'ipv4:127.0.0.1:5000' -> '127.0.0.1', 'ipv6:%5B::1%5D:5000' -> '::1'."""
+    peer = context.peer()
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return unquote(rest).rsplit(":", 1)[0].strip("[]")
+    return peer
+
+
+class _IdleCutter:
+    """Cancels streams whose client has taken no message for ``timeout`` seconds.
+
+    While a client reads nothing, HTTP/2 flow control blocks the handler inside grpc, holding
+    a worker thread and a stream slot; HTTP cuts such streams after the same
+    ``Limits.idle_timeout``. One watcher thread per server, running only while streams are open.
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self._streams: dict[int, tuple[grpc.ServicerContext, list[float]]] = {}
+        self._running = False
+
+    def watch(self, context: grpc.ServicerContext) -> list[float]:
+        """A one-item list holding the time of the stream's last progress; keep it current."""
+        stamp = [time.monotonic()]
+        with self._lock:
+            self._streams[id(stamp)] = (context, stamp)
+            if not self._running:
+                self._running = True
+                watcher = threading.Thread(target=self._run, name="weightserve-idle", daemon=True)
+                watcher.start()
+        return stamp
+
+    def forget(self, stamp: list[float]) -> None:
+        with self._lock:
+            self._streams.pop(id(stamp), None)
+
+    def _run(self) -> None:
+        period = min(1.0, self.timeout / 4)
+        while True:
+            time.sleep(period)
+            now = time.monotonic()
+            with self._lock:
+                if not self._streams:
+                    self._running = False
+                    return
+                stale = [c for c, s in self._streams.values() if now - s[0] > self.timeout]
+            for context in stale:
+                log.warning(
+                    "gRPC stream to %s cut: the client read nothing for %.1f s",
+                    context.peer(),
+                    self.timeout,
+                )
+                context.cancel()
 
 
 class WeightService:
     def __init__(self, state: ServiceState) -> None:
         self.state = state
+        self.idle = _IdleCutter(state.limits.idle_timeout)
 
     def _access(self, context: grpc.ServicerContext) -> Access:
         metadata = dict(context.invocation_metadata())
@@ -135,14 +195,22 @@ class WeightService:
             _abort(context, e)
         started = time.perf_counter()
         sent = 0
+        progress = self.idle.watch(context)
         try:
             for parts in stream_messages(model, planned, tensor_request.chunk_bytes):
                 if not context.is_active():
                     return
                 message = encode_arrow_data(parts)
-                sent += len(message)
-                yield message
+                if len(parts) > 1:
+                    sent += len(parts[1])  # tensor data bytes, not framing
+                progress[0] = time.monotonic()
+                yield message  # returns once grpc has sent it: the client is reading
+                progress[0] = time.monotonic()
+        except WeightserveError as e:  # e.g. a file truncated while being served
+            log.warning("gRPC stream of model %s broke: %s", model.id, e)
+            _abort(context, e)
         finally:
+            self.idle.forget(progress)
             slot.__exit__(None, None, None)
             state.metrics.bytes_served.labels("grpc", model.id).inc(sent)
             state.metrics.latency.labels("grpc", "stream").observe(time.perf_counter() - started)

@@ -8,17 +8,25 @@ socket as it is, with no chunked-encoding copy.
 from __future__ import annotations
 
 import asyncio
+import logging
+import mmap
 import time
 from collections.abc import Iterator
 from typing import Annotated, Any
 
 from fastapi import Body, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
 from weightserve.client._schema import ARROW_STREAM_MEDIA_TYPE, DEFAULT_CHUNK_BYTES
-from weightserve.client.errors import InvalidRequest, WeightserveError, status_for
+from weightserve.client.errors import (
+    InvalidRequest,
+    ModelUnavailable,
+    WeightserveError,
+    status_for,
+)
 from weightserve.service import models_view
 from weightserve.service.auth import Access, authorize
 from weightserve.service.state import ServiceState
@@ -29,6 +37,8 @@ from weightserve.service.streaming import (
     stream_length,
     stream_messages,
 )
+
+log = logging.getLogger("weightserve.http")
 
 
 def parse_shard(shard: str | None, axis: int) -> Shard | None:
@@ -83,22 +93,145 @@ class ArrowStreamResponse(Response):
         sent = 0
         started = time.perf_counter()
         metrics = self.state.metrics
+        idle = _IdleCut(self.state.limits.idle_timeout)
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             for message in self.messages:
                 if gone.done():
                     break
                 for part in message:
-                    if part:
-                        await send({"type": "http.response.body", "body": part, "more_body": True})
-                        sent += len(part)
+                    if not part:
+                        continue
+                    if isinstance(part, memoryview) and isinstance(part.obj, mmap.mmap):
+                        # Tensor bytes, read from the mapping when written. A send may wait
+                        # (socket full) for as long as the client likes, so wait here with an
+                        # empty write, then check the file still covers the bytes: reading a
+                        # mapped page a truncation removed is SIGBUS, which kills the process.
+                        await send({"type": "http.response.body", "body": b"", "more_body": True})
+                        _ensure_still_mapped(part.obj)
+                    await send({"type": "http.response.body", "body": part, "more_body": True})
+                    idle.progress()
+                    sent += len(part)
             else:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not idle.fired:
+                raise
+            idle.uncancel()
+            # Returning with the response incomplete makes uvicorn close the connection.
+            log.warning(
+                "stream of model %s to %s cut: the client read nothing for %.1f s",
+                self.model_id,
+                (scope.get("client") or ("?",))[0],
+                idle.timeout,
+            )
+        except WeightserveError as e:  # e.g. a file truncated while being served
+            log.warning("stream of model %s broke: %s", self.model_id, e)
         finally:
+            idle.close()
             gone.cancel()
             self.release()
             metrics.bytes_served.labels("http", self.model_id).inc(sent)
             metrics.latency.labels("http", "stream").observe(time.perf_counter() - started)
+
+
+def _ensure_still_mapped(mapping: mmap.mmap) -> None:
+    """ModelUnavailable if the file behind ``mapping`` shrank since it was mapped (one fstat):
+    see ``MappedFile.ensure_covers``."""
+    if mapping.size() < len(mapping):
+        raise ModelUnavailable(
+            "a file of this model was truncated while being served; the model reloads on its "
+            "next request"
+        )
+
+
+class _IdleCut:
+    """Cancels the current task once no write has completed for ``timeout`` seconds.
+
+    A client that stops reading blocks ``send`` (uvicorn waits for the socket to drain), which
+    would hold the stream's slot forever. One timer per stream, re-armed lazily, costs nothing
+    per write (``asyncio.wait_for`` would cost a task per write).
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.loop = asyncio.get_running_loop()
+        self.task = asyncio.current_task()
+        self.last = self.loop.time()
+        self.fired = False
+        self._handle = self.loop.call_later(timeout, self._check)
+
+    def progress(self) -> None:
+        self.last = self.loop.time()
+
+    def _check(self) -> None:
+        waited = self.loop.time() - self.last
+        if waited >= self.timeout:
+            self.fired = True
+            if self.task is not None:
+                self.task.cancel()
+        else:
+            self._handle = self.loop.call_later(self.timeout - waited, self._check)
+
+    def uncancel(self) -> None:
+        uncancel = getattr(self.task, "uncancel", None)  # Python 3.11+
+        if uncancel is not None:
+            uncancel()
+
+    def close(self) -> None:
+        self._handle.cancel()
+
+
+class BodyLimit:
+    """Refuses request bodies over ``limits.max_request_bytes`` with 413 before the app reads
+    them: by Content-Length, or for a chunked body (no Content-Length) by counting the bytes
+    as they arrive, so leaving out the length does not get around the limit."""
+
+    def __init__(self, app: Any, state: ServiceState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = self.state.limits.max_request_bytes
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
+        if length is not None:
+            if length.isdigit() and int(length) > limit:
+                return await _too_large(scope, receive, send, f"{int(length)} bytes", limit)
+            return await self.app(scope, receive, send)
+        if b"transfer-encoding" not in headers:
+            return await self.app(scope, receive, send)
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return None
+            body += message.get("body", b"")
+            if len(body) > limit:
+                return await _too_large(scope, receive, send, f"more than {limit} bytes", limit)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Any:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        return await self.app(scope, replay, send)
+
+
+async def _too_large(scope: Any, receive: Any, send: Any, size: str, limit: int) -> None:
+    response = JSONResponse(
+        {"error": {"type": "ResourceExhausted",
+                   "message": f"request body of {size}; the limit is {limit}"}},
+        status_code=413,
+    )  # fmt: skip
+    await response(scope, receive, send)
 
 
 def create_app(state: ServiceState) -> FastAPI:
@@ -113,17 +246,7 @@ def create_app(state: ServiceState) -> FastAPI:
     def access(request: Request) -> Access:
         return authorize(state.tokens, request.headers.get("authorization"))
 
-    @app.middleware("http")
-    async def refuse_large_bodies(request: Request, call_next: Any) -> Response:
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > state.limits.max_request_bytes:
-            return JSONResponse(
-                {"error": {"type": "ResourceExhausted",
-                           "message": f"request body of {length} bytes; the limit is "
-                                      f"{state.limits.max_request_bytes}"}},
-                status_code=413,
-            )
-        return await call_next(request)
+    app.add_middleware(BodyLimit, state=state)
 
     @app.exception_handler(WeightserveError)
     async def weightserve_error(request: Request, exc: WeightserveError) -> JSONResponse:
@@ -132,6 +255,16 @@ def create_app(state: ServiceState) -> FastAPI:
         return JSONResponse(
             {"error": {"type": type(exc).__name__, "message": str(exc)}}, status_code=status
         )
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's default answer echoes the input, and fails with a 500 on what it cannot
+        # encode (a NaN in the JSON body); say what is wrong in our error format instead.
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg', 'invalid')}"
+            for e in exc.errors()
+        )
+        return await weightserve_error(request, InvalidRequest(f"invalid request: {problems}"))
 
     @app.get("/healthz", tags=["operations"])
     def healthz() -> dict[str, str]:
@@ -187,6 +320,7 @@ def create_app(state: ServiceState) -> FastAPI:
         "/v1/models/{model:path}/stream",
         tags=["tensors"],
         response_class=ArrowStreamResponse,
+        status_code=200,  # ArrowStreamResponse.__init__ has no status_code for OpenAPI to read
         responses={200: {"content": {ARROW_STREAM_MEDIA_TYPE: {}}}},
     )
     def stream_get(
@@ -219,9 +353,12 @@ def create_app(state: ServiceState) -> FastAPI:
         "/v1/models/{model:path}/stream",
         tags=["tensors"],
         response_class=ArrowStreamResponse,
+        status_code=200,  # ArrowStreamResponse.__init__ has no status_code for OpenAPI to read
         responses={200: {"content": {ARROW_STREAM_MEDIA_TYPE: {}}}},
     )
-    def stream_post(http: Request, model: str, body: Annotated[StreamBody, Body()]) -> ArrowStreamResponse:
+    def stream_post(
+        http: Request, model: str, body: Annotated[StreamBody, Body()]
+    ) -> ArrowStreamResponse:
         """The same stream, with the request in a JSON body (long name lists)."""
         request = TensorRequest(
             names=tuple(body.names) if body.names is not None else None,
@@ -238,14 +375,20 @@ def create_app(state: ServiceState) -> FastAPI:
         "/v1/models/{model:path}/tensors/{name}",
         tags=["tensors"],
         response_class=ArrowStreamResponse,
+        status_code=200,  # ArrowStreamResponse.__init__ has no status_code for OpenAPI to read
         responses={200: {"content": {ARROW_STREAM_MEDIA_TYPE: {}}}},
     )
     def one_tensor(
-        model: str, name: str, shard: str | None = None, axis: int = 0, revision: str | None = None
+        http: Request,
+        model: str,
+        name: str,
+        shard: str | None = None,
+        axis: int = 0,
+        revision: str | None = None,
     ) -> ArrowStreamResponse:
         """One tensor as an Arrow IPC stream."""
         request = TensorRequest(names=(name,), shard=parse_shard(shard, axis), revision=revision)
-        return start_stream(model, request)
+        return start_stream(http, model, request)
 
     @app.get("/v1/models/{model:path}", tags=["models"])
     def get_model(model: str, request: Request) -> Response:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,11 +86,26 @@ class WeightServer:
             [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
         )
 
+    def _http_tls(self) -> dict:
+        """uvicorn's TLS settings: the same certificate (and client CA) as gRPC."""
+        c = self.config
+        if not c.tls_cert:
+            return {}
+        settings: dict = {"ssl_certfile": c.tls_cert, "ssl_keyfile": c.tls_key}
+        if c.tls_client_ca:
+            settings.update(ssl_ca_certs=c.tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+        return settings
+
     def start(self) -> WeightServer:
         host = self.config.host
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if hasattr(socket, "TCP_USER_TIMEOUT"):  # Linux; accepted connections inherit it
+            # A client that stops reading is cut by the stream's idle timeout, but closing the
+            # connection waits for its unsent data; this lets the kernel drop it instead.
+            idle_ms = int(self.state.limits.idle_timeout * 1000)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, idle_ms)
         sock.bind((host, self.config.http_port))
         self.http_port = sock.getsockname()[1]
         app = create_app(self.state)
@@ -99,6 +115,7 @@ class WeightServer:
             lifespan="off",
             access_log=False,
             timeout_graceful_shutdown=int(self.config.grace_seconds),
+            **self._http_tls(),
         )
         self._uvicorn = uvicorn.Server(config)
         started = threading.Event()

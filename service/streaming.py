@@ -113,6 +113,14 @@ def _slice_entry(entry: TensorEntry, shard: Shard | None) -> PlannedTensor:
             offset,
             None if entry.contiguous else (),
         )
+    if wire_dtype(entry.dtype).bits % 8:
+        # Packed sub-byte elements (float4, float6): a slice can start inside a byte, and the
+        # byte arithmetic below assumes whole-byte items. Refuse rather than send wrong bytes.
+        raise InvalidRequest(
+            f"tensor {entry.name!r} has the packed dtype {entry.dtype} "
+            f"({wire_dtype(entry.dtype).bits} bits per element) and cannot be sharded; "
+            "request it whole"
+        )
     axis = shard.axis
     if entry.encoding is not None and axis == len(shape) - 1:
         # Quantized blocks run along the last axis: split whole blocks, never inside one.
@@ -173,6 +181,9 @@ def plan_stream(
                 f"{first.entry.name!r} ({first.nbytes} bytes)"
             )
         planned = [_with_start(first, request.resume_offset), *planned[at + 1 :]]
+    # Map every file the stream reads now, so it reads them as they are at its start (a file
+    # renamed over later does not mix into it) and a replaced file fails here, as a status.
+    model.pin(p.entry.file for p in planned)
     return planned
 
 

@@ -182,7 +182,7 @@ def test_discovery_indexes_every_tensor(layout: dict) -> None:
 
 def test_broken_model_is_reported_and_the_others_are_served(layout: dict) -> None:
     root: Path = layout["root"]
-    broken = write_truncated_header(root / "org" / "broken" / "model.safetensors")
+    write_truncated_header(root / "org" / "broken" / "model.safetensors")
     (root / "bad.gguf").write_bytes(b"GGML" + bytes(60))
     catalog = Catalog(root)
 

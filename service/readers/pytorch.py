@@ -36,6 +36,7 @@ import pickle
 import re
 import struct
 import zipfile
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -66,6 +67,13 @@ _INDEX_SUFFIXES = (".bin.index.json", ".pt.index.json", ".pth.index.json")
 _NOT_WEIGHTS = {"training_args.bin", "optimizer.pt", "scheduler.pt", "scaler.pt"}
 _LEGACY_MAGIC = b"\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
 _KEY = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+# What zipfile raises on a damaged archive besides BadZipFile: undecodable record names
+# (UnicodeDecodeError), "zip file version 25.5" or unknown compression (NotImplementedError),
+# encrypted records (RuntimeError), broken deflate streams (zlib.error).
+_ZIP_ERRORS = (
+    zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError,
+    NotImplementedError, RuntimeError, struct.error, zlib.error,
+)  # fmt: skip
 
 # torch dtype name -> wire dtype name. Known torch dtypes missing here can be named by a
 # checkpoint but are refused (UnknownDType) when a tensor uses them.
@@ -448,7 +456,7 @@ def read_checkpoint(path: Path) -> tuple[dict[str, TensorEntry], dict[str, Any]]
             zf = zipfile.ZipFile(fh)
             prefix = _archive_prefix(path, zf)
             root = _unpickle(path, zf, prefix)
-        except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError) as exc:
+        except _ZIP_ERRORS as exc:
             raise MalformedHeader(path, f"damaged zip archive: {exc}") from None
         if not isinstance(root, dict):
             raise MalformedPickle(path, f"top-level object is {type(root).__name__}, not a dict")

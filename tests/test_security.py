@@ -1,0 +1,825 @@
+"""Security: bearer tokens and per-model grants, TLS and mTLS, confinement to the model root,
+and the limits that keep one client from exhausting the server.
+
+Every test runs real servers on loopback ports chosen by the OS, over a model root written
+here. Certificates (a test CA, a server and a client certificate, and a second "rogue" CA)
+are made at test time in a temporary directory with the ``openssl`` command line tool; no key
+is ever stored in the repository. Raw HTTP requests go through ``http.client`` with the path
+exactly as written, so traversal attempts reach the server unnormalised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from safetensors.numpy import save_file
+
+from weightserve.client._client import Client
+from weightserve.client._proto.weightserve.v1 import weightserve_pb2 as pb
+from weightserve.client._transport import TLSOptions
+from weightserve.client.errors import (
+    InvalidRequest,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    TransportError,
+    Unauthenticated,
+    WeightserveError,
+)
+from weightserve.service.server import ServerConfig, WeightServer
+from weightserve.service.state import Limits
+
+FULL_TOKEN = "full-access-token-0123456789abcdef"
+TEAM_A_TOKEN = "team-a-token-fedcba9876543210"
+SECRET = b"TOP-SECRET-OUTSIDE-THE-ROOT!"  # bytes of a checkpoint outside the model root
+BIG_TENSOR_BYTES = 8 << 20
+BIG_TENSORS = 4  # 32 MiB: far more than loopback socket buffers hold for a stalled reader
+STREAM = "/weightserve.v1.WeightService/StreamTensors"
+
+
+@pytest.fixture(autouse=True)
+def _no_env_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WEIGHTSERVE_TOKEN", raising=False)
+
+
+# ----------------------------------------------------------------------------- the model root
+
+
+@dataclass
+class Root:
+    path: Path
+    outside: Path
+    arrays: dict[str, dict[str, np.ndarray]]  # model id -> tensors
+
+
+def _small(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "w": rng.standard_normal((4, 8)).astype(np.float32),
+        "b": rng.integers(-100, 100, 8, dtype=np.int16),
+    }
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Root:
+    base = tmp_path_factory.mktemp("security")
+    path, outside = base / "root", base / "outside"
+    arrays: dict[str, dict[str, np.ndarray]] = {}
+    for seed, model_id in enumerate(("team-a/x", "team-a/y", "team-b/z", "shared/base")):
+        (path / model_id).mkdir(parents=True)
+        arrays[model_id] = _small(seed)
+        save_file(arrays[model_id], path / model_id / "model.safetensors")
+    rng = np.random.default_rng(7)
+    arrays["big"] = {
+        f"t{i}": rng.integers(0, 256, BIG_TENSOR_BYTES, dtype=np.uint8) for i in range(BIG_TENSORS)
+    }
+    (path / "big").mkdir()
+    save_file(arrays["big"], path / "big" / "model.safetensors")
+
+    # A valid model outside the root, and symlinks inside the root that lead to it.
+    (outside / "secret").mkdir(parents=True)
+    secret_file = outside / "secret" / "model.safetensors"
+    save_file({"secret": np.frombuffer(SECRET * 64, dtype=np.uint8)}, secret_file)
+    (outside / "passwd").write_bytes(SECRET)
+    (path / "escape-dir").symlink_to(outside / "secret", target_is_directory=True)
+    (path / "escape-file.safetensors").symlink_to(secret_file)
+    (path / "team-c").mkdir()
+    (path / "team-c" / "model.safetensors").symlink_to(secret_file)
+    return Root(path, outside, arrays)
+
+
+@contextlib.contextmanager
+def serving(root: Root, **config) -> Iterator[WeightServer]:
+    srv = WeightServer(
+        ServerConfig(str(root.path), http_port=0, grpc_port=0, rescan_seconds=0, **config)
+    ).start()
+    try:
+        yield srv
+    finally:
+        srv.stop(grace=1.0)
+
+
+def raw(
+    srv: WeightServer,
+    method: str,
+    path: str,
+    *,
+    headers: dict[str, str] | None = None,
+    body: object = None,
+    source: tuple[str, int] | None = None,
+) -> tuple[int, bytes]:
+    """One HTTP request with the path exactly as given; (status, whole body)."""
+    conn = http.client.HTTPConnection("127.0.0.1", srv.http_port, timeout=20, source_address=source)
+    try:
+        data = json.dumps(body).encode() if isinstance(body, (dict, list)) else body
+        hdrs = dict(headers or {})
+        if isinstance(body, (dict, list)):
+            hdrs["content-type"] = "application/json"
+        conn.request(method, path, body=data, headers=hdrs)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def error_type(body: bytes) -> str:
+    return json.loads(body)["error"]["type"]
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {token}"}
+
+
+def assert_arrays(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert set(got) == set(want)
+    for name, arr in want.items():
+        assert got[name].dtype == arr.dtype and got[name].shape == arr.shape, name
+        assert got[name].tobytes() == arr.tobytes(), name
+
+
+def eventually(check: Callable[[], bool], timeout: float, what: str) -> float:
+    """Poll ``check`` until it holds; returns the seconds it took, fails after ``timeout``."""
+    start = time.monotonic()
+    while not check():
+        if time.monotonic() - start > timeout:
+            pytest.fail(f"not within {timeout} s: {what}")
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+# ----------------------------------------------------------------------------- authentication
+
+
+def write_tokens(path: Path, text: str) -> None:
+    """Replace the token file atomically, as a secret-mount rotation does."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+@pytest.fixture(scope="module")
+def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tokens") / "tokens"
+    write_tokens(path, f"# tokens for tests\n{FULL_TOKEN}\n{TEAM_A_TOKEN}  team-a/*\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def auth_server(root: Root, token_file: Path) -> Iterator[WeightServer]:
+    with serving(root, token_file=str(token_file)) as srv:
+        yield srv
+
+
+URLS = ("http", "grpc")
+
+
+def url(srv: WeightServer, transport: str) -> str:
+    return srv.http_url if transport == "http" else srv.grpc_url
+
+
+def test_http_no_token_or_wrong_token_is_401(auth_server: WeightServer) -> None:
+    for headers in ({}, bearer("wrong-token"), {"authorization": FULL_TOKEN}, bearer("")):
+        for method, path, body in (
+            ("GET", "/v1/models", None),
+            ("GET", "/v1/models/team-a/x", None),
+            ("POST", "/v1/models/team-a/x/stream", {"prefix": ""}),
+            ("GET", "/v1/models/team-a/x/stream?prefix=", None),
+            ("GET", "/v1/models/team-a/x/tensors/w", None),
+        ):
+            status, data = raw(auth_server, method, path, headers=headers, body=body)
+            assert status == 401, (headers, path)
+            assert error_type(data) == "Unauthenticated"
+
+
+@pytest.mark.parametrize("transport", URLS)
+@pytest.mark.parametrize("token", [None, "wrong-token", FULL_TOKEN + "x", FULL_TOKEN[:-1]])
+def test_client_without_valid_token_is_unauthenticated(
+    auth_server: WeightServer, transport: str, token: str | None
+) -> None:
+    with Client(url(auth_server, transport), token=token, timeout=10) as client:
+        with pytest.raises(Unauthenticated):
+            client.list_models()
+        with pytest.raises(Unauthenticated):
+            client.model("team-a/x")
+
+
+def test_grpc_stream_without_token_is_unauthenticated(auth_server: WeightServer) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{auth_server.grpc_port}") as channel:
+        call = channel.unary_stream(STREAM, request_serializer=pb.TensorRequest.SerializeToString)
+        for metadata in ((), (("authorization", "Bearer nope"),)):
+            with pytest.raises(grpc.RpcError) as info:
+                list(call(pb.TensorRequest(model="team-a/x", use_prefix=True), metadata=metadata))
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.mark.parametrize("transport", URLS)
+def test_good_token_reads_everything(auth_server: WeightServer, root: Root, transport: str) -> None:
+    with Client(url(auth_server, transport), token=FULL_TOKEN, timeout=10) as client:
+        models, _ = client.list_models()
+        assert {m.id for m in models} == set(root.arrays)
+        for model_id in ("team-a/x", "team-b/z", "shared/base"):
+            assert_arrays(client.model(model_id).fetch(prefix=""), root.arrays[model_id])
+
+
+def test_token_from_environment(
+    auth_server: WeightServer, root: Root, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WEIGHTSERVE_TOKEN", FULL_TOKEN)
+    for transport in URLS:
+        with Client(url(auth_server, transport), timeout=10) as client:
+            assert_arrays(client.model("team-b/z").fetch(prefix=""), root.arrays["team-b/z"])
+
+
+@pytest.mark.parametrize("transport", URLS)
+def test_per_model_grant(auth_server: WeightServer, root: Root, transport: str) -> None:
+    with Client(url(auth_server, transport), token=TEAM_A_TOKEN, timeout=10) as client:
+        models, problems = client.list_models()
+        assert sorted(m.id for m in models) == ["team-a/x", "team-a/y"]
+        assert problems == []  # refused models outside the grant are not listed either
+        assert_arrays(client.model("team-a/x").fetch(prefix=""), root.arrays["team-a/x"])
+        assert_arrays(client.model("team-a/y").fetch(["w"]), {"w": root.arrays["team-a/y"]["w"]})
+        # Outside the grant: refused whether the model exists or not (no existence oracle).
+        for model_id in ("team-b/z", "shared/base", "big", "team-b/does-not-exist", "team-a"):
+            with pytest.raises(PermissionDenied):
+                client.model(model_id)
+
+
+def test_per_model_grant_http_statuses(auth_server: WeightServer) -> None:
+    headers = bearer(TEAM_A_TOKEN)
+    assert raw(auth_server, "GET", "/v1/models/team-a/x", headers=headers)[0] == 200
+    for path, method, body in (
+        ("/v1/models/team-b/z", "GET", None),
+        ("/v1/models/team-b/z/stream", "POST", {"names": ["w"]}),
+        ("/v1/models/team-b/z/stream?name=w", "GET", None),
+        ("/v1/models/team-b/z/tensors/w", "GET", None),
+        ("/v1/models/nope/nothing", "GET", None),
+    ):
+        status, data = raw(auth_server, method, path, headers=headers, body=body)
+        assert status == 403, path
+        assert error_type(data) == "PermissionDenied"
+
+
+def test_per_model_grant_grpc_codes(auth_server: WeightServer) -> None:
+    metadata = tuple(bearer(TEAM_A_TOKEN).items())
+    with grpc.insecure_channel(f"127.0.0.1:{auth_server.grpc_port}") as channel:
+        get = channel.unary_unary(
+            "/weightserve.v1.WeightService/GetModel",
+            request_serializer=pb.GetModelRequest.SerializeToString,
+            response_deserializer=pb.ModelInfo.FromString,
+        )
+        assert get(pb.GetModelRequest(model="team-a/y"), metadata=metadata).id == "team-a/y"
+        with pytest.raises(grpc.RpcError) as info:
+            get(pb.GetModelRequest(model="team-b/z"), metadata=metadata)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        call = channel.unary_stream(STREAM, request_serializer=pb.TensorRequest.SerializeToString)
+        with pytest.raises(grpc.RpcError) as info:
+            list(call(pb.TensorRequest(model="shared/base", names=["w"]), metadata=metadata))
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_token_file_reloads_without_restart(root: Root, tmp_path: Path) -> None:
+    path = tmp_path / "tokens"
+    write_tokens(path, "old-token\n")
+    with serving(root, token_file=str(path)) as srv:
+        assert raw(srv, "GET", "/v1/models", headers=bearer("old-token"))[0] == 200
+        assert raw(srv, "GET", "/v1/models", headers=bearer("new-token"))[0] == 401
+        with Client(srv.grpc_url, token="old-token", timeout=10) as c:
+            c.list_models()
+
+        write_tokens(path, "new-token  team-a/x\n")  # atomic replace: a new inode
+
+        def rotated() -> bool:
+            return (
+                raw(srv, "GET", "/v1/models", headers=bearer("new-token"))[0] == 200
+                and raw(srv, "GET", "/v1/models", headers=bearer("old-token"))[0] == 401
+            )
+
+        took = eventually(rotated, 3.0, "new token accepted, old token refused")
+        assert took < 2.5
+        # gRPC reads the same store: the old token is gone there too, the new one is scoped.
+        with (
+            Client(srv.grpc_url, token="old-token", timeout=10) as c,
+            pytest.raises(Unauthenticated),
+        ):
+            c.list_models()
+        with Client(srv.grpc_url, token="new-token", timeout=10) as c:
+            assert [m.id for m in c.list_models()[0]] == ["team-a/x"]
+            with pytest.raises(PermissionDenied):
+                c.model("team-a/y")
+
+        # An in-place edit (same inode) is picked up too.
+        path.write_text("third-token\n")
+        eventually(
+            lambda: (
+                raw(srv, "GET", "/v1/models", headers=bearer("third-token"))[0] == 200
+                and raw(srv, "GET", "/v1/models", headers=bearer("new-token"))[0] == 401
+            ),
+            3.0,
+            "in-place edit of the token file",
+        )
+
+        # A briefly missing or empty file keeps the last good tokens (no lock-out mid-rotation).
+        path.unlink()
+        time.sleep(1.2)
+        assert raw(srv, "GET", "/v1/models", headers=bearer("third-token"))[0] == 200
+        path.write_text("# nothing yet\n")
+        time.sleep(1.2)
+        assert raw(srv, "GET", "/v1/models", headers=bearer("third-token"))[0] == 200
+
+
+def test_probes_and_metrics_open_by_default(auth_server: WeightServer) -> None:
+    assert raw(auth_server, "GET", "/healthz")[0] == 200
+    status, data = raw(auth_server, "GET", "/readyz")
+    assert status == 200 and json.loads(data)["status"] == "ready"
+    status, data = raw(auth_server, "GET", "/metrics")
+    assert status == 200 and b"weightserve" in data
+
+
+def test_grpc_health_open_without_token(auth_server: WeightServer) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{auth_server.grpc_port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "weightserve.v1.WeightService"):
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_protected_metrics(root: Root, token_file: Path) -> None:
+    with serving(root, token_file=str(token_file), protect_metrics=True) as srv:
+        status, data = raw(srv, "GET", "/metrics")
+        assert status == 401 and error_type(data) == "Unauthenticated"
+        assert raw(srv, "GET", "/metrics", headers=bearer("wrong"))[0] == 401
+        status, data = raw(srv, "GET", "/metrics", headers=bearer(FULL_TOKEN))
+        assert status == 200 and b"weightserve" in data
+        # Probes stay open: a kubelet carries no token.
+        assert raw(srv, "GET", "/healthz")[0] == 200
+        assert raw(srv, "GET", "/readyz")[0] == 200
+
+
+# ----------------------------------------------------------------------------- TLS and mTLS
+
+
+@dataclass(frozen=True)
+class Certs:
+    ca: str
+    server_cert: str
+    server_key: str
+    client_cert: str
+    client_key: str
+    rogue_cert: str  # a client certificate issued by another CA
+    rogue_key: str
+
+
+def _openssl(directory: Path, *args: str) -> None:
+    subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command line tool is not installed")
+    d = tmp_path_factory.mktemp("certs")
+    new_key = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+
+    def make_ca(name: str) -> None:
+        _openssl(
+            d, "req", "-x509", *new_key, "-keyout", f"{name}.key", "-out", f"{name}.pem",
+            "-days", "2", "-subj", f"/CN=weightserve test {name}",
+            "-addext", "basicConstraints=critical,CA:TRUE",
+            "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+        )  # fmt: skip
+
+    def make_leaf(name: str, ca: str, serial: int, extensions: str) -> None:
+        _openssl(d, "req", "-new", *new_key, "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                 "-subj", f"/CN={name}")  # fmt: skip
+        (d / f"{name}.ext").write_text(
+            "basicConstraints=critical,CA:FALSE\nsubjectKeyIdentifier=hash\n"
+            "authorityKeyIdentifier=keyid\n" + extensions
+        )
+        _openssl(
+            d, "x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
+            "-set_serial", str(serial), "-days", "2", "-out", f"{name}.pem",
+            "-extfile", f"{name}.ext",
+        )  # fmt: skip
+
+    make_ca("ca")
+    make_ca("rogue-ca")
+    make_leaf(
+        "server", "ca", 1,
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\nkeyUsage=critical,digitalSignature\n"
+        "extendedKeyUsage=serverAuth\n",
+    )  # fmt: skip
+    client_ext = "keyUsage=critical,digitalSignature\nextendedKeyUsage=clientAuth\n"
+    make_leaf("client", "ca", 2, client_ext)
+    make_leaf("rogue", "rogue-ca", 3, client_ext)
+    return Certs(*(str(d / n) for n in (
+        "ca.pem", "server.pem", "server.key", "client.pem", "client.key", "rogue.pem", "rogue.key",
+    )))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tls_server(root: Root, certs: Certs) -> Iterator[WeightServer]:
+    with serving(root, tls_cert=certs.server_cert, tls_key=certs.server_key) as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("transport", URLS)
+def test_tls_with_the_ca_is_byte_identical(
+    tls_server: WeightServer, root: Root, certs: Certs, transport: str
+) -> None:
+    address = url(tls_server, transport)
+    assert address.startswith(("https://", "grpcs://"))
+    with Client(address, tls=TLSOptions(ca_file=certs.ca), timeout=10) as client:
+        assert {m.id for m in client.list_models()[0]} == set(root.arrays)
+        assert_arrays(client.model("big").fetch(prefix=""), root.arrays["big"])
+        assert_arrays(client.model("team-a/x").fetch(prefix=""), root.arrays["team-a/x"])
+
+
+@pytest.mark.parametrize("transport", URLS)
+def test_tls_without_the_ca_fails_cleanly(
+    tls_server: WeightServer, certs: Certs, transport: str
+) -> None:
+    # The system trust store does not know the test CA; another CA does not vouch for it.
+    for tls in (None, TLSOptions(ca_file=certs.ca.replace("ca.pem", "rogue-ca.pem"))):
+        with Client(url(tls_server, transport), tls=tls, timeout=10) as client:
+            with pytest.raises(TransportError) as info:
+                client.list_models()
+            text = str(info.value)
+            assert tls_server.config.host in text or "CERTIFICATE_VERIFY_FAILED" in text
+
+
+@pytest.mark.parametrize("transport", URLS)
+def test_plaintext_client_to_tls_port_fails_cleanly(
+    tls_server: WeightServer, transport: str
+) -> None:
+    plain = url(tls_server, transport).replace("https://", "http://").replace("grpcs://", "grpc://")
+    with Client(plain, timeout=10) as client, pytest.raises(TransportError):
+        client.list_models()
+
+
+@pytest.fixture(scope="module")
+def mtls_server(root: Root, certs: Certs) -> Iterator[WeightServer]:
+    with serving(
+        root, tls_cert=certs.server_cert, tls_key=certs.server_key, tls_client_ca=certs.ca
+    ) as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("transport", URLS)
+def test_mtls(mtls_server: WeightServer, root: Root, certs: Certs, transport: str) -> None:
+    address = url(mtls_server, transport)
+    refused = (
+        TLSOptions(ca_file=certs.ca),  # no client certificate
+        TLSOptions(ca_file=certs.ca, cert_file=certs.rogue_cert, key_file=certs.rogue_key),
+    )
+    for tls in refused:
+        with Client(address, tls=tls, timeout=10) as client, pytest.raises(TransportError):
+            client.list_models()
+    good = TLSOptions(ca_file=certs.ca, cert_file=certs.client_cert, key_file=certs.client_key)
+    with Client(address, tls=good, timeout=10) as client:
+        assert {m.id for m in client.list_models()[0]} == set(root.arrays)
+        assert_arrays(client.model("team-b/z").fetch(prefix=""), root.arrays["team-b/z"])
+
+
+# ----------------------------------------------------------------------------- confinement
+
+# Each names something outside the root (the sibling "outside" directory holds a valid model,
+# so a server that joined ids to paths would find it), or tries to.
+ESCAPES = [
+    "../outside/secret",
+    "..%2Foutside%2Fsecret",
+    "..%2foutside/secret",
+    "%2e%2e/outside/secret",
+    "%2E%2E%2Foutside%2Fsecret",
+    ".%2e/outside/secret",
+    "/etc/passwd",
+    "%2Fetc%2Fpasswd",
+    "a/../../outside/secret",
+    "team-a/../../outside/secret",
+    "..%2f..%2fetc%2fpasswd",
+    "..%2f..%2f..%2f..%2f..%2f..%2fetc%2fpasswd",
+    "..%5Coutside%5Csecret",
+    "..\\outside\\secret",
+    "team-a/x/../../../outside/secret",
+    "%00",
+    "team-a%00/x",
+    ".",
+    "..",
+    "team-a//x",
+    "./team-a/x",
+]
+# Symlinks inside the root that lead outside it: found, but never served.
+SYMLINKS = ["escape-dir", "escape-file.safetensors", "team-c"]
+
+
+@pytest.fixture(scope="module")
+def open_server(root: Root) -> Iterator[WeightServer]:
+    with serving(root) as srv:
+        yield srv
+
+
+def test_symlinks_out_of_the_root_are_refused(open_server: WeightServer) -> None:
+    status, data = raw(open_server, "GET", "/v1/models")
+    listing = json.loads(data)
+    served = {m["id"] for m in listing["models"]}
+    refused = {p["model"]: p["reason"] for p in listing["problems"]}
+    assert not served & set(SYMLINKS)
+    for link in SYMLINKS:
+        assert "outside the model root" in refused[link], link
+    assert SECRET not in data
+
+
+@pytest.mark.parametrize("model", ESCAPES + SYMLINKS)
+def test_http_confinement(open_server: WeightServer, model: str) -> None:
+    for method, path, body in (
+        ("GET", f"/v1/models/{model}", None),
+        ("GET", f"/v1/models/{model}/stream?prefix=", None),
+        ("POST", f"/v1/models/{model}/stream", {"prefix": ""}),
+        ("POST", f"/v1/models/{model}/stream", {"names": ["secret"]}),
+        ("GET", f"/v1/models/{model}/tensors/secret", None),
+    ):
+        status, data = raw(open_server, method, path, body=body)
+        assert 400 <= status < 500 or (model in SYMLINKS and status == 503), (path, status)
+        assert SECRET not in data, path
+        if model in SYMLINKS:
+            assert error_type(data) in ("ModelUnavailable", "ModelNotFound"), path
+        elif model not in ("team-a//x", "./team-a/x"):
+            assert error_type(data) in ("InvalidRequest", "ModelNotFound"), (path, data)
+
+
+@pytest.mark.parametrize("model", [m for m in ESCAPES if "%" not in m] + SYMLINKS)
+def test_grpc_confinement(open_server: WeightServer, model: str) -> None:
+    with Client(open_server.grpc_url, timeout=10) as client:
+        with pytest.raises(WeightserveError) as info:
+            client.model(model)
+        assert SECRET.decode() not in str(info.value)
+    if model in SYMLINKS:
+        return
+    assert isinstance(info.value, (InvalidRequest, NotFound)), info.value
+    with grpc.insecure_channel(f"127.0.0.1:{open_server.grpc_port}") as channel:
+        call = channel.unary_stream(STREAM, request_serializer=pb.TensorRequest.SerializeToString)
+        for request in (
+            pb.TensorRequest(model=model, use_prefix=True),
+            pb.TensorRequest(model=model, names=["secret"]),
+        ):
+            with pytest.raises(grpc.RpcError) as err:
+                list(call(request, timeout=10))
+            assert err.value.code() in (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                grpc.StatusCode.NOT_FOUND,
+            ), model
+
+
+def test_grpc_confinement_raw_percent_forms(open_server: WeightServer) -> None:
+    # gRPC carries the id as a protobuf string: nothing decodes '%2F', so these name no model.
+    with Client(open_server.grpc_url, timeout=10) as client:
+        for model in (m for m in ESCAPES if "%" in m):
+            with pytest.raises((InvalidRequest, NotFound)):
+                client.model(model)
+
+
+# ----------------------------------------------------------------------------- limits
+
+
+class StalledReader:
+    """A raw HTTP stream request whose client then reads nothing (tiny receive buffer)."""
+
+    def __init__(self, srv: WeightServer, path: str, source: str | None = None) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 << 10)
+        if source:
+            self.sock.bind((source, 0))
+        self.sock.settimeout(20)
+        self.sock.connect(("127.0.0.1", srv.http_port))
+        self.sock.sendall(f"GET {path} HTTP/1.1\r\nHost: weightserve\r\n\r\n".encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += self.sock.recv(1)
+        self.status = int(head.split()[1])
+        length = [h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:")]
+        self.length = int(length[0].split(b":")[1]) if length else 0
+
+    def drain(self) -> int:
+        """Read until the server closes; the body bytes received."""
+        n = 0
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := self.sock.recv(1 << 20):
+                n += len(chunk)
+        return n
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+BIG_STREAM = "/v1/models/big/stream?prefix=&chunk_bytes=1048576"
+
+
+def _grpc_stalled(srv: WeightServer) -> tuple[grpc.Channel, object]:
+    """A gRPC stream of the big model whose client took one message and reads no more."""
+    channel = grpc.insecure_channel(f"127.0.0.1:{srv.grpc_port}")
+    call = channel.unary_stream(STREAM, request_serializer=pb.TensorRequest.SerializeToString)
+    it = call(pb.TensorRequest(model="big", use_prefix=True, chunk_bytes=1 << 20), timeout=30)
+    next(it)
+    return channel, it
+
+
+@pytest.fixture(scope="module")
+def limited_server(root: Root) -> Iterator[WeightServer]:
+    limits = Limits(
+        max_streams_per_client=1, max_names=4, max_request_bytes=4096, idle_timeout=30.0
+    )
+    with serving(root, limits=limits) as srv:
+        yield srv
+
+
+def test_streams_per_client(limited_server: WeightServer, root: Root) -> None:
+    srv = limited_server
+    stalled = StalledReader(srv, BIG_STREAM)
+    try:
+        assert stalled.status == 200
+        eventually(lambda: srv.state.open_streams == 1, 5, "the stalled stream holds a slot")
+        # A second stream from the same address: refused on both transports.
+        status, data = raw(srv, "GET", "/v1/models/team-a/x/stream?prefix=")
+        assert status == 429 and error_type(data) == "ResourceExhausted"
+        for transport in URLS:
+            with Client(url(srv, transport), timeout=10) as client:
+                model = client.model("team-a/x")  # metadata needs no stream slot
+                assert model.names() == ["b", "w"]
+                with pytest.raises(ResourceExhausted):
+                    model.fetch(prefix="")
+        time.sleep(0.2)
+        assert srv.state.open_streams == 1
+    finally:
+        stalled.close()
+    eventually(lambda: srv.state.open_streams == 0, 5, "the slot is released on disconnect")
+    with Client(srv.http_url, timeout=10) as client:
+        assert_arrays(client.model("team-a/x").fetch(prefix=""), root.arrays["team-a/x"])
+
+
+def test_other_address_still_served(limited_server: WeightServer, root: Root) -> None:
+    srv = limited_server
+    try:
+        probe = socket.socket()
+        probe.bind(("127.0.0.2", 0))
+        probe.close()
+    except OSError as e:
+        pytest.skip(f"cannot use 127.0.0.2 as a source address: {e}")
+    stalled = StalledReader(srv, BIG_STREAM)
+    try:
+        eventually(lambda: srv.state.open_streams == 1, 5, "the stalled stream holds a slot")
+        status, data = raw(
+            srv, "POST", "/v1/models/team-a/x/stream", body={"prefix": ""}, source=("127.0.0.2", 0)
+        )
+        assert status == 200 and len(data) > 0
+        # ...and from 127.0.0.2 a second stream is again one too many.
+        other = StalledReader(srv, BIG_STREAM, source="127.0.0.2")
+        try:
+            assert other.status == 200
+            eventually(lambda: srv.state.open_streams == 2, 5, "second address holds a slot")
+            status, _ = raw(
+                srv, "GET", "/v1/models/team-a/x/stream?prefix=", source=("127.0.0.2", 0)
+            )
+            assert status == 429
+        finally:
+            other.close()
+    finally:
+        stalled.close()
+    eventually(lambda: srv.state.open_streams == 0, 5, "slots released")
+
+
+def test_grpc_streams_per_client(limited_server: WeightServer) -> None:
+    srv = limited_server
+    channel, it = _grpc_stalled(srv)
+    try:
+        eventually(lambda: srv.state.open_streams == 1, 5, "the stalled gRPC stream holds a slot")
+        with Client(srv.grpc_url, timeout=10) as client, pytest.raises(ResourceExhausted):
+            client.model("team-a/x").fetch(prefix="")
+        assert raw(srv, "GET", "/v1/models/team-a/x/stream?prefix=")[0] == 429
+    finally:
+        it.cancel()
+        channel.close()
+    eventually(lambda: srv.state.open_streams == 0, 5, "the slot is released on cancel")
+
+
+def test_too_many_names(limited_server: WeightServer) -> None:
+    names = ["w", "b", "w", "b", "w"]  # 5 > max_names=4 (checked before any lookup)
+    status, data = raw(limited_server, "POST", "/v1/models/team-a/x/stream", body={"names": names})
+    assert status == 429 and error_type(data) == "ResourceExhausted"
+    query = "&".join(f"name={n}" for n in names)
+    assert raw(limited_server, "GET", f"/v1/models/team-a/x/stream?{query}")[0] == 429
+    assert (
+        raw(limited_server, "POST", "/v1/models/team-a/x/stream", body={"names": names[:4]})[0]
+        == 200
+    )
+    with grpc.insecure_channel(f"127.0.0.1:{limited_server.grpc_port}") as channel:
+        call = channel.unary_stream(STREAM, request_serializer=pb.TensorRequest.SerializeToString)
+        with pytest.raises(grpc.RpcError) as info:
+            list(call(pb.TensorRequest(model="team-a/x", names=names), timeout=10))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_request_body_limit(limited_server: WeightServer) -> None:
+    body = {"names": ["w"], "prefix": None, "revision": "x" * 5000}  # > 4096 bytes of JSON
+    status, data = raw(limited_server, "POST", "/v1/models/team-a/x/stream", body=body)
+    assert status == 413 and error_type(data) == "ResourceExhausted"
+
+    # Without Content-Length (chunked transfer encoding) the limit holds all the same.
+    def chunks() -> Iterator[bytes]:
+        yield b'{"names": ["w"], "revision": "'
+        for _ in range(100):
+            yield b"x" * 1000
+        yield b'"}'
+
+    conn = http.client.HTTPConnection("127.0.0.1", limited_server.http_port, timeout=20)
+    try:
+        conn.request(
+            "POST",
+            "/v1/models/team-a/x/stream",
+            body=chunks(),
+            headers={"content-type": "application/json", "transfer-encoding": "chunked"},
+            encode_chunked=True,
+        )
+        resp = conn.getresponse()
+        assert resp.status == 413 and error_type(resp.read()) == "ResourceExhausted"
+    finally:
+        conn.close()
+    # A small chunked body is read normally.
+    conn = http.client.HTTPConnection("127.0.0.1", limited_server.http_port, timeout=20)
+    try:
+        conn.request(
+            "POST",
+            "/v1/models/team-a/x/stream",
+            body=iter([b'{"names": ', b'["w"]}']),
+            headers={"content-type": "application/json", "transfer-encoding": "chunked"},
+            encode_chunked=True,
+        )
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.read()
+    finally:
+        conn.close()
+    # gRPC has its own cap on a request message (4 MiB).
+    with grpc.insecure_channel(f"127.0.0.1:{limited_server.grpc_port}") as channel:
+        call = channel.unary_stream(STREAM, request_serializer=pb.TensorRequest.SerializeToString)
+        huge = pb.TensorRequest(model="team-a/x", names=["w"], revision="x" * (5 << 20))
+        with pytest.raises(grpc.RpcError) as info:
+            list(call(huge, timeout=10))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+@pytest.fixture(scope="module")
+def idle_server(root: Root) -> Iterator[WeightServer]:
+    with serving(root, limits=Limits(idle_timeout=1.0)) as srv:
+        yield srv
+
+
+def test_stalled_http_client_is_cut(idle_server: WeightServer, root: Root) -> None:
+    srv = idle_server
+    stalled = StalledReader(srv, BIG_STREAM)
+    try:
+        assert stalled.status == 200 and stalled.length > BIG_TENSORS * BIG_TENSOR_BYTES
+        started = time.monotonic()
+        eventually(lambda: srv.state.open_streams == 1, 5, "the stalled stream holds a slot")
+        # Others are served while the stalled stream sits there...
+        with Client(srv.http_url, timeout=10) as client:
+            assert_arrays(client.model("team-b/z").fetch(prefix=""), root.arrays["team-b/z"])
+        # ...and the stalled one is cut after about idle_timeout (1 s), releasing its slot.
+        eventually(lambda: srv.state.open_streams == 0, 5, "the stalled stream is cut")
+        assert time.monotonic() - started > 0.8
+        # The connection ends short of its Content-Length: a cut, not a finished stream.
+        assert stalled.drain() < stalled.length
+    finally:
+        stalled.close()
+    with Client(srv.grpc_url, timeout=10) as client:
+        assert_arrays(client.model("team-a/y").fetch(prefix=""), root.arrays["team-a/y"])
+
+
+def test_stalled_grpc_client_is_cut(idle_server: WeightServer, root: Root) -> None:
+    srv = idle_server
+    channel, it = _grpc_stalled(srv)
+    try:
+        started = time.monotonic()
+        eventually(lambda: srv.state.open_streams == 1, 5, "the stalled gRPC stream holds a slot")
+        with Client(srv.grpc_url, timeout=10) as client:
+            assert_arrays(client.model("team-b/z").fetch(prefix=""), root.arrays["team-b/z"])
+        eventually(lambda: srv.state.open_streams == 0, 5, "the stalled gRPC stream is cut")
+        assert time.monotonic() - started > 0.8
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in it:
+                pass
+        assert info.value.code() == grpc.StatusCode.CANCELLED
+    finally:
+        it.cancel()
+        channel.close()

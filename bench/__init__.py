@@ -1,0 +1,13 @@
+"""weightserve benchmarks: ``python -m bench --size-gib 2`` (``--quick`` for CI).
+
+One run measures the ceilings (raw loopback TCP, page cache), the alternative users pick
+today (the file on a static web server, loaded with safetensors) and weightserve (HTTP and
+gRPC; whole model, prefix, shard, concurrent clients, small requests, memory), alternating
+contenders over rounds, and prints ratios to the ceilings. Results go to
+``bench/results/latest.json``; the write-up is ``docs/performance.md``.
+
+Modules: ``checkpoint`` (the cached test checkpoint), ``procs`` (server and worker
+processes), ``worker`` (one measured client), ``ceilings``, ``webserver``, ``server`` and
+``weightserve_loads`` (the contenders), ``report`` (stats, goals, table), ``run`` (the
+orchestration), ``profile`` (py-spy profiles of the whole-model loads).
+"""

@@ -1,0 +1,171 @@
+"""Ceilings: what the machine can do with no protocol at all.
+
+Raw loopback TCP. A plain threaded socket server (``python -m bench.ceilings FILE``, its own
+process) answers one request line per connection, ``MODE OFFSET LENGTH``, with that byte
+range of the checkpoint file and closes:
+
+- ``sendfile``: ``os.sendfile`` from the page cache (no user-space copy at all);
+- ``mmap``: ``sendall`` of 4 MiB slices of an mmap of the file (one copy, mmap -> kernel),
+  the way a Python server that maps the file sends it.
+
+The client (``raw_fetch``) splits the file over 1 or 2 connections and ``recv_into``s one
+freshly allocated buffer (allocation and page faults are inside the timing). The best of the
+four = "the ceiling".
+
+Page cache: ``pagecache_read`` reads the file with ``readinto`` into one fresh buffer: the
+page-cache ceiling (what "it is already on local disk and cached" costs). ``local_load_file``
+is ``safetensors.torch.load_file(backend="pread")`` of the same file into fresh memory: what
+a user with a local copy runs (for reference; not a ceiling).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import sys
+import threading
+
+import numpy as np
+
+from bench.procs import serve_until_stdin_closes
+
+PIECE = 4 << 20
+
+
+def _serve_one(conn: socket.socket, fd: int, view: memoryview) -> None:
+    with conn:
+        line = b""
+        while not line.endswith(b"\n"):
+            got = conn.recv(256)
+            if not got:
+                return
+            line += got
+        mode, offset, length = line.decode().split()
+        at, end = int(offset), int(offset) + int(length)
+        if mode == "sendfile":
+            while at < end:
+                n = os.sendfile(conn.fileno(), fd, at, end - at)
+                if n == 0:
+                    break
+                at += n
+        else:
+            while at < end:
+                k = min(PIECE, end - at)
+                conn.sendall(view[at : at + k])
+                at += k
+
+
+def serve(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    view = memoryview(mm)
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=_serve_one, args=(conn, fd, view), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    serve_until_stdin_closes({"port": listener.getsockname()[1], "size": os.fstat(fd).st_size})
+    listener.close()
+
+
+# -- client side (run inside bench.worker) ---------------------------------------------------
+
+
+def raw_fetch(port: int, size: int, mode: str, connections: int):
+    """The whole file over ``connections`` loopback connections into one fresh buffer."""
+
+    def run():
+        buf = np.empty(size, dtype=np.uint8)
+        view = memoryview(buf)
+        bounds = [size * i // connections for i in range(connections + 1)]
+        errors: list[BaseException] = []
+
+        def one(lo: int, hi: int) -> None:
+            try:
+                with socket.create_connection(("127.0.0.1", port)) as s:
+                    s.sendall(f"{mode} {lo} {hi - lo}\n".encode())
+                    at = lo
+                    while at < hi:
+                        n = s.recv_into(view[at:hi])
+                        if n == 0:
+                            raise ConnectionError(f"closed at {at} of {lo}..{hi}")
+                        at += n
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [
+            threading.Thread(target=one, args=(bounds[i], bounds[i + 1]))
+            for i in range(connections)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return {"bytes": size}, buf
+
+    return run
+
+
+def pagecache_read(path: str):
+    """The file (already in the page cache) read into one fresh buffer."""
+
+    def run():
+        size = os.path.getsize(path)
+        buf = np.empty(size, dtype=np.uint8)
+        view = memoryview(buf)
+        with open(path, "rb", buffering=0) as f:
+            at = 0
+            while at < size:
+                n = f.readinto(view[at:])
+                if not n:
+                    raise EOFError(path)
+                at += n
+        return {"bytes": size}, buf
+
+    return run
+
+
+def local_load_file(path: str):
+    """``safetensors.torch.load_file(path, backend="pread")``: the local file into fresh
+    memory. (The default ``backend="mmap"`` returns in milliseconds because it maps the page
+    cache and copies nothing; that is not a load into process memory.)"""
+    import safetensors.torch
+
+    def run():
+        try:
+            tensors = safetensors.torch.load_file(path, backend="pread")
+        except TypeError:  # safetensors without the backend argument
+            tensors = {k: v.clone() for k, v in safetensors.torch.load_file(path).items()}
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        return {"bytes": total}, tensors
+
+    return run
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
+
+
+def fresh_memory(size: int):
+    """Diagnostic: allocate ``size`` bytes and write every page once, no I/O at all. What
+    landing data in fresh memory costs by itself (page faults, zeroing); every whole-model
+    contender above pays it too."""
+
+    def run():
+        buf = np.empty(size, dtype=np.uint8)
+        buf[::4096] = 1  # one write per 4 KiB page faults it in (huge pages: fewer faults)
+        return {"bytes": size}, buf
+
+    return run

@@ -1,0 +1,306 @@
+"""The benchmark run: checkpoint, servers, contenders in alternating rounds, report.
+
+Every contender runs once per round, in the same order each round (A B C ... A B C ...), so
+slow drifts of a noisy machine hit all of them alike; the report gives medians and min-max,
+and every ratio compares numbers taken in this one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench import report
+from bench.checkpoint import MODEL_ID, REPO, Checkpoint, quick
+from bench.procs import Job, MemorySampler, ServerProcess, cpu_seconds, proc_status, run_group
+from bench.procs import write_json_atomically as write_json
+from bench.webserver import StaticServer
+from bench.weightserve_loads import remote_weights_class
+
+RESULTS = REPO / "bench" / "results" / "latest.json"
+MiB = 1 << 20
+
+
+@dataclass
+class Contender:
+    key: str
+    group: str  # ceiling | alternative | weightserve | diagnostic | partial | concurrent | small
+    jobs: list[Job]
+    sample_server: bool = False  # record the weightserve server's RssAnon while it runs
+    rounds: list[dict] = field(default_factory=list)
+
+
+def contenders(
+    ck: Checkpoint, raw_port: int, web_port: int, http: str, grpc: str, args: argparse.Namespace
+) -> list[Contender]:
+    path = str(ck.path)
+    size = ck.path.stat().st_size
+    web_file = f"{MODEL_ID}/model.safetensors"
+    have_max = remote_weights_class() is not None
+    out: list[Contender] = []
+
+    def add(key: str, group: str, fn: str, n: int = 1, sample: bool = False, **kwargs: Any):
+        out.append(Contender(key, group, [Job(fn, kwargs) for _ in range(n)], sample))
+
+    for mode in ("sendfile", "mmap"):
+        for conns in (1, 2):
+            add(f"raw_{mode}_{conns}conn", "ceiling", "bench.ceilings:raw_fetch",
+                port=raw_port, size=size, mode=mode, connections=conns)  # fmt: skip
+    add("pagecache_read", "ceiling", "bench.ceilings:pagecache_read", path=path)
+    add("fresh_memory_touch", "diagnostic", "bench.ceilings:fresh_memory", size=size)
+    add("local_safetensors_load_file", "ceiling", "bench.ceilings:local_load_file", path=path)
+    add("web_download", "alternative", "bench.webserver:web_download", port=web_port, file=web_file)
+    add(
+        "web_safetensors_load",
+        "alternative",
+        "bench.webserver:web_load",
+        port=web_port,
+        file=web_file,
+    )
+    for t, base in (("http", http), ("grpc", grpc)):
+        add(f"ws_{t}_max", "weightserve", "bench.weightserve_loads:max_load",
+            base=base, model_id=MODEL_ID)  # fmt: skip
+        if have_max:
+            add(f"ws_{t}_state_dict", "weightserve", "bench.weightserve_loads:max_load",
+                base=base, model_id=MODEL_ID, how="state_dict")  # fmt: skip
+        add(f"ws_{t}_fetch", "weightserve", "bench.weightserve_loads:fetch_load",
+            base=base, model_id=MODEL_ID)  # fmt: skip
+    for t, base in (("http", http), ("grpc", grpc)):
+        add(f"ws_{t}_drain", "diagnostic", "bench.weightserve_loads:drain",
+            base=base, model_id=MODEL_ID)  # fmt: skip
+        add(f"ws_{t}_fetch_1stream", "diagnostic", "bench.weightserve_loads:fetch_load",
+            base=base, model_id=MODEL_ID, parallel=1)  # fmt: skip
+    for t, base in (("http", http), ("grpc", grpc)):
+        add(f"ws_{t}_prefix", "partial", "bench.weightserve_loads:fetch_load",
+            base=base, model_id=MODEL_ID, prefix=ck.prefix)  # fmt: skip
+        add(f"ws_{t}_shard", "partial", "bench.weightserve_loads:fetch_load",
+            base=base, model_id=MODEL_ID, shard=[1, 4])  # fmt: skip
+    for mode in ("sendfile", "mmap"):
+        add(f"raw_{mode}_1conn_conc4", "concurrent", "bench.ceilings:raw_fetch", n=4,
+            port=raw_port, size=size, mode=mode, connections=1)  # fmt: skip
+    for t, base in (("http", http), ("grpc", grpc)):
+        add(f"ws_{t}_max_conc4", "concurrent", "bench.weightserve_loads:max_load", n=4,
+            sample=True, base=base, model_id=MODEL_ID)  # fmt: skip
+    names = ck.small_tensors()
+    for t, base in (("http", http), ("grpc", grpc)):
+        add(f"ws_{t}_small_latency", "small", "bench.weightserve_loads:small_requests",
+            base=base, model_id=MODEL_ID, names=names, requests=args.small_requests)  # fmt: skip
+        add(f"ws_{t}_small_conc8", "small", "bench.weightserve_loads:small_requests", n=8,
+            base=base, model_id=MODEL_ID, names=names, requests=args.small_requests_conc)  # fmt: skip
+    if args.only:
+        keep = set(args.only.split(","))
+        out = [c for c in out if c.key in keep or c.group in keep]
+    return out
+
+
+def measure(c: Contender, pids: dict[str, int]) -> dict:
+    """One round of one contender, with the CPU its server used meanwhile."""
+    server = "raw" if c.key.startswith("raw_") else "ws" if c.key.startswith("ws_") else None
+    cpu0 = cpu_seconds(pids[server]) if server else None
+    if c.sample_server:
+        with MemorySampler(pids["ws"]) as mem:
+            result = run_group(c.jobs)
+        result["server_anon_before"] = mem.before
+        result["server_anon_peak"] = mem.peak
+        result["server_anon_growth"] = mem.peak - mem.before
+    else:
+        result = run_group(c.jobs)
+    if server and cpu0:
+        cpu1 = cpu_seconds(pids[server])
+        result["server_cpu_user_s"] = cpu1[0] - cpu0[0]
+        result["server_cpu_sys_s"] = cpu1[1] - cpu0[1]
+    result["client_cpu_user_s"] = sum(w["cpu_user_s"] for w in result["results"])
+    result["client_cpu_sys_s"] = sum(w["cpu_sys_s"] for w in result["results"])
+    return result
+
+
+def ratios_and_goals(results: dict[str, Any], ck: Checkpoint) -> None:
+    c = results["contenders"]
+    raw = {k: s for k, s in c.items() if k.startswith("raw_") and s["clients"] == 1}
+    best = max(raw, key=lambda k: raw[k]["gbps"]) if raw else None
+    ceiling = raw[best]["gbps"] if best else float("nan")
+    results["ceiling"] = {"key": best, "gbps": ceiling}
+    for s in c.values():
+        if s["clients"] == 1 and "p50_ms" not in s:
+            s["ratio_to_ceiling"] = s["gbps"] / ceiling
+    raw4 = {k: s for k, s in c.items() if k.startswith("raw_") and k.endswith("_conc4")}
+    best4 = max(raw4, key=lambda k: raw4[k]["gbps"]) if raw4 else None
+    conc_raw = raw4[best4]["gbps"] if best4 else None
+    results["ceiling_conc4"] = {"key": best4, "gbps": conc_raw}
+    for key, s in c.items():
+        if key.endswith("_conc4") and conc_raw:
+            s["ratio_to_raw_conc4"] = s["gbps"] / conc_raw
+
+    goals = []
+    web = c.get("web_safetensors_load", {}).get("median_s")
+    for t, target in (("http", 0.8), ("grpc", 0.7)):
+        s = c.get(f"ws_{t}_max")
+        if s:
+            goals.append(report.goal(f"whole model, MAX path, {t.upper()}: x raw-TCP ceiling",
+                                     s["ratio_to_ceiling"], target))  # fmt: skip
+            if web:
+                goals.append(report.goal(
+                    f"whole model, MAX path, {t.upper()}: time / web-server+safetensors time",
+                    s["median_s"] / web, 1.0, at_most=True))  # fmt: skip
+        s = c.get(f"ws_{t}_max_conc4")
+        if s and conc_raw:
+            goals.append(report.goal(f"4 concurrent clients, {t.upper()}: x 4 raw-TCP streams",
+                                     s["ratio_to_raw_conc4"], 0.8))  # fmt: skip
+    whole_frac = ck.nbytes(ck.prefix) / ck.data_bytes
+    for t in ("http", "grpc"):
+        whole = c.get(f"ws_{t}_fetch")
+        if not whole:
+            continue
+        p, sh = c.get(f"ws_{t}_prefix"), c.get(f"ws_{t}_shard")
+        if p:
+            p["time_fraction_of_whole"] = p["median_s"] / whole["median_s"]
+            p["bytes_fraction_of_whole"] = whole_frac
+            goals.append(report.goal(
+                f"prefix ({whole_frac:.3f} of bytes), {t.upper()}: time / whole-model time",
+                p["time_fraction_of_whole"], 2 * whole_frac, at_most=True))  # fmt: skip
+        if sh:
+            sh["time_fraction_of_whole"] = sh["median_s"] / whole["median_s"]
+            goals.append(report.goal(f"1/4 shard, {t.upper()}: time / whole-model time",
+                                     sh["time_fraction_of_whole"], 0.35, at_most=True))  # fmt: skip
+    for t in ("http", "grpc"):
+        s = c.get(f"ws_{t}_max")
+        if s:
+            s["rss_over_bytes"] = s["peak_rss"] - s["bytes"]
+            # Of which the interpreter and imports (MAX included) before the load began:
+            s["load_rss_over_bytes"] = s["peak_rss"] - s["rss_before"] - s["bytes"]
+            goals.append(report.goal(f"client peak RSS - bytes fetched, {t.upper()}",
+                                     s["rss_over_bytes"] / MiB, 200, at_most=True, unit=" MiB"))  # fmt: skip
+    for t in ("http", "grpc"):
+        s = c.get(f"ws_{t}_max_conc4")
+        if s:
+            goals.append(report.goal(
+                f"server RssAnon growth, 4 concurrent full loads, {t.upper()}",
+                s["server_anon_growth"] / MiB, 64, at_most=True, unit=" MiB"))  # fmt: skip
+    for t in ("http", "grpc"):
+        s = c.get(f"ws_{t}_small_latency")
+        if s:
+            goals.append(report.goal(f"small tensor p50, {t.upper()}", s["p50_ms"], 1.0,
+                                     at_most=True, unit=" ms"))  # fmt: skip
+            goals.append(report.goal(f"small tensor p99, {t.upper()}", s["p99_ms"], 5.0,
+                                     at_most=True, unit=" ms"))  # fmt: skip
+    results["goals"] = goals
+
+
+def warm_page_cache(path: Path) -> None:
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(16 << 20)
+        while f.readinto(buf):
+            pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    p.add_argument("--size-gib", type=float, default=2.0, help="checkpoint size (default 2)")
+    p.add_argument("--rounds", type=int, default=None, help="rounds (default 3; --quick: 1)")
+    p.add_argument("--quick", action="store_true", help="tiny checkpoint, one round (CI)")
+    p.add_argument("--small-requests", type=int, default=None,
+                   help="sequential single-tensor requests per transport (default 2000)")  # fmt: skip
+    p.add_argument("--small-requests-conc", type=int, default=None,
+                   help="requests per client in the 8-client run (default 500)")  # fmt: skip
+    p.add_argument("--only", help="comma-separated contender keys or groups to run")
+    p.add_argument("--out", type=Path, default=RESULTS, help="JSON output path")
+    p.add_argument("--nice", type=int, default=0,
+                   help="renice the run (servers and clients inherit it); negative values "
+                   "(root only) shield it from other work on a shared machine")  # fmt: skip
+    p.add_argument("--profile", action="store_true",
+                   help="instead: py-spy profiles of the whole-model HTTP and gRPC loads")  # fmt: skip
+    args = p.parse_args(argv)
+    if args.nice:
+        os.nice(args.nice)
+    if args.profile:
+        from bench.profile import main as profile_main
+
+        return profile_main(args)
+    ck = quick() if args.quick else Checkpoint.for_size(args.size_gib)
+    rounds = args.rounds or (1 if args.quick else 3)
+    args.small_requests = args.small_requests or (50 if args.quick else 2000)
+    args.small_requests_conc = args.small_requests_conc or (10 if args.quick else 500)
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    ck.ensure(log)
+    warm_page_cache(ck.path)
+    started = time.time()
+    load_before = os.getloadavg()
+    with (
+        ServerProcess("bench.ceilings", str(ck.path)) as raw,
+        StaticServer(ck.path.parent.parent) as web,
+        ServerProcess("bench.server", str(ck.root)) as ws,
+    ):
+        # The static server's root is .bench-cache/<tag>: the file is /bench-llama/model.safetensors
+        http, grpc, ws_pid = ws.info["http_url"], ws.info["grpc_url"], ws.info["pid"]
+        idle = proc_status(ws_pid)
+        todo = contenders(ck, raw.info["port"], web.port, http, grpc, args)
+        log(f"{len(todo)} contenders x {rounds} rounds; static server: {web.kind}")
+        for r in range(rounds):
+            for c in todo:
+                t = time.monotonic()
+                c.rounds.append(measure(c, {"ws": ws_pid, "raw": raw.pid}))
+                log(f"  round {r + 1}/{rounds} {c.key:<30} {time.monotonic() - t:6.2f} s wall")
+        after = proc_status(ws_pid)
+        web_kind = web.kind
+    have_max = remote_weights_class() is not None
+    results: dict[str, Any] = {
+        "machine": report.machine(),
+        "config": {
+            "command": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "rounds": rounds,
+            "quick": args.quick,
+            "small_requests": args.small_requests,
+            "small_requests_conc_per_client": args.small_requests_conc,
+            "static_server": web_kind,
+            "max_path": "RemoteWeights" if have_max else "RemoteModel.fetch (RemoteWeights absent)",
+            "http_client_connection": "new TCP connection per request (http.client)",
+            "server": "separate process (bench.server): no GIL shared with any client",
+            "wall_seconds": round(time.time() - started, 1),
+            # Other work on the machine during the run (1-minute load average, before/after).
+            "loadavg_1min": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+            "nice": os.nice(0),
+        },
+        "checkpoint": {
+            "tag": ck.tag,
+            "file_bytes": ck.path.stat().st_size,
+            "bytes": ck.data_bytes,
+            "tensors": len(ck.tensors()),
+            "hidden": ck.hidden,
+            "layers": ck.layers,
+            "prefix": ck.prefix,
+            "prefix_bytes": ck.nbytes(ck.prefix),
+            "small_tensor_bytes": 2 * ck.hidden,
+        },
+        "server_memory": {"idle": idle, "after": after},
+        "contenders": {},
+    }
+    for c in todo:
+        s = report.summarize(c.rounds)
+        s["group"] = c.group
+        s["raw_rounds"] = [
+            {k: v for k, v in r.items() if k != "results"}
+            | {"per_client_s": [w["t1"] - w["t0"] for w in r["results"]]}
+            for r in c.rounds
+        ]
+        results["contenders"][c.key] = s
+    ratios_and_goals(results, ck)
+    write_json(args.out, results)
+    print(report.table(results))
+    try:
+        shown = args.out.resolve().relative_to(REPO)
+    except ValueError:
+        shown = args.out
+    print(f"\nJSON: {shown}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""weightserve contenders, client side (each runs inside a fresh ``bench.worker`` process).
+
+- ``max_load``: the MAX pipeline path, ``RemoteWeights(url)`` then ``w.data()`` for every
+  ``name, w in items()`` (with ``how="state_dict"``: ``RemoteWeights(url).state_dict()``).
+  When ``RemoteWeights`` is not importable yet, both fall back to
+  ``RemoteModel.fetch(prefix="")`` and the result says ``impl: fetch-fallback``.
+- ``fetch_load``: ``Client(url).model(id).fetch(...)``, the bulk API underneath (whole model,
+  a prefix, or a tensor-parallel shard), default ``FetchOptions`` (2 parallel streams).
+- ``small_requests``: sequential single-tensor fetches of the norm vectors, per-request
+  latency recorded (p50/p99), or just a count for the 8-client throughput run.
+
+Every timed load includes building the client and fetching the model index, as a real load
+does. The server runs in its own process (``bench.server``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+
+def remote_weights_class():
+    """``RemoteWeights`` if the client has it yet, else None."""
+    try:
+        from weightserve.client._weights import RemoteWeights
+    except ImportError:
+        try:
+            from weightserve.client import RemoteWeights  # type: ignore[attr-defined]
+        except ImportError:
+            return None
+    return RemoteWeights
+
+
+def model_url(base: str, model_id: str) -> str:
+    """The URL ``RemoteWeights`` takes: ``http://H:P/v1/models/ID`` or ``grpc://H:P/ID``."""
+    if base.startswith("http"):
+        return f"{base}/v1/models/{model_id}"
+    return f"{base}/{model_id}"
+
+
+def max_load(base: str, model_id: str, how: str = "items"):
+    RemoteWeights = remote_weights_class()
+    if RemoteWeights is None:
+        run = fetch_load(base, model_id)
+
+        def fallback():
+            info, keep = run()
+            return {**info, "impl": "fetch-fallback"}, keep
+
+        return fallback
+    url = model_url(base, model_id)
+    try:  # import MAX (when installed) before the clock starts, as a pipeline has it already
+        from weightserve.client._max_compat import backend
+
+        backend()
+    except ImportError:
+        pass
+
+    def run_max():
+        weights = RemoteWeights(url)
+        if how == "state_dict":
+            out = dict(weights.state_dict())
+        else:
+            out = {name: w.data() for name, w in weights.items()}
+        index = weights.remote_model.info.tensors
+        return {"bytes": sum(index[n].nbytes for n in out), "impl": "RemoteWeights"}, out
+
+    return run_max
+
+
+def fetch_load(
+    base: str,
+    model_id: str,
+    prefix: str = "",
+    shard: list[int] | None = None,
+    parallel: int | None = None,
+    chunk_bytes: int | None = None,
+):
+    from weightserve.client._client import Client, FetchOptions
+
+    options = FetchOptions()
+    if parallel is not None:
+        options = FetchOptions(parallel=parallel, chunk_bytes=options.chunk_bytes)
+    if chunk_bytes is not None:
+        options = FetchOptions(parallel=options.parallel, chunk_bytes=chunk_bytes)
+
+    def run():
+        client = Client(base)
+        model = client.model(model_id, options)
+        arrays = model.fetch(prefix=prefix, shard=tuple(shard) if shard else None)
+        client.close()
+        return {"bytes": sum(a.nbytes for a in arrays.values())}, arrays
+
+    return run
+
+
+def small_requests(base: str, model_id: str, names: list[str], requests: int):
+    """``requests`` sequential single-tensor fetches, cycling through ``names``."""
+    from weightserve.client._client import Client
+
+    client = Client(base)
+    model = client.model(model_id)
+    model.fetch([names[0]])  # warm: connection / channel set up, code paths loaded
+
+    def run():
+        latencies = np.empty(requests)
+        total = 0
+        for i in range(requests):
+            t = time.perf_counter()
+            arrays = model.fetch([names[i % len(names)]])
+            latencies[i] = time.perf_counter() - t
+            total += next(iter(arrays.values())).nbytes
+        client.close()
+        ms = latencies * 1e3
+        return {
+            "bytes": total,
+            "requests": requests,
+            "p50_ms": float(np.percentile(ms, 50)),
+            "p99_ms": float(np.percentile(ms, 99)),
+            "mean_ms": float(ms.mean()),
+        }, None
+
+    return run
+
+
+def drain(base: str, model_id: str):
+    """Diagnostic: the whole-model stream (one stream, prefix "") read into a reused 16 MiB
+    scratch buffer and discarded: no parsing, no digests, no allocation. What the server
+    (and, for gRPC, grpcio's receive path) delivers to the cheapest possible consumer."""
+    from weightserve.client._client import Client
+    from weightserve.client._transport import StreamParams
+
+    client = Client(base)
+    scratch = memoryview(bytearray(16 << 20))
+
+    def run():
+        source = client.transport.open_stream(model_id, StreamParams(prefix=""))
+        total = 0
+        while n := source.readinto(scratch):
+            total += n
+        source.close()
+        client.close()
+        return {"bytes": total}, None
+
+    return run

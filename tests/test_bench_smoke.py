@@ -1,0 +1,99 @@
+"""``python -m bench --quick`` runs end to end and writes the JSON the docs are built from.
+
+No timing assertions: only that every contender ran and produced positive numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+CONTENDERS = {
+    "raw_sendfile_1conn",
+    "raw_sendfile_2conn",
+    "raw_mmap_1conn",
+    "raw_mmap_2conn",
+    "pagecache_read",
+    "fresh_memory_touch",
+    "local_safetensors_load_file",
+    "web_download",
+    "web_safetensors_load",
+    "ws_http_max",
+    "ws_grpc_max",
+    "ws_http_fetch",
+    "ws_grpc_fetch",
+    "ws_http_drain",
+    "ws_grpc_drain",
+    "ws_http_fetch_1stream",
+    "ws_grpc_fetch_1stream",
+    "ws_http_prefix",
+    "ws_grpc_prefix",
+    "ws_http_shard",
+    "ws_grpc_shard",
+    "raw_sendfile_1conn_conc4",
+    "raw_mmap_1conn_conc4",
+    "ws_http_max_conc4",
+    "ws_grpc_max_conc4",
+    "ws_http_small_latency",
+    "ws_grpc_small_latency",
+    "ws_http_small_conc8",
+    "ws_grpc_small_conc8",
+}
+
+
+@pytest.mark.slow
+def test_bench_quick(tmp_path: Path) -> None:
+    out = tmp_path / "latest.json"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--out", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "goals:" in proc.stdout
+
+    results = json.loads(out.read_text())
+    assert {"machine", "config", "checkpoint", "contenders", "ceiling", "goals"} <= set(results)
+    assert results["machine"]["nproc"] > 0
+    assert results["checkpoint"]["tensors"] > 100
+    assert results["ceiling"]["gbps"] > 0
+    assert results["ceiling_conc4"]["gbps"] > 0
+
+    contenders = results["contenders"]
+    assert set(contenders) >= CONTENDERS, CONTENDERS - set(contenders)
+    for key, c in contenders.items():
+        assert c["median_s"] > 0 and c["min_s"] > 0, key
+        assert c["bytes"] > 0 and c["gbps"] > 0, key
+        assert c["peak_rss"] > 0, key
+    for key in ("ws_http_max", "ws_grpc_max", "ws_http_fetch", "ws_grpc_fetch"):
+        assert contenders[key]["ratio_to_ceiling"] > 0
+        assert contenders[key]["bytes"] == results["checkpoint"]["bytes"]
+    for key in ("ws_http_prefix", "ws_grpc_prefix"):
+        assert contenders[key]["bytes"] == results["checkpoint"]["prefix_bytes"]
+    for key in ("ws_http_max_conc4", "ws_grpc_max_conc4"):
+        assert contenders[key]["clients"] == 4
+        assert contenders[key]["server_anon_before"] > 0
+        assert contenders[key]["server_anon_peak"] > 0
+    for t in ("http", "grpc"):
+        lat = contenders[f"ws_{t}_small_latency"]
+        assert lat["p50_ms"] > 0 and lat["p99_ms"] >= lat["p50_ms"]
+        assert contenders[f"ws_{t}_small_conc8"]["requests_per_s"] > 0
+        assert contenders[f"ws_{t}_small_conc8"]["clients"] == 8
+
+    goals = results["goals"]
+    assert len(goals) >= 12
+    for g in goals:
+        assert {"goal", "target", "measured", "met"} <= set(g)
+        assert g["measured"] >= 0

@@ -1,8 +1,8 @@
 """The HTTP transport: FastAPI routes over the shared catalog.
 
 Metadata is JSON; tensor data is an Arrow IPC stream (``application/vnd.apache.arrow.stream``)
-sent with an exact Content-Length, so uvicorn writes each piece — mmap views included — to the
-socket as it is, with no chunked-encoding copy.
+sent with an exact Content-Length (no chunked-encoding copy). On plain TCP under uvicorn the
+body goes out through ``_SocketWriter``: ``writev`` from the mapped file, no user-space copy.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import mmap
+import os
+import select
 import time
 from collections.abc import Iterator
 from typing import Annotated, Any
@@ -94,11 +96,24 @@ class ArrowStreamResponse(Response):
         started = time.perf_counter()
         metrics = self.state.metrics
         idle = _IdleCut(self.state.limits.idle_timeout)
+        writer: _SocketWriter | None = None
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            writer = await _SocketWriter.attach(send, self.state.limits.idle_timeout)
+            if writer is not None:
+                idle.close()  # the writer enforces the idle timeout itself
             for message in self.messages:
                 if gone.done():
                     break
+                if writer is not None:
+                    data = message[1] if len(message) > 1 else None
+                    if isinstance(data, memoryview) and isinstance(data.obj, mmap.mmap):
+                        _ensure_still_mapped(data.obj)
+                    await asyncio.to_thread(writer.write_all, message)
+                    sent += len(data) if data is not None else 0
+                    continue
+                if len(message) > 1:
+                    sent += len(message[1])  # tensor data bytes, not framing
                 for part in message:
                     if not part:
                         continue
@@ -111,7 +126,6 @@ class ArrowStreamResponse(Response):
                         _ensure_still_mapped(part.obj)
                     await send({"type": "http.response.body", "body": part, "more_body": True})
                     idle.progress()
-                    sent += len(part)
             else:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
@@ -127,12 +141,81 @@ class ArrowStreamResponse(Response):
             )
         except WeightserveError as e:  # e.g. a file truncated while being served
             log.warning("stream of model %s broke: %s", self.model_id, e)
+        except (OSError, TimeoutError) as e:  # direct writes: the client left or stalled
+            log.warning(
+                "stream of model %s to %s cut: %s",
+                self.model_id,
+                (scope.get("client") or ("?",))[0],
+                e,
+            )
         finally:
+            if writer is not None:
+                writer.close()
             idle.close()
             gone.cancel()
             self.release()
             metrics.bytes_served.labels("http", self.model_id).inc(sent)
             metrics.latency.labels("http", "stream").observe(time.perf_counter() - started)
+
+
+class _SocketWriter:
+    """Writes stream messages straight to the connection's socket with ``writev``.
+
+    asyncio (before 3.12) copies whatever a socket doesn't take at once into its own buffer,
+    which was most of the HTTP server's time; here the kernel copies tensor bytes from the
+    mapping to the socket and nothing else does. The writes run on a worker thread (the GIL
+    is released in writev and poll), so several streams proceed in parallel. A page that a
+    truncation removed makes the kernel fail the write (EFAULT) instead of raising SIGBUS.
+
+    Only for uvicorn's plain-TCP connections: uvicorn keeps the Content-Length accounting,
+    which is adjusted here; TLS or any other server uses ASGI sends.
+    """
+
+    def __init__(self, cycle: Any, fd: int, idle_timeout: float) -> None:
+        self.cycle = cycle
+        # Our own descriptor: if asyncio closes its socket (client gone), this number can't
+        # be reused by another connection while a write is still in flight.
+        self.fd = os.dup(fd)
+        self.idle_ms = int(idle_timeout * 1000)
+
+    @classmethod
+    async def attach(cls, send: Any, idle_timeout: float) -> _SocketWriter | None:
+        cycle = getattr(send, "__self__", None)
+        transport = getattr(cycle, "transport", None)
+        if (
+            transport is None
+            or not hasattr(cycle, "expected_content_length")
+            or transport.get_extra_info("sslcontext") is not None
+            or transport.get_extra_info("socket") is None
+        ):
+            return None
+        # The status line and headers must be on the wire before the body.
+        while transport.get_write_buffer_size():
+            await asyncio.sleep(0.001)
+        return cls(cycle, transport.get_extra_info("socket").fileno(), idle_timeout)
+
+    def write_all(self, parts: tuple) -> None:
+        views = [memoryview(p).cast("B") for p in parts if len(p)]
+        total = sum(len(v) for v in views)
+        poller = select.poll()
+        poller.register(self.fd, select.POLLOUT)
+        while views:
+            try:
+                n = os.writev(self.fd, views)
+            except BlockingIOError:
+                if not poller.poll(self.idle_ms):
+                    raise TimeoutError(
+                        f"the client read nothing for {self.idle_ms / 1000:.1f} s"
+                    ) from None
+                continue
+            while views and n >= len(views[0]):
+                n -= len(views.pop(0))
+            if n:
+                views[0] = views[0][n:]
+        self.cycle.expected_content_length -= total
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 def _ensure_still_mapped(mapping: mmap.mmap) -> None:

@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from tests import fixtures_safetensors
 from weightserve.client._proto.weightserve.v1 import weightserve_pb2 as pb
 from weightserve.client._proto.weightserve.v1 import weightserve_pb2_grpc as pb_grpc
+from weightserve.client._schema import DEFAULT_CHUNK_BYTES
 
 MIB = 1 << 20
 SERVICE = "weightserve.v1.WeightService"
@@ -173,7 +174,7 @@ def _ipc_messages(data: bytes) -> int:
 @pytest.mark.parametrize("chunk_bytes", [0, 1 * MIB])
 def test_messages_bounded_and_whole(stub, model_root, reference, chunk_bytes: int) -> None:
     model = "minilm" if "minilm" not in model_root.skipped else "tiny.gguf"
-    limit = chunk_bytes or 8 * MIB  # 0: the server default
+    limit = chunk_bytes or DEFAULT_CHUNK_BYTES  # 0: the server default
     messages = stream(stub, model=model, use_prefix=True, prefix="", chunk_bytes=chunk_bytes)
     sizes = [len(m) for m in messages]
     assert max(sizes) < limit + MIB

@@ -56,6 +56,52 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="concurrent tensor streams allowed (env WEIGHTSERVE_MAX_STREAMS)",
     )
     parser.add_argument(
+        "--max-streams-per-client",
+        type=int,
+        default=int(_env("MAX_STREAMS_PER_CLIENT", "16") or 16),
+        help="concurrent tensor streams per client address (env WEIGHTSERVE_MAX_STREAMS_PER_CLIENT)",
+    )
+    parser.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=float(_env("IDLE_TIMEOUT", "60") or 60),
+        help="seconds a client may read nothing before its stream is cut "
+        "(env WEIGHTSERVE_IDLE_TIMEOUT)",
+    )
+    parser.add_argument(
+        "--token-file",
+        default=_env("TOKEN_FILE"),
+        help="bearer tokens, one per line, each optionally followed by the model ids or "
+        "patterns it may read; re-read when it changes (env WEIGHTSERVE_TOKEN_FILE)",
+    )
+    parser.add_argument(
+        "--protect-metrics",
+        action="store_true",
+        default=(_env("PROTECT_METRICS") or "") in ("1", "true", "yes"),
+        help="/metrics needs a token too (env WEIGHTSERVE_PROTECT_METRICS=1)",
+    )
+    parser.add_argument(
+        "--tls-cert",
+        default=_env("TLS_CERT"),
+        help="PEM certificate chain: TLS on HTTP and gRPC (env WEIGHTSERVE_TLS_CERT)",
+    )
+    parser.add_argument(
+        "--tls-key", default=_env("TLS_KEY"), help="PEM private key (env WEIGHTSERVE_TLS_KEY)"
+    )
+    parser.add_argument(
+        "--tls-client-ca",
+        default=_env("TLS_CLIENT_CA"),
+        help="require client certificates signed by this CA: mutual TLS "
+        "(env WEIGHTSERVE_TLS_CLIENT_CA)",
+    )
+    parser.add_argument(
+        "--rescan",
+        type=float,
+        default=float(_env("RESCAN_SECONDS", "30") or 30),
+        help="seconds between searches of the root for new or removed models, 0: never "
+        "(env WEIGHTSERVE_RESCAN_SECONDS); a changed file is noticed on its next request",
+    )
+    parser.add_argument(
         "--log-level",
         default=_env("LOG_LEVEL", "info"),
         choices=["debug", "info", "warning", "error"],
@@ -86,7 +132,17 @@ def run_serve(args: argparse.Namespace) -> int:
         http_port=args.http_port,
         grpc_port=args.grpc_port,
         grace_seconds=args.grace,
-        limits=Limits(max_streams=args.max_streams),
+        limits=Limits(
+            max_streams=args.max_streams,
+            max_streams_per_client=args.max_streams_per_client,
+            idle_timeout=args.idle_timeout,
+        ),
+        token_file=args.token_file,
+        protect_metrics=args.protect_metrics,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
+        rescan_seconds=args.rescan,
     )
     # Handlers first: a SIGTERM that arrives right after "ready" must still drain cleanly.
     stop = threading.Event()

@@ -517,3 +517,27 @@ def small_root(tmp_path: Path) -> Path:
     fx.write_sharded(root / "m")
     shutil.copy(root / "m" / fx.SHARD_NAMES[0], root / "single.safetensors")
     return root
+
+
+def test_token_file_from_the_environment_guards_both_transports(
+    small_root: Path, tmp_path: Path
+) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("cli-secret-token\n")
+    served = start_server(
+        [str(small_root), "--http-port", "0", "--grpc-port", "0", "--rescan", "0"],
+        clean_env(WEIGHTSERVE_TOKEN_FILE=str(tokens)),
+        tmp_path,
+    )
+    try:
+        for url in (served.http, served.grpc):
+            refused = run_cli("ls", url)
+            assert refused.returncode == 1
+            assert "Unauthenticated" in refused.stderr and "Traceback" not in refused.stderr
+            allowed = run_cli("ls", url, env=clean_env(WEIGHTSERVE_TOKEN="cli-secret-token"))
+            assert allowed.returncode == 0, allowed.stderr
+            assert "single.safetensors" in allowed.stdout and "m " in allowed.stdout
+            flag = run_cli("ls", url, "--token", "cli-secret-token")
+            assert flag.returncode == 0 and flag.stdout == allowed.stdout
+    finally:
+        assert served.stop(signal.SIGTERM, timeout=15) == 0

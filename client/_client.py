@@ -15,7 +15,7 @@ import numpy as np
 
 from weightserve.client._dtypes import numpy_dtype, wire_dtype
 from weightserve.client._models import ModelInfo, ModelProblem, ModelSummary, TensorInfo
-from weightserve.client._receive import ReceivedTensor, receive
+from weightserve.client._receive import ReceivedTensor, arena_allocator, receive
 from weightserve.client._schema import ChunkHeader
 from weightserve.client._transport import (
     DEFAULT_READ_TIMEOUT,
@@ -174,13 +174,16 @@ class RemoteModel:
                 chunk_bytes=self.options.chunk_bytes,
                 revision=self.info.revision,
             )
+            place = allocate
+            if place is None and shard is None:
+                place = arena_allocator({n: self.info.tensors[n].nbytes for n in group})
             return receive(
                 lambda p: self.client.transport.open_stream(self.id, p),
                 params,
                 group,
                 retries=self.options.retries,
                 on_bytes=counted,
-                allocate=allocate,
+                allocate=place,
             )
 
         if len(groups) == 1:

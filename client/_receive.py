@@ -98,7 +98,7 @@ def receive(
                 f"tensor {header.name!r}: chunk at byte {header.offset} of "
                 f"{header.total_bytes}, expected {partial.received} of {len(partial.buffer)}"
             )
-        return memoryview(partial.buffer)[header.offset : header.offset + header.nbytes]
+        return partial.buffer.data[header.offset : header.offset + header.nbytes]
 
     attempt = 0
     request = params
@@ -112,7 +112,7 @@ def receive(
             reader.read_schema()
             while (header := reader.next_chunk(destination)) is not None:
                 assert partial is not None
-                chunk = memoryview(partial.buffer)[header.offset : header.offset + header.nbytes]
+                chunk = partial.buffer.data[header.offset : header.offset + header.nbytes]
                 if xxhash.xxh3_64_intdigest(chunk) != header.digest:
                     raise DataCorruption(
                         f"tensor {header.name!r}: bytes {header.offset}.."

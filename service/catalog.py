@@ -200,9 +200,9 @@ class Model:
         return mf.view()[entry.offset : entry.offset + entry.nbytes]
 
 
-def missing_tensor_message(model_id: str, name: str, names: object) -> str:
+def missing_tensor_message(model_id: str, name: str, names: Iterable[str]) -> str:
     msg = f"No weight named {name!r} in model {model_id!r}."
-    close = difflib.get_close_matches(name, list(names), n=1)  # type: ignore[arg-type]
+    close = difflib.get_close_matches(name, list(names), n=1)
     if close:
         msg += f" Did you mean {close[0]!r}?"
     return msg

@@ -39,7 +39,9 @@ def model_info(model: Model) -> dict[str, Any]:
     }
 
 
-def model_list(catalog: Catalog, may_read: Callable[[str], bool] = lambda _: True) -> dict[str, Any]:
+def model_list(
+    catalog: Catalog, may_read: Callable[[str], bool] = lambda _: True
+) -> dict[str, Any]:
     """Models (and refused models) the caller may read; the others are not even named."""
     return {
         "models": [model_summary(m) for m in catalog.models.values() if may_read(m.id)],

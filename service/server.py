@@ -140,7 +140,8 @@ class WeightServer:
         self._http_thread = threading.Thread(target=run_http, name="weightserve-http", daemon=True)
         self._http_thread.start()
         self._grpc, self.grpc_port = create_grpc_server(
-            self.state, f"{_url_host(host)}:{self.config.grpc_port}",
+            self.state,
+            f"{_url_host(host)}:{self.config.grpc_port}",
             credentials=self._grpc_credentials(),
         )
         self._grpc.start()
@@ -148,7 +149,9 @@ class WeightServer:
         if not self._uvicorn.started:
             raise RuntimeError(f"HTTP server failed to start on {host}:{self.http_port}")
         if self.config.rescan_seconds > 0:
-            threading.Thread(target=self._rescan_loop, name="weightserve-rescan", daemon=True).start()
+            threading.Thread(
+                target=self._rescan_loop, name="weightserve-rescan", daemon=True
+            ).start()
         log.info("serving %d models: %s %s", len(self.catalog.models), self.http_url, self.grpc_url)
         return self
 

@@ -27,8 +27,13 @@ class Limits:
 
 
 class ServiceState:
-    def __init__(self, catalog: Catalog, limits: Limits | None = None,
-                 tokens: TokenStore | None = None, protect_metrics: bool = False) -> None:
+    def __init__(
+        self,
+        catalog: Catalog,
+        limits: Limits | None = None,
+        tokens: TokenStore | None = None,
+        protect_metrics: bool = False,
+    ) -> None:
         self.catalog = catalog
         self.limits = limits or Limits()
         self.tokens = tokens

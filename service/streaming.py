@@ -225,7 +225,7 @@ def _source_bytes(model: Model, p: PlannedTensor) -> memoryview:
     )
     if p.index:
         elements = elements[(*p.index, slice(None))]
-    return memoryview(np.ascontiguousarray(elements)).cast("B")
+    return np.ascontiguousarray(elements).data.cast("B")
 
 
 def stream_length(planned: Sequence[PlannedTensor], chunk_bytes: int) -> int:

@@ -61,7 +61,8 @@ def main() -> int:
         stale = [
             str(p.relative_to(fresh))
             for p in sorted(fresh.rglob("*"))
-            if p.is_file() and not (
+            if p.is_file()
+            and not (
                 (OUT / p.relative_to(fresh)).exists()
                 and filecmp.cmp(p, OUT / p.relative_to(fresh), shallow=False)
             )

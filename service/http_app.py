@@ -317,6 +317,16 @@ async def _too_large(scope: Any, receive: Any, send: Any, size: str, limit: int)
     await response(scope, receive, send)
 
 
+# Every route that answers with an Arrow stream. status_code is given because
+# ArrowStreamResponse.__init__ has none for OpenAPI to read.
+ARROW_ROUTE: dict[str, Any] = {
+    "tags": ["tensors"],
+    "response_class": ArrowStreamResponse,
+    "status_code": 200,
+    "responses": {200: {"content": {ARROW_STREAM_MEDIA_TYPE: {}}}},
+}
+
+
 def create_app(state: ServiceState) -> FastAPI:
     app = FastAPI(
         title="weightserve",
@@ -399,13 +409,7 @@ def create_app(state: ServiceState) -> FastAPI:
             lambda: slot.__exit__(None, None, None),
         )
 
-    @app.get(
-        "/v1/models/{model:path}/stream",
-        tags=["tensors"],
-        response_class=ArrowStreamResponse,
-        status_code=200,  # ArrowStreamResponse.__init__ has no status_code for OpenAPI to read
-        responses={200: {"content": {ARROW_STREAM_MEDIA_TYPE: {}}}},
-    )
+    @app.get("/v1/models/{model:path}/stream", **ARROW_ROUTE)
     def stream_get(
         http: Request,
         model: str,
@@ -432,13 +436,7 @@ def create_app(state: ServiceState) -> FastAPI:
         )
         return start_stream(http, model, request)
 
-    @app.post(
-        "/v1/models/{model:path}/stream",
-        tags=["tensors"],
-        response_class=ArrowStreamResponse,
-        status_code=200,  # ArrowStreamResponse.__init__ has no status_code for OpenAPI to read
-        responses={200: {"content": {ARROW_STREAM_MEDIA_TYPE: {}}}},
-    )
+    @app.post("/v1/models/{model:path}/stream", **ARROW_ROUTE)
     def stream_post(
         http: Request, model: str, body: Annotated[StreamBody, Body()]
     ) -> ArrowStreamResponse:
@@ -454,13 +452,7 @@ def create_app(state: ServiceState) -> FastAPI:
         )
         return start_stream(http, model, request)
 
-    @app.get(
-        "/v1/models/{model:path}/tensors/{name}",
-        tags=["tensors"],
-        response_class=ArrowStreamResponse,
-        status_code=200,  # ArrowStreamResponse.__init__ has no status_code for OpenAPI to read
-        responses={200: {"content": {ARROW_STREAM_MEDIA_TYPE: {}}}},
-    )
+    @app.get("/v1/models/{model:path}/tensors/{name}", **ARROW_ROUTE)
     def one_tensor(
         http: Request,
         model: str,

@@ -12,6 +12,7 @@ import http.client
 import json
 import os
 import ssl
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -27,6 +28,7 @@ from weightserve.client.errors import (
 
 DEFAULT_CONNECT_TIMEOUT = 10.0
 DEFAULT_READ_TIMEOUT = 60.0  # longest silence tolerated inside a stream
+IDLE_CONNECTIONS = 8  # kept-alive HTTP connections per transport
 MAX_GRPC_MESSAGE = (64 << 20) + (1 << 20)
 
 
@@ -83,6 +85,10 @@ class HttpTransport:
         self.token = _token(token)
         self.timeout = timeout
         self._ssl: ssl.SSLContext | None = None
+        # Connections kept alive between requests: a small request then costs no TCP (and
+        # no TLS) handshake. Taken by one request at a time; closed on any error.
+        self._idle: list[http.client.HTTPConnection] = []
+        self._pool_lock = threading.Lock()
         if address.tls:
             tls = tls or TLSOptions()
             self._ssl = ssl.create_default_context(cafile=tls.ca_file)
@@ -98,6 +104,22 @@ class HttpTransport:
             self.address.host, self.address.port, timeout=self.timeout
         )
 
+    def _take(self) -> tuple[http.client.HTTPConnection, bool]:
+        """A kept-alive connection if one is idle (True), else a new one (False)."""
+        with self._pool_lock:
+            if self._idle:
+                return self._idle.pop(), True
+        return self._connect(), False
+
+    def release(self, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse) -> None:
+        """Keep the connection for the next request if its response was read to the end."""
+        if resp.isclosed() and not resp.will_close:
+            with self._pool_lock:
+                if len(self._idle) < IDLE_CONNECTIONS:
+                    self._idle.append(conn)
+                    return
+        conn.close()
+
     def _request(
         self, method: str, path: str, body: dict | None = None
     ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
@@ -108,16 +130,27 @@ class HttpTransport:
         if body is not None:
             data = json.dumps(body).encode()
             headers["content-type"] = "application/json"
-        conn = self._connect()
-        try:
-            conn.request(method, path, body=data, headers=headers)
-            resp = conn.getresponse()
-        except (ConnectionRefusedError, TimeoutError, OSError) as e:
-            conn.close()
-            raise ServerUnreachable(f"cannot reach weightserve at {self.address.url}: {e}") from e
-        except http.client.HTTPException as e:
-            conn.close()
-            raise TransportError(f"{self.address.url}: broken HTTP exchange: {e}") from e
+        while True:
+            conn, reused = self._take()
+            try:
+                conn.request(method, path, body=data, headers=headers)
+                resp = conn.getresponse()
+                break
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as e:
+                conn.close()
+                if reused:
+                    continue  # the server closed an idle kept-alive connection: use a new one
+                raise ServerUnreachable(
+                    f"cannot reach weightserve at {self.address.url}: {e}"
+                ) from e
+            except (ConnectionRefusedError, TimeoutError, OSError) as e:
+                conn.close()
+                raise ServerUnreachable(
+                    f"cannot reach weightserve at {self.address.url}: {e}"
+                ) from e
+            except http.client.HTTPException as e:
+                conn.close()
+                raise TransportError(f"{self.address.url}: broken HTTP exchange: {e}") from e
         if resp.status != 200:
             raw = resp.read()
             conn.close()
@@ -127,11 +160,12 @@ class HttpTransport:
     def _json(self, path: str) -> dict[str, Any]:
         conn, resp = self._request("GET", path)
         try:
-            return json.loads(resp.read())
+            result = json.loads(resp.read())
         except (OSError, http.client.HTTPException) as e:
-            raise TransportError(f"{self.address.url}{path}: {e}") from e
-        finally:
             conn.close()
+            raise TransportError(f"{self.address.url}{path}: {e}") from e
+        self.release(conn, resp)
+        return result
 
     def list_models(self) -> dict[str, Any]:
         return self._json("/v1/models")
@@ -153,17 +187,24 @@ class HttpTransport:
         if params.chunk_bytes:
             body["chunk_bytes"] = params.chunk_bytes
         conn, resp = self._request("POST", f"/v1/models/{quote(model, safe='/')}/stream", body)
-        return _HttpSource(conn, resp, self.address.url)
+        return _HttpSource(self, conn, resp)
 
     def close(self) -> None:
-        pass
+        with self._pool_lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
 
 
 class _HttpSource:
     def __init__(
-        self, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse, where: str
+        self,
+        transport: HttpTransport,
+        conn: http.client.HTTPConnection,
+        resp: http.client.HTTPResponse,
     ) -> None:
-        self.conn, self.resp, self.where = conn, resp, where
+        self.transport, self.conn, self.resp = transport, conn, resp
+        self.where = transport.address.url
 
     def readinto(self, view: memoryview) -> int:
         try:
@@ -172,8 +213,13 @@ class _HttpSource:
             raise TransportError(f"stream from {self.where} broke: {e!r}") from e
 
     def close(self) -> None:
-        self.resp.close()
-        self.conn.close()
+        # Read to its end (the receiver stops at the end marker, the last byte): keep the
+        # connection; cut short: close it, the rest of the body is not worth reading.
+        if self.resp.isclosed():
+            self.transport.release(self.conn, self.resp)
+        else:
+            self.resp.close()
+            self.conn.close()
 
 
 def _http_error(status: int, raw: bytes, what: str) -> WeightserveError:

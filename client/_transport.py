@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import socket
 import ssl
 import threading
 from collections.abc import Iterator
@@ -133,6 +134,11 @@ class HttpTransport:
         while True:
             conn, reused = self._take()
             try:
+                if conn.sock is None:
+                    conn.connect()
+                    # http.client sends headers and body in two writes; without NODELAY the
+                    # body waits for the server's delayed ACK (40 ms) on a kept-alive connection.
+                    conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # type: ignore[attr-defined]
                 conn.request(method, path, body=data, headers=headers)
                 resp = conn.getresponse()
                 break

@@ -99,7 +99,9 @@ class WeightServer:
     def start(self) -> WeightServer:
         host = self.config.host
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP given explicitly: asyncio sets TCP_NODELAY only on sockets that say so,
+        # and without it small responses on kept-alive connections wait 40 ms (Nagle).
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if hasattr(socket, "TCP_USER_TIMEOUT"):  # Linux; accepted connections inherit it
             # A client that stops reading is cut by the stream's idle timeout, but closing the

@@ -65,3 +65,19 @@ def _params(model):
     from weightserve.client._transport import StreamParams
 
     return StreamParams(prefix="", revision=model.info.revision)
+
+
+def test_accepted_connections_have_nodelay(server) -> None:
+    """Without TCP_NODELAY a small response on a kept-alive connection waits for the
+    client's delayed ACK: ~40 ms per request instead of ~1 ms (measured)."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port)
+    conn.request("GET", "/healthz")
+    conn.getresponse().read()
+    connections = server._uvicorn.server_state.connections
+    assert connections
+    for protocol in connections:
+        sock = protocol.transport.get_extra_info("socket")
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+    conn.close()

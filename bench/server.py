@@ -18,7 +18,7 @@ def main(root: str) -> None:
     from weightserve.service.server import ServerConfig, WeightServer
 
     logging.basicConfig(level=logging.WARNING)
-    server = WeightServer(ServerConfig(root, http_port=0, grpc_port=0)).start()
+    server = WeightServer(ServerConfig(root, http_port=0, grpc_port=0, flight_port=0)).start()
     try:
         serve_until_stdin_closes(
             {"http_url": server.http_url, "grpc_url": server.grpc_url, "pid": os.getpid()}

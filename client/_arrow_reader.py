@@ -383,6 +383,12 @@ class ArrowChunkReader:
         self._skip(body_length - data_at - start - header.nbytes)
         return header
 
+    def close(self) -> None:
+        """Close the source (a stream left unfinished is abandoned, not drained)."""
+        close = getattr(self._source, "close", None)
+        if close is not None:
+            close()
+
     def chunks(self, destination: Callable[[ChunkHeader], memoryview]) -> Iterator[ChunkHeader]:
         """Iterate ``next_chunk(destination)`` until the end of the stream."""
         while (header := self.next_chunk(destination)) is not None:

@@ -54,10 +54,13 @@ class Client:
         token: str | None = None,
         tls: TLSOptions | None = None,
         timeout: float = DEFAULT_READ_TIMEOUT,
+        flight: bool | None = None,
     ) -> None:
         address, _ = parse_url(url)
         self.address: ServerAddress = address
-        self.transport: Transport = make_transport(address, token=token, tls=tls, timeout=timeout)
+        self.transport: Transport = make_transport(
+            address, token=token, tls=tls, timeout=timeout, flight=flight
+        )
 
     def list_models(self) -> tuple[list[ModelSummary], list[ModelProblem]]:
         listing = self.transport.list_models()
@@ -178,7 +181,7 @@ class RemoteModel:
             if place is None and shard is None:
                 place = arena_allocator({n: self.info.tensors[n].nbytes for n in group})
             return receive(
-                lambda p: self.client.transport.open_stream(self.id, p),
+                lambda p: self.client.transport.open_chunks(self.id, p),
                 params,
                 group,
                 retries=self.options.retries,

@@ -12,9 +12,8 @@ from dataclasses import replace
 import numpy as np
 import xxhash
 
-from weightserve.client._arrow_reader import ArrowChunkReader
 from weightserve.client._schema import ChunkHeader
-from weightserve.client._transport import ByteSource, StreamParams
+from weightserve.client._transport import ChunkReader, StreamParams
 from weightserve.client.errors import DataCorruption, TransportError
 
 log = logging.getLogger("weightserve.client")
@@ -70,7 +69,7 @@ class ReceivedTensor:
 
 
 def receive(
-    open_stream: Callable[[StreamParams], ByteSource],
+    open_chunks: Callable[[StreamParams], ChunkReader],
     params: StreamParams,
     expected: Sequence[str],
     *,
@@ -103,12 +102,11 @@ def receive(
     attempt = 0
     request = params
     while True:
-        source: ByteSource | None = None
+        reader: ChunkReader | None = None
         try:
             # Inside the try: a server restarting refuses connections for a moment, and
             # reconnecting is what the retries are for.
-            source = open_stream(request)
-            reader = ArrowChunkReader(source)
+            reader = open_chunks(request)
             reader.read_schema()
             while (header := reader.next_chunk(destination)) is not None:
                 assert partial is not None
@@ -125,7 +123,7 @@ def receive(
                     partial.header = replace_header(header)
                     done[header.name] = partial
                     partial = None
-            source.close()
+            reader.close()
             missing = [n for n in expected if n not in done]
             if missing:
                 raise TransportError(
@@ -133,8 +131,8 @@ def receive(
                 )
             return done
         except (TransportError, DataCorruption) as e:
-            if source is not None:
-                source.close()
+            if reader is not None:
+                reader.close()
             attempt += 1
             if attempt > retries:
                 raise

@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import os
 import socket
 import ssl
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import quote
 
+from weightserve.client._arrow_reader import ArrowChunkReader
+from weightserve.client._schema import ChunkHeader
 from weightserve.client._url import ServerAddress
 from weightserve.client.errors import (
     ServerUnreachable,
@@ -26,6 +29,11 @@ from weightserve.client.errors import (
     WeightserveError,
     error_from_wire,
 )
+
+if TYPE_CHECKING:
+    from weightserve.client._flight import FlightPool
+
+log = logging.getLogger("weightserve.client")
 
 DEFAULT_CONNECT_TIMEOUT = 10.0
 DEFAULT_READ_TIMEOUT = 60.0  # longest silence tolerated inside a stream
@@ -52,12 +60,23 @@ class ByteSource(Protocol):
     def close(self) -> None: ...
 
 
+class ChunkReader(Protocol):
+    """One tensor stream, chunk by chunk (``ArrowChunkReader``, ``FlightChunkReader``)."""
+
+    def read_schema(self) -> Any: ...
+    def next_chunk(
+        self, destination: Callable[[ChunkHeader], memoryview]
+    ) -> ChunkHeader | None: ...
+    def close(self) -> None: ...
+
+
 class Transport(Protocol):
     address: ServerAddress
 
     def list_models(self) -> dict[str, Any]: ...
     def model_info(self, model: str) -> dict[str, Any]: ...
     def open_stream(self, model: str, params: StreamParams) -> ByteSource: ...
+    def open_chunks(self, model: str, params: StreamParams) -> ChunkReader: ...
     def close(self) -> None: ...
 
 
@@ -195,6 +214,9 @@ class HttpTransport:
         conn, resp = self._request("POST", f"/v1/models/{quote(model, safe='/')}/stream", body)
         return _HttpSource(self, conn, resp)
 
+    def open_chunks(self, model: str, params: StreamParams) -> ChunkReader:
+        return ArrowChunkReader(self.open_stream(model, params))
+
     def close(self) -> None:
         with self._pool_lock:
             idle, self._idle = self._idle, []
@@ -246,6 +268,7 @@ class GrpcTransport:
         token: str | None = None,
         tls: TLSOptions | None = None,
         timeout: float = DEFAULT_READ_TIMEOUT,
+        flight: bool | None = None,
     ) -> None:
         import grpc
 
@@ -260,7 +283,16 @@ class GrpcTransport:
             if ":" not in address.host
             else f"[{address.host}]:{address.port}"
         )
+        self._target = target
         options = [("grpc.max_receive_message_length", MAX_GRPC_MESSAGE)]
+        # Bulk data goes over the server's Arrow Flight endpoint when it offers one;
+        # flight=False (or WEIGHTSERVE_FLIGHT=0) keeps every stream on grpcio StreamTensors.
+        if flight is None:
+            flight = os.environ.get("WEIGHTSERVE_FLIGHT", "1").lower() not in ("0", "off", "false")
+        self.use_flight = flight
+        self._flight: FlightPool | None | bool = False  # False: not asked yet
+        self._flight_lock = threading.Lock()
+        self._flight_tls: dict[str, bytes | None] = {}
         if address.tls:
             tls = tls or TLSOptions()
 
@@ -270,9 +302,9 @@ class GrpcTransport:
                 with open(path, "rb") as f:
                     return f.read()
 
-            creds = grpc.ssl_channel_credentials(
-                read(tls.ca_file), read(tls.key_file), read(tls.cert_file)
-            )
+            ca, key, cert = read(tls.ca_file), read(tls.key_file), read(tls.cert_file)
+            creds = grpc.ssl_channel_credentials(ca, key, cert)
+            self._flight_tls = {"ca": ca, "cert": cert, "key": key}
             self.channel = grpc.secure_channel(target, creds, options=options)
         else:
             self.channel = grpc.insecure_channel(target, options=options)
@@ -286,6 +318,11 @@ class GrpcTransport:
             service + "GetModel",
             request_serializer=pb.GetModelRequest.SerializeToString,
             response_deserializer=pb.ModelInfo.FromString,
+        )
+        self._info = self.channel.unary_unary(
+            service + "GetServerInfo",
+            request_serializer=pb.GetServerInfoRequest.SerializeToString,
+            response_deserializer=pb.ServerInfo.FromString,
         )
         self._stream = self.channel.unary_stream(
             service + "StreamTensors",
@@ -371,9 +408,8 @@ class GrpcTransport:
             ],
         }
 
-    def open_stream(self, model: str, params: StreamParams) -> ByteSource:
-        pb = self._pb
-        request = pb.TensorRequest(
+    def _tensor_request(self, model: str, params: StreamParams) -> Any:
+        return self._pb.TensorRequest(
             model=model,
             names=list(params.names or ()),
             prefix=params.prefix or "",
@@ -386,10 +422,57 @@ class GrpcTransport:
             chunk_bytes=params.chunk_bytes or 0,
             revision=params.revision or "",
         )
-        call = self._stream(request, metadata=self._metadata())
+
+    def open_stream(self, model: str, params: StreamParams) -> ByteSource:
+        """StreamTensors through grpcio: the Arrow IPC stream's bytes."""
+        call = self._stream(self._tensor_request(model, params), metadata=self._metadata())
         return _GrpcSource(call, self)
 
+    def open_chunks(self, model: str, params: StreamParams) -> ChunkReader:
+        """The stream over the server's Flight endpoint when it has one, else StreamTensors."""
+        pool = self._flight_pool()
+        if pool is not None:
+            ticket = self._tensor_request(model, params).SerializeToString()
+            try:
+                return pool.open(ticket)
+            except ServerUnreachable as e:
+                # e.g. a Service that exposes the gRPC port but not the Flight port
+                log.warning("%s; using gRPC StreamTensors instead", e)
+                with self._flight_lock:
+                    self._flight = None
+        return ArrowChunkReader(self.open_stream(model, params))
+
+    def _flight_pool(self) -> FlightPool | None:
+        """The Flight endpoint the server advertises (asked once), unless turned off."""
+        with self._flight_lock:
+            if self._flight is not False:
+                return self._flight
+            self._flight = None
+            if not self.use_flight:
+                return None
+            try:
+                info = self._info(
+                    self._pb.GetServerInfoRequest(), timeout=self.timeout, metadata=self._metadata()
+                )
+            except self._grpc.RpcError as e:
+                if e.code() != self._grpc.StatusCode.UNIMPLEMENTED:  # older servers lack it
+                    raise self._translate(e) from None
+                return None
+            if info.flight_port:
+                from weightserve.client._flight import FlightPool
+
+                scheme = "grpc+tls" if self.address.tls else "grpc+tcp"
+                host = self._target.rsplit(":", 1)[0]
+                self._flight = FlightPool(
+                    f"{scheme}://{host}:{info.flight_port}", token=self.token, **self._flight_tls
+                )
+            return self._flight
+
     def close(self) -> None:
+        with self._flight_lock:
+            pool, self._flight = self._flight, False
+        if pool is not None and not isinstance(pool, bool):
+            pool.close()
         self.channel.close()
 
 
@@ -458,6 +541,8 @@ def make_transport(
     token: str | None = None,
     tls: TLSOptions | None = None,
     timeout: float = DEFAULT_READ_TIMEOUT,
+    flight: bool | None = None,
 ) -> Transport:
-    cls = HttpTransport if address.transport == "http" else GrpcTransport
-    return cls(address, token=token, tls=tls, timeout=timeout)  # type: ignore[return-value]
+    if address.transport == "http":
+        return HttpTransport(address, token=token, tls=tls, timeout=timeout)
+    return GrpcTransport(address, token=token, tls=tls, timeout=timeout, flight=flight)

@@ -44,6 +44,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="gRPC port, 0 for any free port (env WEIGHTSERVE_GRPC_PORT; default 50051)",
     )
     parser.add_argument(
+        "--flight-port",
+        type=int,
+        default=int(_env("FLIGHT_PORT", "50052") or 50052),
+        help="Arrow Flight port for bulk tensor data (gRPC clients use it when offered), "
+        "0 for any free port, -1 for none (env WEIGHTSERVE_FLIGHT_PORT; default 50052)",
+    )
+    parser.add_argument(
         "--grace",
         type=float,
         default=float(_env("GRACE_SECONDS", "30") or 30),
@@ -131,6 +138,7 @@ def run_serve(args: argparse.Namespace) -> int:
         host=args.host,
         http_port=args.http_port,
         grpc_port=args.grpc_port,
+        flight_port=None if args.flight_port < 0 else args.flight_port,
         grace_seconds=args.grace,
         limits=Limits(
             max_streams=args.max_streams,
@@ -155,6 +163,8 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"  refused {problem.model}: {problem.reason}", flush=True)
     print(f"  HTTP  {server.http_url}/v1/models   (OpenAPI: {server.http_url}/docs)", flush=True)
     print(f"  gRPC  {server.grpc_url}", flush=True)
+    if server.flight_port:
+        print(f"  Flight {server.flight_url}   (bulk data for gRPC clients)", flush=True)
     for model_id in list(catalog.models)[:5]:
         print(f"  model {server.http_url}/v1/models/{model_id}", flush=True)
     print("ready", flush=True)

@@ -7,6 +7,7 @@ the message, instead of twice through a protobuf object.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import threading
@@ -34,6 +35,13 @@ ERROR_METADATA_KEY = "weightserve-error"
 MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + (1 << 20)
 
 log = logging.getLogger("weightserve.grpc")
+
+
+def server_version() -> str:
+    try:
+        return importlib.metadata.version("weightserve")
+    except importlib.metadata.PackageNotFoundError:  # running from a source tree
+        return "0+unknown"
 
 
 def _varint(n: int) -> bytes:
@@ -75,11 +83,10 @@ def _request_from_proto(msg: pb.TensorRequest) -> TensorRequest:
     )
 
 
-def _peer_host(context: grpc.ServicerContext) -> str:
-    """The client's address without its port, spelled as HTTP spells it, so one client's
-    streams count against one per-client limit on both transports:
+def peer_host(peer: str) -> str:
+    """The client's address from a gRPC peer string, without its port, spelled as HTTP spells
+    it, so one client's streams count against one per-client limit on every transport:
     'ipv4:127.0.0.1:5000' -> '127.0.0.1', 'ipv6:%5B::1%5D:5000' -> '::1'."""
-    peer = context.peer()
     kind, _, rest = peer.partition(":")
     if kind in ("ipv4", "ipv6"):
         return unquote(rest).rsplit(":", 1)[0].strip("[]")
@@ -180,6 +187,9 @@ class WeightService:
             ],
         )
 
+    def GetServerInfo(self, request: pb.GetServerInfoRequest, context: grpc.ServicerContext) -> Any:
+        return pb.ServerInfo(version=server_version(), flight_port=self.state.flight_port)
+
     def StreamTensors(
         self, request: pb.TensorRequest, context: grpc.ServicerContext
     ) -> Iterator[bytes]:
@@ -189,7 +199,7 @@ class WeightService:
             model = state.catalog.get(request.model)
             tensor_request = _request_from_proto(request)
             planned = plan_stream(model, tensor_request, state.limits.max_names)
-            slot = state.stream_slot("grpc", _peer_host(context))
+            slot = state.stream_slot("grpc", peer_host(context.peer()))
             slot.__enter__()
         except WeightserveError as e:
             _abort(context, e)
@@ -241,6 +251,11 @@ def create_grpc_server(
             service.GetModel,
             request_deserializer=pb.GetModelRequest.FromString,
             response_serializer=pb.ModelInfo.SerializeToString,
+        ),
+        "GetServerInfo": grpc.unary_unary_rpc_method_handler(
+            service.GetServerInfo,
+            request_deserializer=pb.GetServerInfoRequest.FromString,
+            response_serializer=pb.ServerInfo.SerializeToString,
         ),
         "StreamTensors": grpc.unary_stream_rpc_method_handler(
             service.StreamTensors,

@@ -20,6 +20,7 @@ import uvicorn
 
 from weightserve.service.auth import TokenStore
 from weightserve.service.catalog import Catalog
+from weightserve.service.flight_app import FlightService
 from weightserve.service.grpc_app import create_grpc_server
 from weightserve.service.http_app import create_app
 from weightserve.service.state import Limits, ServiceState
@@ -33,6 +34,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     http_port: int = 8080
     grpc_port: int = 50051
+    # Arrow Flight for bulk data (gRPC clients use it when GetServerInfo offers it); None: off
+    flight_port: int | None = 50052
     grace_seconds: float = 30.0
     limits: Limits | None = None
     token_file: str | None = None  # bearer tokens, one per line (see service/auth.py)
@@ -60,6 +63,8 @@ class WeightServer:
         self._grpc: grpc.Server | None = None
         self.http_port = 0
         self.grpc_port = 0
+        self._flight: FlightService | None = None
+        self.flight_port = 0
         self._stop_rescan = threading.Event()
 
     @property
@@ -75,6 +80,33 @@ class WeightServer:
     def grpc_url(self) -> str:
         scheme = "grpcs" if self.tls else "grpc"
         return f"{scheme}://{_url_host(self.config.host)}:{self.grpc_port}"
+
+    @property
+    def flight_url(self) -> str:
+        scheme = "grpc+tls" if self.tls else "grpc"
+        return f"{scheme}://{_url_host(self.config.host)}:{self.flight_port}"
+
+    def _flight_tls(self) -> dict:
+        """pyarrow.flight's TLS settings: the same certificate (and client CA) as gRPC."""
+        c = self.config
+        if not c.tls_cert:
+            return {}
+        settings: dict = {
+            "tls_certificates": [
+                (Path(c.tls_cert).read_bytes(), Path(c.tls_key or "").read_bytes())
+            ]
+        }
+        if c.tls_client_ca:
+            settings.update(
+                verify_client=True, root_certificates=Path(c.tls_client_ca).read_bytes()
+            )
+        return settings
+
+    def _start_flight(self) -> None:
+        scheme = "grpc+tls" if self.tls else "grpc+tcp"
+        location = f"{scheme}://{_url_host(self.config.host)}:{self.config.flight_port}"
+        self._flight = FlightService(self.state, location, **self._flight_tls())
+        self.flight_port = self.state.flight_port = self._flight.port
 
     def _grpc_credentials(self) -> grpc.ServerCredentials | None:
         c = self.config
@@ -147,6 +179,8 @@ class WeightServer:
             credentials=self._grpc_credentials(),
         )
         self._grpc.start()
+        if self.config.flight_port is not None:
+            self._start_flight()  # pyarrow.flight serves on its own threads once constructed
         started.wait()
         if not self._uvicorn.started:
             raise RuntimeError(f"HTTP server failed to start on {host}:{self.http_port}")
@@ -154,7 +188,13 @@ class WeightServer:
             threading.Thread(
                 target=self._rescan_loop, name="weightserve-rescan", daemon=True
             ).start()
-        log.info("serving %d models: %s %s", len(self.catalog.models), self.http_url, self.grpc_url)
+        log.info(
+            "serving %d models: %s %s%s",
+            len(self.catalog.models),
+            self.http_url,
+            self.grpc_url,
+            f" (Flight {self.flight_url})" if self._flight else "",
+        )
         return self
 
     def _rescan_loop(self) -> None:
@@ -178,6 +218,11 @@ class WeightServer:
             )
         if self._grpc is not None:
             self._grpc.stop(0).wait()
+        if self._flight is not None:
+            # shutdown() waits for open calls; after the grace period, stop waiting for them.
+            closer = threading.Thread(target=self._flight.shutdown, daemon=True)
+            closer.start()
+            closer.join(timeout=0 if not drained else 5)
         if self._uvicorn is not None:
             self._uvicorn.should_exit = True
             if not drained:

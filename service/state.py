@@ -41,6 +41,7 @@ class ServiceState:
         self._per_client: dict[str, int] = {}
         self.metrics = Metrics()
         self.draining = False
+        self.flight_port = 0  # set when the Flight endpoint runs; GetServerInfo reports it
         self._streams = 0
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)

@@ -254,15 +254,11 @@ def _chunk_bounds(p: PlannedTensor, chunk_bytes: int) -> Iterator[tuple[int, int
         offset += n
 
 
-def stream_messages(
+def stream_chunks(
     model: Model, planned: Sequence[PlannedTensor], chunk_bytes: int
-) -> Iterator[tuple[bytes | memoryview, ...]]:
-    """The whole Arrow IPC stream, one IPC message at a time, each as its parts.
-
-    Tensor data parts are views of the mmap. HTTP writes the parts one by one; gRPC joins a
-    message's parts into one protobuf message.
-    """
-    yield (schema_message(),)
+) -> Iterator[tuple[ChunkHeader, memoryview]]:
+    """Every chunk of the stream in order: its row header (digest included) and its bytes,
+    a view of the mmap (or of the gathered buffer for strided sources)."""
     for p in planned:
         source = _source_bytes(model, p) if p.nbytes else memoryview(b"")
         mapped = model.mapped(p.entry.file) if p.byte_offset is not None else None
@@ -281,6 +277,19 @@ def stream_messages(
                 xxhash.xxh3_64_intdigest(data),
                 n,
             )
-            prefix, suffix = chunk_message(header)
-            yield (prefix, data, suffix) if suffix else (prefix, data)
+            yield header, data
+
+
+def stream_messages(
+    model: Model, planned: Sequence[PlannedTensor], chunk_bytes: int
+) -> Iterator[tuple[bytes | memoryview, ...]]:
+    """The whole Arrow IPC stream, one IPC message at a time, each as its parts.
+
+    Tensor data parts are views of the mmap. HTTP writes the parts one by one; gRPC joins a
+    message's parts into one protobuf message.
+    """
+    yield (schema_message(),)
+    for header, data in stream_chunks(model, planned, chunk_bytes):
+        prefix, suffix = chunk_message(header)
+        yield (prefix, data, suffix) if suffix else (prefix, data)
     yield (END_OF_STREAM,)

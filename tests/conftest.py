@@ -202,7 +202,9 @@ def model_id(request: pytest.FixtureRequest, model_root: ModelRoot) -> str:
 def server(model_root: ModelRoot) -> Iterator:
     from weightserve.service.server import ServerConfig, WeightServer
 
-    srv = WeightServer(ServerConfig(str(model_root.path), http_port=0, grpc_port=0)).start()
+    srv = WeightServer(
+        ServerConfig(str(model_root.path), http_port=0, grpc_port=0, flight_port=0)
+    ).start()
     try:
         yield srv
     finally:

@@ -141,7 +141,7 @@ def get_json(url: str) -> tuple[int, dict]:
 def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     cache = tmp_path_factory.mktemp("cache")
     served = start_server(
-        ["--demo", "--http-port", "0", "--grpc-port", "0"],
+        ["--demo", "--http-port", "0", "--grpc-port", "0", "--flight-port", "0"],
         clean_env(WEIGHTSERVE_CACHE_DIR=str(cache)),
         cache,
     )
@@ -394,12 +394,13 @@ def test_serve_rejects_unknown_options() -> None:
 def test_environment_configures_serve(tmp_path: Path) -> None:
     root = tmp_path / "root"
     fx.write_sharded(root / "org" / "sharded")
-    http_port, grpc_port = free_port(), free_port()
+    http_port, grpc_port, flight_port = free_port(), free_port(), free_port()
     env = clean_env(
         WEIGHTSERVE_ROOT=str(root),
         WEIGHTSERVE_HOST="127.0.0.1",
         WEIGHTSERVE_HTTP_PORT=str(http_port),
         WEIGHTSERVE_GRPC_PORT=str(grpc_port),
+        WEIGHTSERVE_FLIGHT_PORT=str(flight_port),
         WEIGHTSERVE_LOG_LEVEL="warning",
         WEIGHTSERVE_GRACE_SECONDS="7",
     )
@@ -407,6 +408,7 @@ def test_environment_configures_serve(tmp_path: Path) -> None:
     try:
         assert served.http == f"http://127.0.0.1:{http_port}"
         assert served.grpc == f"grpc://127.0.0.1:{grpc_port}"
+        assert f"Flight grpc://127.0.0.1:{flight_port} " in "\n".join(served.lines)
         assert served.lines[0] == f"weightserve: 1 models from {root}"
         status, listing = get_json(f"{served.http}/v1/models")
         assert status == 200
@@ -426,7 +428,11 @@ def test_flags_override_the_environment(tmp_path: Path) -> None:
     flag_root = tmp_path / "flag-root"
     fx.write_sharded(flag_root / "from-flag")
     env = clean_env(WEIGHTSERVE_ROOT=str(env_root), WEIGHTSERVE_HTTP_PORT=str(free_port()))
-    served = start_server([str(flag_root), "--http-port", "0", "--grpc-port", "0"], env, tmp_path)
+    served = start_server(
+        [str(flag_root), "--http-port", "0", "--grpc-port", "0", "--flight-port", "0"],
+        env,
+        tmp_path,
+    )
     try:
         status, listing = get_json(f"{served.http}/v1/models")
         assert [m["id"] for m in listing["models"]] == ["from-flag"]
@@ -452,7 +458,17 @@ def test_sigterm_drains_open_streams_then_exits_0(tmp_path: Path) -> None:
     nbytes = 128 << 20  # far more than the socket buffers hold
     write_big_model(tmp_path / "root" / "big" / "model.safetensors", nbytes)
     served = start_server(
-        [str(tmp_path / "root"), "--http-port", "0", "--grpc-port", "0", "--grace", "60"],
+        [
+            str(tmp_path / "root"),
+            "--http-port",
+            "0",
+            "--grpc-port",
+            "0",
+            "--flight-port",
+            "0",
+            "--grace",
+            "60",
+        ],
         clean_env(),
         tmp_path,
     )
@@ -505,7 +521,9 @@ def test_sigterm_drains_open_streams_then_exits_0(tmp_path: Path) -> None:
 
 def test_sigterm_idle_server_exits_quickly(small_root: Path, tmp_path: Path) -> None:
     served = start_server(
-        [str(small_root), "--http-port", "0", "--grpc-port", "0"], clean_env(), tmp_path
+        [str(small_root), "--http-port", "0", "--grpc-port", "0", "--flight-port", "0"],
+        clean_env(),
+        tmp_path,
     )
     # The grace period is 30 s: exiting within 15 shows an idle server doesn't wait it out.
     assert served.stop(signal.SIGTERM, timeout=15) == 0
@@ -525,7 +543,17 @@ def test_token_file_from_the_environment_guards_both_transports(
     tokens = tmp_path / "tokens"
     tokens.write_text("cli-secret-token\n")
     served = start_server(
-        [str(small_root), "--http-port", "0", "--grpc-port", "0", "--rescan", "0"],
+        [
+            str(small_root),
+            "--http-port",
+            "0",
+            "--grpc-port",
+            "0",
+            "--flight-port",
+            "0",
+            "--rescan",
+            "0",
+        ],
         clean_env(WEIGHTSERVE_TOKEN_FILE=str(tokens)),
         tmp_path,
     )

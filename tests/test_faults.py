@@ -36,6 +36,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from weightserve.client._client import Client, FetchOptions
+from weightserve.client._flight import FlightPool
 from weightserve.client._proto.weightserve.v1 import weightserve_pb2 as pb
 from weightserve.client._transport import StreamParams
 from weightserve.client.errors import (
@@ -47,7 +48,9 @@ from weightserve.client.errors import (
 from weightserve.service.server import ServerConfig, WeightServer
 
 REPO = Path(__file__).resolve().parents[1]
-TRANSPORTS = ("http", "grpc")
+# "grpc": control over gRPC, tensor data over the server's Arrow Flight endpoint (the default);
+# "grpc-streamtensors": tensor data over the gRPC service's own StreamTensors.
+TRANSPORTS = ("http", "grpc", "grpc-streamtensors")
 MIB = 1 << 20
 CHUNK = 1 * MIB
 
@@ -86,6 +89,10 @@ def eventually(check: Callable[[], bool], timeout: float, what: str) -> None:
 
 def url(srv, transport: str) -> str:
     return srv.http_url if transport == "http" else srv.grpc_url
+
+
+def connect(target: str, transport: str, **options) -> Client:
+    return Client(target, flight=transport != "grpc-streamtensors", **options)
 
 
 def once(action: Callable[[], None], after_bytes: int = 1) -> Callable[[int], None]:
@@ -138,8 +145,8 @@ def write_version_b(root: Path, model_id: str) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("model_id", ["single", "sharded"])
 def test_atomic_replace_during_stream(swap_root, transport: str, model_id: str) -> None:
     root, version_a = swap_root
-    config = ServerConfig(str(root), http_port=0, grpc_port=0, rescan_seconds=0)
-    with WeightServer(config) as srv, Client(url(srv, transport), timeout=20) as client:
+    config = ServerConfig(str(root), http_port=0, grpc_port=0, flight_port=0, rescan_seconds=0)
+    with WeightServer(config) as srv, connect(url(srv, transport), transport, timeout=20) as client:
         options = FetchOptions(parallel=1, chunk_bytes=CHUNK, retries=0)
         model = client.model(model_id, options)
         old_revision = model.info.revision
@@ -184,6 +191,7 @@ class ServerProcess:
     def __init__(self, root: Path, log: Path) -> None:
         self.root, self.log = root, log
         self.http_port, self.grpc_port = free_port(), free_port()
+        self.flight_port = free_port()  # fixed too: a restarted server must be found again
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
@@ -204,7 +212,7 @@ class ServerProcess:
             "import sys; from weightserve.client._cli import main; sys.exit(main())",
             "serve", str(self.root), "--host", "127.0.0.1",
             "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
-            "--grace", "1", "--log-level", "warning",
+            "--flight-port", str(self.flight_port), "--grace", "1", "--log-level", "warning",
         ]  # fmt: skip
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
@@ -275,7 +283,7 @@ def test_truncated_while_streaming(tmp_path: Path, transport: str) -> None:
     save_file(victim, path)
     save_file(other, root / "other" / "model.safetensors")
     with server_process(root, tmp_path / "server.log") as sp:
-        with Client(url(sp, transport), timeout=20) as client:
+        with connect(url(sp, transport), transport, timeout=20) as client:
             model = client.model("victim", FetchOptions(parallel=1, chunk_bytes=CHUNK, retries=4))
 
             def truncate() -> None:
@@ -319,7 +327,7 @@ def test_server_killed_mid_transfer_and_restarted(tmp_path: Path, transport: str
     total = sum(a.nbytes for a in big.values())
     with (
         server_process(root, tmp_path / "server.log") as sp,
-        Client(url(sp, transport), timeout=20) as client,
+        connect(url(sp, transport), transport, timeout=20) as client,
     ):
         model = client.model("big", FetchOptions(parallel=1, chunk_bytes=CHUNK, retries=8))
 
@@ -408,12 +416,20 @@ def test_dropped_connection_resumes(tmp_path: Path, transport: str) -> None:
     big = tensors(41, 4, 6 * MIB)  # 24 MiB
     save_file(big, root / "big" / "model.safetensors")
     total = sum(a.nbytes for a in big.values())
-    config = ServerConfig(str(root), http_port=0, grpc_port=0, rescan_seconds=0)
+    config = ServerConfig(str(root), http_port=0, grpc_port=0, flight_port=0, rescan_seconds=0)
     with WeightServer(config) as srv:
-        upstream = srv.http_port if transport == "http" else srv.grpc_port
-        proxy = CuttingProxy(upstream, cut_after=9 * MIB)
+        ports = {"http": srv.http_port, "grpc": srv.flight_port}
+        proxy = CuttingProxy(ports.get(transport, srv.grpc_port), cut_after=9 * MIB)
         try:
-            with Client(f"{transport}://127.0.0.1:{proxy.port}", timeout=20) as client:
+            if transport == "grpc":  # gRPC control from the server, tensor data via the proxy
+                client = connect(srv.grpc_url, transport, timeout=20)
+                client.transport._flight = FlightPool(  # type: ignore[attr-defined]
+                    f"grpc+tcp://127.0.0.1:{proxy.port}", token=None
+                )
+            else:
+                scheme = "http" if transport == "http" else "grpc"
+                client = connect(f"{scheme}://127.0.0.1:{proxy.port}", transport, timeout=20)
+            with client:
                 model = client.model("big", FetchOptions(parallel=1, chunk_bytes=CHUNK))
                 counted = once(lambda: None, after_bytes=total + 1)
                 got = model.fetch(prefix="", on_bytes=counted)
@@ -432,7 +448,7 @@ def test_grpc_mid_stream_error_is_a_status(tmp_path: Path) -> None:
     (root / "m").mkdir(parents=True)
     save_file(tensors(51, 4, 4 * MIB), root / "m" / "model.safetensors")
     path = root / "m" / "model.safetensors"
-    config = ServerConfig(str(root), http_port=0, grpc_port=0, rescan_seconds=0)
+    config = ServerConfig(str(root), http_port=0, grpc_port=0, flight_port=0, rescan_seconds=0)
     with WeightServer(config) as srv, grpc.insecure_channel(f"127.0.0.1:{srv.grpc_port}") as ch:
         call = ch.unary_stream(
             "/weightserve.v1.WeightService/StreamTensors",

@@ -377,7 +377,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WeightServer]:
         {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}},
         b"\0" * 8,
     )
-    config = ServerConfig(str(root), http_port=0, grpc_port=0, rescan_seconds=0)
+    config = ServerConfig(str(root), http_port=0, grpc_port=0, flight_port=0, rescan_seconds=0)
     with WeightServer(config) as srv:
         yield srv
 
@@ -626,7 +626,7 @@ def test_malicious_pickles_refused_by_reader(evil, evil_importable: Path) -> Non
 
 def test_malicious_pickles_refused_by_server(evil, evil_importable: Path) -> None:
     root, marker, table = evil
-    config = ServerConfig(str(root), http_port=0, grpc_port=0, rescan_seconds=0)
+    config = ServerConfig(str(root), http_port=0, grpc_port=0, flight_port=0, rescan_seconds=0)
     with WeightServer(config) as srv:
         conn = http.client.HTTPConnection("127.0.0.1", srv.http_port, timeout=10)
         conn.request("GET", "/v1/models")

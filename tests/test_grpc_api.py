@@ -278,7 +278,12 @@ def test_reflection_lists_the_service(channel) -> None:
     assert {SERVICE, "grpc.health.v1.Health"} <= services
     pool = DescriptorPool(db)
     service = pool.FindServiceByName(SERVICE)
-    assert {m.name for m in service.methods} == {"ListModels", "GetModel", "StreamTensors"}
+    assert {m.name for m in service.methods} == {
+        "ListModels",
+        "GetModel",
+        "StreamTensors",
+        "GetServerInfo",
+    }
     method = service.FindMethodByName("StreamTensors")
     assert method.input_type.full_name == "weightserve.v1.TensorRequest"
     assert method.output_type.full_name == "weightserve.v1.ArrowData"

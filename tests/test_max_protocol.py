@@ -188,7 +188,7 @@ class Root:
 def root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Root]:
     path = tmp_path_factory.mktemp("max-protocol-root")
     models = _build_root(path)
-    server = WeightServer(ServerConfig(str(path), http_port=0, grpc_port=0)).start()
+    server = WeightServer(ServerConfig(str(path), http_port=0, grpc_port=0, flight_port=0)).start()
     try:
         yield Root(path, models, server)
     finally:
@@ -350,13 +350,13 @@ def count_streams(w: RemoteWeights) -> list[Any]:
     """Record every tensor stream the weights' transport opens from now on."""
     transport = w.remote_model.client.transport
     calls: list[Any] = []
-    original = transport.open_stream
+    original = transport.open_chunks
 
     def counted(model: str, params: Any) -> Any:
         calls.append(params)
         return original(model, params)
 
-    transport.open_stream = counted
+    transport.open_chunks = counted
     return calls
 
 

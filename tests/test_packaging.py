@@ -162,7 +162,7 @@ def test_fresh_venv_client_talks_to_a_server(installed: Installed, tmp_path: Pat
 
     fx.write_sharded(tmp_path / "root" / "org" / "sharded")
     expected = {k: v for shard in fx.sharded_arrays() for k, v in shard.items()}
-    config = ServerConfig(str(tmp_path / "root"), http_port=0, grpc_port=0)
+    config = ServerConfig(str(tmp_path / "root"), http_port=0, grpc_port=0, flight_port=0)
     with WeightServer(config) as server:
         listed = run([installed.weightserve, "ls", server.grpc_url], cwd=installed.work)
         assert listed.returncode == 0, listed.stderr

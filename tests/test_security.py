@@ -24,6 +24,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import pyarrow.flight as flight
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.numpy import save_file
@@ -105,7 +106,9 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Root:
 @contextlib.contextmanager
 def serving(root: Root, **config) -> Iterator[WeightServer]:
     srv = WeightServer(
-        ServerConfig(str(root.path), http_port=0, grpc_port=0, rescan_seconds=0, **config)
+        ServerConfig(
+            str(root.path), http_port=0, grpc_port=0, flight_port=0, rescan_seconds=0, **config
+        )
     ).start()
     try:
         yield srv
@@ -191,6 +194,11 @@ def url(srv: WeightServer, transport: str) -> str:
     return srv.http_url if transport == "http" else srv.grpc_url
 
 
+def flight_bytes(srv: WeightServer, model: str) -> float:
+    """Tensor bytes the server sent over its Flight endpoint for ``model``."""
+    return srv.state.metrics.bytes_served.labels("flight", model)._value.get()
+
+
 def test_http_no_token_or_wrong_token_is_401(auth_server: WeightServer) -> None:
     for headers in ({}, bearer("wrong-token"), {"authorization": FULL_TOKEN}, bearer("")):
         for method, path, body in (
@@ -224,6 +232,32 @@ def test_grpc_stream_without_token_is_unauthenticated(auth_server: WeightServer)
             with pytest.raises(grpc.RpcError) as info:
                 list(call(pb.TensorRequest(model="team-a/x", use_prefix=True), metadata=metadata))
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_flight_stream_needs_the_same_token_and_grant(auth_server: WeightServer) -> None:
+    """The Flight endpoint checks tokens and per-model grants as StreamTensors does."""
+    request = pb.TensorRequest(model="team-a/x", use_prefix=True).SerializeToString()
+    client = flight.connect(f"grpc://127.0.0.1:{auth_server.flight_port}")
+
+    def error_of(headers: list) -> str:
+        with pytest.raises(flight.FlightError) as info:
+            options = flight.FlightCallOptions(headers=headers)
+            client.do_get(flight.Ticket(request), options).read_all()
+        return json.loads(info.value.extra_info)["error"]
+
+    try:
+        assert error_of([]) == "Unauthenticated"
+        assert error_of([(b"authorization", b"Bearer nope")]) == "Unauthenticated"
+        other = pb.TensorRequest(model="team-b/z", use_prefix=True).SerializeToString()
+        team_a = [(b"authorization", f"Bearer {TEAM_A_TOKEN}".encode())]
+        options = flight.FlightCallOptions(headers=team_a)
+        with pytest.raises(flight.FlightUnauthorizedError) as info:
+            client.do_get(flight.Ticket(other), options).read_all()
+        assert json.loads(info.value.extra_info)["error"] == "PermissionDenied"
+        table = client.do_get(flight.Ticket(request), options).read_all()
+        assert set(table.column("name").to_pylist()) == {"b", "w"}
+    finally:
+        client.close()
 
 
 @pytest.mark.parametrize("transport", URLS)
@@ -446,6 +480,10 @@ def test_tls_with_the_ca_is_byte_identical(
         assert {m.id for m in client.list_models()[0]} == set(root.arrays)
         assert_arrays(client.model("big").fetch(prefix=""), root.arrays["big"])
         assert_arrays(client.model("team-a/x").fetch(prefix=""), root.arrays["team-a/x"])
+        if transport == "grpc":  # bulk data went over the Flight endpoint, with TLS
+            pool = client.transport._flight  # type: ignore[attr-defined]
+            assert pool.url.startswith("grpc+tls://")
+            assert flight_bytes(tls_server, "big") > 0
 
 
 @pytest.mark.parametrize("transport", URLS)
@@ -492,6 +530,27 @@ def test_mtls(mtls_server: WeightServer, root: Root, certs: Certs, transport: st
     with Client(address, tls=good, timeout=10) as client:
         assert {m.id for m in client.list_models()[0]} == set(root.arrays)
         assert_arrays(client.model("team-b/z").fetch(prefix=""), root.arrays["team-b/z"])
+        if transport == "grpc":
+            assert flight_bytes(mtls_server, "team-b/z") > 0
+
+
+def test_flight_refuses_clients_without_a_certificate(
+    mtls_server: WeightServer, certs: Certs
+) -> None:
+    ca = Path(certs.ca).read_bytes()
+    request = pb.TensorRequest(model="team-b/z", use_prefix=True).SerializeToString()
+    rogue = {
+        "cert_chain": Path(certs.rogue_cert).read_bytes(),
+        "private_key": Path(certs.rogue_key).read_bytes(),
+    }
+    for extra in ({}, rogue):
+        location = f"grpc+tls://127.0.0.1:{mtls_server.flight_port}"
+        client = flight.FlightClient(location, tls_root_certs=ca, **extra)
+        try:
+            with pytest.raises(flight.FlightError):
+                client.do_get(flight.Ticket(request)).read_all()
+        finally:
+            client.close()
 
 
 # ----------------------------------------------------------------------------- confinement

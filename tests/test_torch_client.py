@@ -72,7 +72,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Weigh
     fixtures_torch.write_dtypes(path / "dtypes" / "pytorch_model.bin")
     (path / "views").mkdir()
     fixtures_torch.write_views(path / "views" / "pytorch_model.bin")
-    server = WeightServer(ServerConfig(str(path), http_port=0, grpc_port=0)).start()
+    server = WeightServer(ServerConfig(str(path), http_port=0, grpc_port=0, flight_port=0)).start()
     try:
         yield path, server
     finally:

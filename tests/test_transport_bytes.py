@@ -28,11 +28,14 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from tests.conftest import PACKED_DTYPES, Ref, child_environment, np_dtype
 from weightserve.client._client import Client, FetchOptions
+from weightserve.client._flight import FlightPool
 from weightserve.client._transport import StreamParams
 from weightserve.client.errors import DataCorruption, InvalidRequest
-from weightserve.service import grpc_app, http_app
+from weightserve.service import flight_app, streaming
 
-TRANSPORTS = ("http", "grpc")
+# "grpc" moves tensor data over the server's Arrow Flight endpoint (what gRPC clients do by
+# default); "grpc-streamtensors" keeps it on the gRPC service's own StreamTensors.
+TRANSPORTS = ("http", "grpc", "grpc-streamtensors")
 
 
 @pytest.fixture(params=TRANSPORTS, scope="module")
@@ -44,9 +47,13 @@ def url_of(server, transport: str) -> str:
     return server.http_url if transport == "http" else server.grpc_url
 
 
+def connect(server, transport: str, url: str | None = None) -> Client:
+    return Client(url or url_of(server, transport), flight=transport != "grpc-streamtensors")
+
+
 @pytest.fixture(scope="module")
 def client(server, transport: str) -> Iterator[Client]:
-    with Client(url_of(server, transport)) as c:
+    with connect(server, transport) as c:
         yield c
 
 
@@ -252,8 +259,8 @@ def test_resume_returns_tail(client: Client, reference, resume_offset: int) -> N
 
 
 class Corrupter:
-    """Wraps the server's stream generator; flips one data byte in the first ``bad`` streams
-    (after the digest was computed, as a bad NIC or proxy would)."""
+    """Wraps the server's chunk iterator (under HTTP, gRPC and Flight); flips one data byte in
+    the first ``bad`` streams (after the digest was computed, as a bad NIC or proxy would)."""
 
     def __init__(self, original, bad: int) -> None:
         self.original = original
@@ -266,21 +273,21 @@ class Corrupter:
             self.opened += 1
             corrupt = self.opened <= self.bad
         flipped = False
-        for parts in self.original(model, planned, chunk_bytes):
-            if corrupt and not flipped and len(parts) >= 2 and len(parts[1]) > 0:
-                data = bytearray(parts[1])
-                data[len(data) // 2] ^= 0x10
-                parts = (parts[0], bytes(data), *parts[2:])
+        for header, data in self.original(model, planned, chunk_bytes):
+            if corrupt and not flipped and len(data) > 0:
+                changed = bytearray(data)
+                changed[len(changed) // 2] ^= 0x10
+                data = memoryview(bytes(changed))
                 flipped = True
-            yield parts
+            yield header, data
 
 
 @pytest.fixture
 def corrupter(monkeypatch: pytest.MonkeyPatch):
     def install(bad: int) -> Corrupter:
-        c = Corrupter(http_app.stream_messages, bad)
-        monkeypatch.setattr(http_app, "stream_messages", c)
-        monkeypatch.setattr(grpc_app, "stream_messages", c)
+        c = Corrupter(streaming.stream_chunks, bad)
+        monkeypatch.setattr(streaming, "stream_chunks", c)  # what stream_messages calls
+        monkeypatch.setattr(flight_app, "stream_chunks", c)
         return c
 
     return install
@@ -288,7 +295,7 @@ def corrupter(monkeypatch: pytest.MonkeyPatch):
 
 def test_corrupted_byte_raises_when_retries_run_out(server, transport: str, corrupter) -> None:
     bad = corrupter(1000)
-    with Client(url_of(server, transport)) as c:
+    with connect(server, transport) as c:
         remote = c.model("mixed", FetchOptions(retries=2, parallel=1))
         with pytest.raises(DataCorruption, match="do not match their digest"):
             remote.fetch(["float32", "int64"])
@@ -299,7 +306,7 @@ def test_corrupted_first_try_is_retried(server, transport: str, corrupter, refer
     bad = corrupter(1)
     ref = reference("mixed")
     names = ["float32", "int64", "bfloat16"]
-    with Client(url_of(server, transport)) as c:
+    with connect(server, transport) as c:
         got = c.model("mixed", FetchOptions(retries=2, parallel=1)).fetch(names)
     assert bad.opened == 2
     assert_all_same(got, {n: ref[n].array for n in names})
@@ -363,21 +370,28 @@ def test_broken_stream_resumes(server, transport: str, model_root, reference) ->
     model = "minilm" if "minilm" not in model_root.skipped else "tiny.gguf"
     ref = reference(model)
     chunk = 64 << 10
-    port = server.http_port if transport == "http" else server.grpc_port
+    ports = {"http": server.http_port, "grpc": server.flight_port}
     proxy = CuttingProxy(
-        port, cut_after=min(3 << 20, sum(r.array.nbytes for r in ref.values()) // 2)
+        ports.get(transport, server.grpc_port),
+        cut_after=min(3 << 20, sum(r.array.nbytes for r in ref.values()) // 2),
     )
+    scheme = "http" if transport == "http" else "grpc"
     try:
-        with Client(f"{transport}://127.0.0.1:{proxy.port}") as c:
+        if transport == "grpc":  # gRPC control from the server, tensor data via the proxy
+            c = connect(server, transport)
+            c.transport._flight = FlightPool(f"grpc+tcp://127.0.0.1:{proxy.port}", token=None)
+        else:
+            c = connect(server, transport, f"{scheme}://127.0.0.1:{proxy.port}")
+        with c:
             remote = c.model(model, FetchOptions(retries=3, parallel=1, chunk_bytes=chunk))
             opened: list[StreamParams] = []
-            open_stream = c.transport.open_stream
+            open_chunks = c.transport.open_chunks
 
             def spy(model_id: str, params: StreamParams):
                 opened.append(params)
-                return open_stream(model_id, params)
+                return open_chunks(model_id, params)
 
-            c.transport.open_stream = spy  # type: ignore[method-assign]
+            c.transport.open_chunks = spy  # type: ignore[method-assign]
             got = remote.fetch(prefix="")
     finally:
         proxy.close()
@@ -446,7 +460,7 @@ def _start_cli_server(root: Path) -> tuple[subprocess.Popen, dict[str, str]]:
     """``weightserve serve ROOT`` on free ports, as a user starts it; returns its URLs."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "weightserve.client._cli", "serve", str(root),
-         "--http-port", "0", "--grpc-port", "0", "--log-level", "warning"],
+         "--http-port", "0", "--grpc-port", "0", "--flight-port", "0", "--log-level", "warning"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -6,6 +6,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class GetServerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServerInfo(_message.Message):
+    __slots__ = ("version", "flight_port")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    FLIGHT_PORT_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    flight_port: int
+    def __init__(self, version: _Optional[str] = ..., flight_port: _Optional[int] = ...) -> None: ...
+
 class ListModelsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

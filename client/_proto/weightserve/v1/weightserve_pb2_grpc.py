@@ -50,6 +50,11 @@ class WeightServiceStub:
                 request_serializer=weightserve_dot_v1_dot_weightserve__pb2.TensorRequest.SerializeToString,
                 response_deserializer=weightserve_dot_v1_dot_weightserve__pb2.ArrowData.FromString,
                 _registered_method=True)
+        self.GetServerInfo = channel.unary_unary(
+                '/weightserve.v1.WeightService/GetServerInfo',
+                request_serializer=weightserve_dot_v1_dot_weightserve__pb2.GetServerInfoRequest.SerializeToString,
+                response_deserializer=weightserve_dot_v1_dot_weightserve__pb2.ServerInfo.FromString,
+                _registered_method=True)
 
 
 class WeightServiceServicer:
@@ -77,6 +82,13 @@ class WeightServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetServerInfo(self, request, context):
+        """What the server offers beyond this service, e.g. its Arrow Flight endpoint for bulk data.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +106,11 @@ def add_WeightServiceServicer_to_server(servicer, server):
                     servicer.StreamTensors,
                     request_deserializer=weightserve_dot_v1_dot_weightserve__pb2.TensorRequest.FromString,
                     response_serializer=weightserve_dot_v1_dot_weightserve__pb2.ArrowData.SerializeToString,
+            ),
+            'GetServerInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetServerInfo,
+                    request_deserializer=weightserve_dot_v1_dot_weightserve__pb2.GetServerInfoRequest.FromString,
+                    response_serializer=weightserve_dot_v1_dot_weightserve__pb2.ServerInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +194,33 @@ class WeightService:
             '/weightserve.v1.WeightService/StreamTensors',
             weightserve_dot_v1_dot_weightserve__pb2.TensorRequest.SerializeToString,
             weightserve_dot_v1_dot_weightserve__pb2.ArrowData.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetServerInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightserve.v1.WeightService/GetServerInfo',
+            weightserve_dot_v1_dot_weightserve__pb2.GetServerInfoRequest.SerializeToString,
+            weightserve_dot_v1_dot_weightserve__pb2.ServerInfo.FromString,
             options,
             channel_credentials,
             insecure,

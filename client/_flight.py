@@ -1,0 +1,179 @@
+"""Bulk tensor data over Arrow Flight, for gRPC URLs whose server offers it.
+
+The server's gRPC service says in ``GetServerInfo`` on which port its Flight endpoint runs.
+``DoGet`` with a serialized ``TensorRequest`` as the ticket returns the same rows as
+``StreamTensors``, but Flight's C++ client receives them, so the only Python-level work per
+chunk is reading its header and one copy of its bytes into the tensor's final buffer (with
+the GIL released). grpcio instead copies every message 3-4 times under the GIL
+(docs/performance.md has the figures).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from weightserve.client._schema import FIELD_NAMES, ChunkHeader
+from weightserve.client.errors import (
+    ServerUnreachable,
+    TransportError,
+    WeightserveError,
+    error_from_wire,
+)
+
+IDLE_CLIENTS = 8  # connected Flight clients kept per transport, like HTTP's kept-alive pool
+
+
+def translate(e: flight.FlightError, url: str) -> WeightserveError:
+    """Our exception for a Flight error: the server's own class when it named one."""
+    try:
+        detail = json.loads(e.extra_info or b"{}")
+    except ValueError:
+        detail = {}
+    if isinstance(detail, dict) and "error" in detail:
+        return error_from_wire(str(detail["error"]), str(detail.get("message", "")))
+    message = str(e).split(". Detail:", 1)[0]
+    if isinstance(e, flight.FlightUnavailableError) and "connect" in message.lower():
+        return ServerUnreachable(f"cannot reach the Flight endpoint {url}: {message}")
+    # Anything else is the stream breaking (reset, cancelled, internal): resumable.
+    return TransportError(f"Flight stream from {url} broke: {type(e).__name__}: {message}")
+
+
+class FlightPool:
+    """Connected ``FlightClient``s for one endpoint, one per concurrent stream.
+
+    Each client has its own TCP connection (a local subchannel pool), so parallel streams
+    of one fetch do not share one HTTP/2 connection and its flow-control window.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None,
+        ca: bytes | None = None,
+        cert: bytes | None = None,
+        key: bytes | None = None,
+    ) -> None:
+        self.url = url
+        self._tls: dict[str, Any] = {}
+        if ca is not None:
+            self._tls["tls_root_certs"] = ca
+        if cert is not None and key is not None:
+            self._tls.update(cert_chain=cert, private_key=key)
+        headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
+        self.options = flight.FlightCallOptions(headers=headers)
+        self._idle: list[flight.FlightClient] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> flight.FlightClient:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return flight.FlightClient(
+            self.url, generic_options=[("grpc.use_local_subchannel_pool", 1)], **self._tls
+        )
+
+    def give(self, client: flight.FlightClient) -> None:
+        with self._lock:
+            if len(self._idle) < IDLE_CLIENTS:
+                self._idle.append(client)
+                return
+        client.close()
+
+    def open(self, ticket: bytes) -> FlightChunkReader:
+        client = self.take()
+        try:
+            reader = client.do_get(flight.Ticket(ticket), self.options)
+        except flight.FlightError as e:
+            client.close()
+            raise translate(e, self.url) from None
+        return FlightChunkReader(reader, self, client)
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for client in idle:
+            client.close()
+
+
+class FlightChunkReader:
+    """``ArrowChunkReader``'s interface over a Flight ``DoGet`` stream."""
+
+    def __init__(self, reader: flight.FlightStreamReader, pool: FlightPool, client: Any) -> None:
+        self._reader = reader
+        self._pool = pool
+        self._client: Any = client
+        self._done = False
+
+    def read_schema(self) -> pa.Schema:
+        try:
+            schema = self._reader.schema
+        except flight.FlightError as e:
+            raise translate(e, self._pool.url) from None
+        if tuple(schema.names) != FIELD_NAMES:
+            raise TransportError(f"not a tensor stream: Flight schema fields {schema.names}")
+        return schema
+
+    def next_chunk(self, destination: Callable[[ChunkHeader], memoryview]) -> ChunkHeader | None:
+        while not self._done:
+            try:
+                batch = self._reader.read_chunk().data
+            except StopIteration:
+                self._done = True
+                return None
+            except flight.FlightError as e:
+                raise translate(e, self._pool.url) from None
+            if batch.num_rows == 1:
+                return self._place(batch, destination)
+            if batch.num_rows:
+                raise TransportError(f"a record batch of {batch.num_rows} rows (need 1 per batch)")
+        return None
+
+    def _place(
+        self, batch: pa.RecordBatch, destination: Callable[[ChunkHeader], memoryview]
+    ) -> ChunkHeader:
+        columns = batch.columns
+        data = columns[8]
+        _, offsets, values = data.buffers()
+        start, end = struct.unpack_from("<ii", offsets, 4 * data.offset)
+        header = ChunkHeader(
+            columns[0][0].as_py(),
+            columns[1][0].as_py(),
+            tuple(columns[2][0].as_py()),
+            tuple(columns[3][0].as_py()),
+            columns[4][0].as_py(),
+            columns[5][0].as_py(),
+            columns[6][0].as_py(),
+            columns[7][0].as_py(),
+            end - start,
+        )
+        view = memoryview(destination(header))
+        if view.readonly or view.nbytes != header.nbytes:
+            raise ValueError(
+                f"destination for {header!r} must be writable and {header.nbytes} bytes"
+            )
+        if header.nbytes:
+            # np.copyto releases the GIL for large copies; the other stream keeps running.
+            np.copyto(
+                np.frombuffer(view.cast("B") if view.format != "B" else view, np.uint8),
+                np.frombuffer(values, np.uint8, header.nbytes, start),
+            )
+        return header
+
+    def close(self) -> None:
+        client, self._client = self._client, None
+        if client is None:
+            return
+        if self._done:
+            self._pool.give(client)  # the stream ended cleanly: the connection is reusable
+        else:
+            self._reader.cancel()
+            client.close()

@@ -1,0 +1,175 @@
+"""Arrow Flight endpoint for bulk tensor data: the StreamTensors stream, moved by C++.
+
+grpcio hands every message through Python: the server copies each chunk into a message and
+the client copies it 3-4 times more, under the GIL (docs/performance.md). Flight (Arrow's
+gRPC service, ``pyarrow.flight``) sends record batches whose buffers are views of the mmap,
+and its client assembles them without Python. The gRPC service stays the control plane
+(models, index, health, reflection) and advertises this endpoint in ``GetServerInfo``.
+
+``DoGet`` takes a serialized ``weightserve.v1.TensorRequest`` as its ticket and streams one
+record batch per chunk in the schema of client/_schema.py, so any Flight client (pyarrow,
+Arrow Java, arrow-rs) can read weights with no weightserve code. Auth, limits, draining,
+errors and metrics are those of the other transports. An error carries ``extra_info``, JSON
+``{"error": class name, "message": text}``, which the weightserve client turns back into the
+same exception as on HTTP and gRPC.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.flight as flight
+from google.protobuf.message import DecodeError
+
+from weightserve.client._proto.weightserve.v1 import weightserve_pb2 as pb
+from weightserve.client._schema import TENSOR_SCHEMA, ChunkHeader
+from weightserve.client.errors import InvalidRequest, WeightserveError, status_for
+from weightserve.service.auth import authorize
+from weightserve.service.catalog import Model
+from weightserve.service.grpc_app import _request_from_proto, peer_host
+from weightserve.service.state import ServiceState
+from weightserve.service.streaming import plan_stream, stream_chunks
+
+log = logging.getLogger("weightserve.flight")
+
+_SHAPE_TYPE = TENSOR_SCHEMA.field("shape").type
+# Requests are a few names or a prefix; a ticket this large is not a tensor request.
+MAX_TICKET_BYTES = 16 << 20
+
+_FLIGHT_ERRORS = {
+    "UNAUTHENTICATED": flight.FlightUnauthenticatedError,
+    "PERMISSION_DENIED": flight.FlightUnauthorizedError,
+    "UNAVAILABLE": flight.FlightUnavailableError,
+}
+
+
+def flight_error(exc: WeightserveError) -> flight.FlightError:
+    """The Flight error for one of ours; ``extra_info`` names our class for the client."""
+    _, code = status_for(exc)
+    detail = json.dumps({"error": type(exc).__name__, "message": str(exc)}).encode()
+    return _FLIGHT_ERRORS.get(code, flight.FlightServerError)(str(exc), extra_info=detail)
+
+
+def chunk_batch(header: ChunkHeader, data: memoryview) -> pa.RecordBatch:
+    """One row of the tensor schema; ``data`` is wrapped, not copied."""
+    offsets = pa.py_buffer(struct.pack("<ii", 0, len(data)))
+    values = pa.Array.from_buffers(pa.binary(), 1, [None, offsets, pa.py_buffer(data)])
+    return pa.RecordBatch.from_arrays(
+        [
+            pa.array([header.name], pa.utf8()),
+            pa.array([header.dtype], pa.utf8()),
+            pa.array([header.shape], _SHAPE_TYPE),
+            pa.array([header.logical_shape], _SHAPE_TYPE),
+            pa.array([header.encoding], pa.utf8()),
+            pa.array([header.offset], pa.int64()),
+            pa.array([header.total_bytes], pa.int64()),
+            pa.array([header.digest], pa.uint64()),
+            values,
+        ],
+        schema=TENSOR_SCHEMA,
+    )
+
+
+class _Authorization(flight.ServerMiddleware):
+    def __init__(self, header: str | None) -> None:
+        self.header = header
+
+
+class _AuthorizationFactory(flight.ServerMiddlewareFactory):
+    """Keeps the call's ``authorization`` header for ``do_get`` (checked there, per model)."""
+
+    def start_call(self, info: flight.CallInfo, headers: dict) -> _Authorization:
+        values = headers.get("authorization") or [None]
+        return _Authorization(values[0])
+
+
+class _Batches:
+    """The record batches of one stream, holding its stream slot until the stream is done.
+
+    A class rather than a generator: Flight may drop a stream before asking for its first
+    batch (the client went away), and an unstarted generator never runs its ``finally``.
+    """
+
+    def __init__(
+        self,
+        state: ServiceState,
+        model: Model,
+        chunks: Iterator[tuple[ChunkHeader, memoryview]],
+        slot: AbstractContextManager[Any],
+        context: flight.ServerCallContext,
+    ) -> None:
+        self.state, self.model, self.chunks = state, model, chunks
+        self.slot, self.context = slot, context
+        self.sent = 0
+        self.started = time.perf_counter()
+        self.open = True
+
+    def __iter__(self) -> _Batches:
+        return self
+
+    def __next__(self) -> pa.RecordBatch:
+        if not self.open or self.context.is_cancelled():
+            self.close()
+            raise StopIteration
+        try:
+            header, data = next(self.chunks)
+        except StopIteration:
+            self.close()
+            raise
+        except WeightserveError as e:  # e.g. a file truncated while being served
+            log.warning("Flight stream of model %s broke: %s", self.model.id, e)
+            self.close()
+            raise flight_error(e) from None
+        self.sent += len(data)
+        return chunk_batch(header, data)
+
+    def close(self) -> None:
+        if not self.open:
+            return
+        self.open = False
+        self.slot.__exit__(None, None, None)
+        metrics = self.state.metrics
+        metrics.bytes_served.labels("flight", self.model.id).inc(self.sent)
+        metrics.latency.labels("flight", "stream").observe(time.perf_counter() - self.started)
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class FlightService(flight.FlightServerBase):
+    def __init__(self, state: ServiceState, location: str, **tls: object) -> None:
+        super().__init__(location, middleware={"auth": _AuthorizationFactory()}, **tls)
+        self.state = state
+
+    def do_get(self, context: flight.ServerCallContext, ticket: flight.Ticket) -> object:
+        state = self.state
+        try:
+            if len(ticket.ticket) > MAX_TICKET_BYTES:
+                raise InvalidRequest(f"ticket of {len(ticket.ticket)} bytes is too large")
+            try:
+                message = pb.TensorRequest.FromString(ticket.ticket)
+            except DecodeError:
+                raise InvalidRequest("the ticket is not a weightserve.v1.TensorRequest") from None
+            header = context.get_middleware("auth").header
+            authorize(state.tokens, header).check(message.model)
+            model = state.catalog.get(message.model)
+            request = _request_from_proto(message)
+            planned = plan_stream(model, request, state.limits.max_names)
+            slot = state.stream_slot("flight", peer_host(context.peer()))
+            slot.__enter__()
+        except WeightserveError as e:
+            raise flight_error(e) from None
+
+        return flight.GeneratorStream(
+            TENSOR_SCHEMA,
+            _Batches(
+                state, model, stream_chunks(model, planned, request.chunk_bytes), slot, context
+            ),
+        )

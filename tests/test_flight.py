@@ -1,0 +1,216 @@
+"""The Arrow Flight endpoint: bulk tensor data for gRPC clients.
+
+A plain ``pyarrow.flight`` client reads a model with no weightserve code beyond the ticket
+(a serialized ``TensorRequest``); the weightserve client finds the endpoint through
+``GetServerInfo``, uses it for bulk data, falls back to ``StreamTensors`` when there is none
+or it cannot be reached, and gets the same error classes as over HTTP and gRPC. Servers are
+real, on loopback; bytes are compared with the reference readers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pyarrow.flight as flight
+import pytest
+from safetensors.numpy import save_file
+
+from weightserve.client._client import Client
+from weightserve.client._flight import FlightPool
+from weightserve.client._proto.weightserve.v1 import weightserve_pb2 as pb
+from weightserve.client._schema import TENSOR_SCHEMA
+from weightserve.client._transport import StreamParams
+from weightserve.client.errors import (
+    InvalidRequest,
+    ModelNotFound,
+    RevisionMismatch,
+    TensorNotFound,
+)
+from weightserve.service.server import ServerConfig, WeightServer
+
+
+def flight_bytes(srv: WeightServer, transport: str, model: str) -> float:
+    return srv.state.metrics.bytes_served.labels(transport, model)._value.get()
+
+
+def ticket(**fields) -> flight.Ticket:
+    return flight.Ticket(pb.TensorRequest(**fields).SerializeToString())
+
+
+def eventually(check, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.02)
+
+
+def test_server_info_advertises_the_flight_port(server) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        info = channel.unary_unary(
+            "/weightserve.v1.WeightService/GetServerInfo",
+            request_serializer=pb.GetServerInfoRequest.SerializeToString,
+            response_deserializer=pb.ServerInfo.FromString,
+        )(pb.GetServerInfoRequest(), timeout=10)
+    assert info.flight_port == server.flight_port > 0
+    assert info.version
+
+
+def test_plain_pyarrow_flight_client_reads_a_model(server, reference) -> None:
+    """Any Flight client: DoGet, read_all, join each tensor's rows, compare bytes."""
+    ref = reference("mixed")
+    client = flight.connect(f"grpc://127.0.0.1:{server.flight_port}")
+    try:
+        reader = client.do_get(ticket(model="mixed", use_prefix=True, chunk_bytes=64))
+        table = reader.read_all()
+    finally:
+        client.close()
+    assert table.schema.equals(TENSOR_SCHEMA, check_metadata=True)
+    rows = table.to_pylist()
+    assert all(len(r["data"]) <= 64 for r in rows)  # chunked as asked
+    tensors: dict[str, bytes] = {}
+    for row in rows:
+        assert row["offset"] == len(tensors.get(row["name"], b""))
+        tensors[row["name"]] = tensors.get(row["name"], b"") + row["data"]
+    assert set(tensors) == set(ref)
+    for name, r in ref.items():
+        assert tensors[name] == r.array.tobytes(), name
+        row = next(x for x in rows if x["name"] == name)
+        assert row["dtype"] == r.dtype and tuple(row["shape"]) == r.shape
+
+
+def test_grpc_client_moves_bulk_data_over_flight(server, reference, model_id: str) -> None:
+    ref = reference(model_id)
+    before = flight_bytes(server, "flight", model_id), flight_bytes(server, "grpc", model_id)
+    with Client(server.grpc_url) as client:
+        got = client.model(model_id).fetch(prefix="")
+        assert isinstance(client.transport._flight, FlightPool)  # type: ignore[attr-defined]
+    for name, r in ref.items():
+        assert got[name].tobytes() == r.array.tobytes(), name
+    total = sum(r.array.nbytes for r in ref.values())
+    assert flight_bytes(server, "flight", model_id) - before[0] == total
+    assert flight_bytes(server, "grpc", model_id) == before[1]  # StreamTensors not used
+
+
+def test_flight_off_uses_streamtensors(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "m").mkdir(parents=True)
+    arrays = {"w": np.arange(3000, dtype=np.float32).reshape(30, 100)}
+    save_file(arrays, root / "m" / "model.safetensors")
+    config = ServerConfig(str(root), http_port=0, grpc_port=0, flight_port=None)
+    with WeightServer(config) as srv, Client(srv.grpc_url) as client:
+        assert srv.flight_port == 0
+        got = client.model("m").fetch(prefix="")
+        assert client.transport._flight is None  # type: ignore[attr-defined]
+        assert flight_bytes(srv, "grpc", "m") == arrays["w"].nbytes
+    np.testing.assert_array_equal(got["w"], arrays["w"])
+
+
+def test_client_with_flight_off_never_uses_it(server, reference) -> None:
+    ref = reference("mixed")
+    before = flight_bytes(server, "flight", "mixed")
+    with Client(server.grpc_url, flight=False) as client:
+        got = client.model("mixed").fetch(prefix="")
+    assert flight_bytes(server, "flight", "mixed") == before
+    assert {n: a.tobytes() for n, a in got.items()} == {
+        n: r.array.tobytes() for n, r in ref.items()
+    }
+
+
+def test_unreachable_flight_endpoint_falls_back(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A deployment that exposes the gRPC port but not the Flight port still loads."""
+    root = tmp_path / "root"
+    (root / "m").mkdir(parents=True)
+    arrays = {"w": np.arange(1000, dtype=np.int64)}
+    save_file(arrays, root / "m" / "model.safetensors")
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    config = ServerConfig(str(root), http_port=0, grpc_port=0, flight_port=0)
+    with WeightServer(config) as srv, Client(srv.grpc_url, timeout=10) as client:
+        srv.state.flight_port = closed  # what GetServerInfo now advertises
+        with caplog.at_level(logging.WARNING, logger="weightserve.client"):
+            got = client.model("m").fetch(prefix="")
+        np.testing.assert_array_equal(got["w"], arrays["w"])
+        assert "using gRPC StreamTensors instead" in caplog.text
+        assert flight_bytes(srv, "grpc", "m") == arrays["w"].nbytes
+
+
+@pytest.mark.parametrize(
+    ("fields", "error", "match"),
+    [
+        ({"model": "nope", "use_prefix": True}, ModelNotFound, "nope"),
+        ({"model": "mixed", "names": ["float32", "missing"]}, TensorNotFound, "missing"),
+        (
+            {"model": "mixed", "use_prefix": True, "revision": "0" * 16},
+            RevisionMismatch,
+            "revision",
+        ),
+        ({"model": "mixed", "use_prefix": True, "chunk_bytes": -1}, InvalidRequest, "chunk"),
+    ],
+)
+def test_flight_errors_are_the_same_classes(server, fields, error, match) -> None:
+    """Through the client: the class the other transports raise. Raw: extra_info names it."""
+    with Client(server.grpc_url) as client:
+        pool = client.transport._flight_pool()  # type: ignore[attr-defined]
+        with pytest.raises(error, match=match):
+            reader = pool.open(pb.TensorRequest(**fields).SerializeToString())
+            reader.read_schema()
+            reader.next_chunk(lambda h: memoryview(bytearray(h.nbytes)))
+    raw = flight.connect(f"grpc://127.0.0.1:{server.flight_port}")
+    try:
+        with pytest.raises(flight.FlightError) as info:
+            raw.do_get(ticket(**fields)).read_all()
+    finally:
+        raw.close()
+    assert json.loads(info.value.extra_info)["error"] == error.__name__
+
+
+def test_a_ticket_that_is_not_a_request_is_refused(server) -> None:
+    raw = flight.connect(f"grpc://127.0.0.1:{server.flight_port}")
+    try:
+        with pytest.raises(flight.FlightError) as info:
+            raw.do_get(flight.Ticket(b"\xff\xff not protobuf")).read_all()
+    finally:
+        raw.close()
+    assert json.loads(info.value.extra_info)["error"] == "InvalidRequest"
+
+
+def test_abandoned_flight_streams_release_their_slots(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "big").mkdir(parents=True)
+    rng = np.random.default_rng(3)
+    save_file(
+        {f"t{i}": rng.integers(0, 255, 4 << 20, dtype=np.uint8) for i in range(8)},
+        root / "big" / "model.safetensors",
+    )
+    config = ServerConfig(str(root), http_port=0, grpc_port=0, flight_port=0, rescan_seconds=0)
+    with WeightServer(config) as srv, Client(srv.grpc_url, timeout=10) as client:
+        transport = client.transport
+        params = StreamParams(prefix="", chunk_bytes=1 << 20)
+        # Read one chunk of 32, then give up.
+        reader = transport.open_chunks("big", params)
+        reader.read_schema()
+        assert reader.next_chunk(lambda h: memoryview(bytearray(h.nbytes))) is not None
+        eventually(lambda: srv.state.open_streams == 1, 5, "the stream holds a slot")
+        reader.close()
+        eventually(lambda: srv.state.open_streams == 0, 5, "the slot is released on cancel")
+        # Open and close without reading anything.
+        transport.open_chunks("big", params).close()
+        eventually(lambda: srv.state.open_streams == 0, 5, "the unread stream's slot")
+        # A stream read to its end hands its connection back for the next one.
+        reader = transport.open_chunks("big", params)
+        reader.read_schema()
+        while reader.next_chunk(lambda h: memoryview(bytearray(h.nbytes))) is not None:
+            pass
+        reader.close()
+        assert len(transport._flight._idle) == 1  # type: ignore[attr-defined]
+        eventually(lambda: srv.state.open_streams == 0, 5, "slot released at the end")

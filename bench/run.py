@@ -8,6 +8,7 @@ and every ratio compares numbers taken in this one run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench import report
+from bench import guest_memory, report
 from bench.checkpoint import MODEL_ID, REPO, Checkpoint, quick
 from bench.procs import Job, MemorySampler, ServerProcess, cpu_seconds, proc_status, run_group
 from bench.procs import write_json_atomically as write_json
@@ -75,6 +76,9 @@ def contenders(
             base=base, model_id=MODEL_ID)  # fmt: skip
         add(f"ws_{t}_fetch_1stream", "diagnostic", "bench.weightserve_loads:fetch_load",
             base=base, model_id=MODEL_ID, parallel=1)  # fmt: skip
+    # The same gRPC fetch with tensor data on grpcio's StreamTensors, not the Flight endpoint.
+    add("ws_grpc_fetch_streamtensors", "diagnostic", "bench.weightserve_loads:fetch_load",
+        base=grpc, model_id=MODEL_ID, flight=False)  # fmt: skip
     for t, base in (("http", http), ("grpc", grpc)):
         add(f"ws_{t}_prefix", "partial", "bench.weightserve_loads:fetch_load",
             base=base, model_id=MODEL_ID, prefix=ck.prefix)  # fmt: skip
@@ -92,6 +96,8 @@ def contenders(
             base=base, model_id=MODEL_ID, names=names, requests=args.small_requests)  # fmt: skip
         add(f"ws_{t}_small_conc8", "small", "bench.weightserve_loads:small_requests", n=8,
             base=base, model_id=MODEL_ID, names=names, requests=args.small_requests_conc)  # fmt: skip
+    add("ws_grpc_small_latency_streamtensors", "small", "bench.weightserve_loads:small_requests",
+        base=grpc, model_id=MODEL_ID, names=names, requests=args.small_requests, flight=False)  # fmt: skip
     if args.only:
         keep = set(args.only.split(","))
         out = [c for c in out if c.key in keep or c.group in keep]
@@ -198,6 +204,11 @@ def warm_page_cache(path: Path) -> None:
             pass
 
 
+def _reported_mib(before: int | None) -> float | None:
+    after = guest_memory.reported_kib()
+    return None if before is None or after is None else round((after - before) / 1024, 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     p.add_argument("--size-gib", type=float, default=2.0, help="checkpoint size (default 2)")
@@ -212,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nice", type=int, default=0,
                    help="renice the run (servers and clients inherit it); negative values "
                    "(root only) shield it from other work on a shared machine")  # fmt: skip
+    p.add_argument("--hold-freed-memory", action="store_true",
+                   help="on a VM with free page reporting, stop handing freed memory back to "
+                   "the hypervisor during the run (root; bench/guest_memory.py)")  # fmt: skip
     p.add_argument("--profile", action="store_true",
                    help="instead: py-spy profiles of the whole-model HTTP and gRPC loads")  # fmt: skip
     args = p.parse_args(argv)
@@ -233,7 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     warm_page_cache(ck.path)
     started = time.time()
     load_before = os.getloadavg()
+    reported_before = guest_memory.reported_kib()
+    hold = guest_memory.held(log) if args.hold_freed_memory else contextlib.nullcontext("default")
     with (
+        hold as page_reporting,
         ServerProcess("bench.ceilings", str(ck.path)) as raw,
         StaticServer(ck.path.parent.parent) as web,
         ServerProcess("bench.server", str(ck.root)) as ws,
@@ -267,6 +284,10 @@ def main(argv: list[str] | None = None) -> int:
             # Other work on the machine during the run (1-minute load average, before/after).
             "loadavg_1min": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
             "nice": os.nice(0),
+            # VM free page reporting: what the run did with it, and how much memory the
+            # guest handed back to the hypervisor meanwhile (bench/guest_memory.py).
+            "page_reporting": page_reporting,
+            "reported_mib": _reported_mib(reported_before),
         },
         "checkpoint": {
             "tag": ck.tag,

@@ -6,6 +6,7 @@
   ``RemoteModel.fetch(prefix="")`` and the result says ``impl: fetch-fallback``.
 - ``fetch_load``: ``Client(url).model(id).fetch(...)``, the bulk API underneath (whole model,
   a prefix, or a tensor-parallel shard), default ``FetchOptions`` (2 parallel streams).
+  ``flight=False`` keeps a gRPC client on ``StreamTensors`` instead of the Flight endpoint.
 - ``small_requests``: sequential single-tensor fetches of the norm vectors, per-request
   latency recorded (p50/p99), or just a count for the 8-client throughput run.
 
@@ -76,6 +77,7 @@ def fetch_load(
     shard: list[int] | None = None,
     parallel: int | None = None,
     chunk_bytes: int | None = None,
+    flight: bool | None = None,
 ):
     from weightserve.client._client import Client, FetchOptions
 
@@ -86,7 +88,7 @@ def fetch_load(
         options = FetchOptions(parallel=options.parallel, chunk_bytes=chunk_bytes)
 
     def run():
-        client = Client(base)
+        client = Client(base, flight=flight)
         model = client.model(model_id, options)
         arrays = model.fetch(prefix=prefix, shard=tuple(shard) if shard else None)
         client.close()
@@ -95,11 +97,13 @@ def fetch_load(
     return run
 
 
-def small_requests(base: str, model_id: str, names: list[str], requests: int):
+def small_requests(
+    base: str, model_id: str, names: list[str], requests: int, flight: bool | None = None
+):
     """``requests`` sequential single-tensor fetches, cycling through ``names``."""
     from weightserve.client._client import Client
 
-    client = Client(base)
+    client = Client(base, flight=flight)
     model = client.model(model_id)
     model.fetch([names[0]])  # warm: connection / channel set up, code paths loaded
 

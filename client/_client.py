@@ -6,6 +6,7 @@ round trip per tensor. Arrays handed out are views of the buffers the data was r
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from weightserve.client._dtypes import numpy_dtype, wire_dtype
+from weightserve.client._malloc import steady_heap
 from weightserve.client._models import ModelInfo, ModelProblem, ModelSummary, TensorInfo
 from weightserve.client._receive import ReceivedTensor, arena_allocator, receive
 from weightserve.client._schema import ChunkHeader
@@ -26,6 +28,10 @@ from weightserve.client._transport import (
 )
 from weightserve.client._url import ServerAddress, parse_url
 from weightserve.client.errors import InvalidRequest, TensorNotFound
+
+# Loads over gRPC of at least this many bytes keep glibc's heap steady (client/_malloc.py);
+# below it, the mallopt and trim calls would cost more than the faults they save.
+STEADY_HEAP_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -127,7 +133,11 @@ class RemoteModel:
                     raise TensorNotFound(f"No weight named {n!r} in model {self.id!r}.{hint}")
         if not wanted:
             return {}
-        received = self._fetch_parallel(wanted, shard, axis, on_bytes, allocate)
+        heap: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        if self.client.address.transport == "grpc" and self._bytes(wanted) >= STEADY_HEAP_BYTES:
+            heap = steady_heap()  # gRPC receive buffers: see client/_malloc.py
+        with heap:
+            received = self._fetch_parallel(wanted, shard, axis, on_bytes, allocate)
         out: dict[str, np.ndarray] = {}
         for name in wanted:
             r = received[name]
@@ -135,6 +145,9 @@ class RemoteModel:
             info = TensorInfo(name, h.dtype, h.shape, h.logical_shape, h.encoding, h.total_bytes)
             out[name] = as_array(r, info)
         return out
+
+    def _bytes(self, names: list[str]) -> int:
+        return sum(self.info.tensors[n].nbytes for n in names)
 
     def _groups(self, names: list[str]) -> list[list[str]]:
         """Split into up to ``parallel`` groups of about equal bytes, keeping stream order."""

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+import xxhash
+
 from weightserve.client.errors import (
     CheckpointError,
     InvalidRequest,
@@ -75,6 +77,9 @@ def file_stamp(st: os.stat_result) -> FileStamp:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
+MAX_CACHED_DIGESTS = 1 << 20
+
+
 class MappedFile:
     """One read-only mmap of one file, shared by every request.
 
@@ -90,6 +95,23 @@ class MappedFile:
         self._map: mmap.mmap | None = None
         self._view: memoryview | None = None
         self.size = stamp[2] if stamp is not None else path.stat().st_size
+        self._digests: dict[tuple[int, int], int] = {}
+
+    def digest(self, start: int, data: memoryview) -> int:
+        """xxh3-64 of ``data``, the mapped bytes from ``start``; computed once per range.
+
+        A weight cache sends the same chunks to many clients; reading every byte again for
+        its digest was a third of the server's CPU per load (docs/performance.md). The cache
+        lives with this mapping, so a replaced file starts afresh; it holds at most
+        ``MAX_CACHED_DIGESTS`` ranges (16 bytes each as data, a 2 TiB file at 2 MiB chunks).
+        """
+        key = (start, len(data))
+        found = self._digests.get(key)
+        if found is None:
+            found = xxhash.xxh3_64_intdigest(data)
+            if len(self._digests) < MAX_CACHED_DIGESTS:
+                self._digests[key] = found
+        return found
 
     def view(self) -> memoryview:
         with self._lock:

@@ -266,6 +266,10 @@ def stream_chunks(
             if mapped is not None and n:
                 mapped.ensure_covers(p.byte_offset + offset + n)  # type: ignore[operator]
             data = source[offset : offset + n]
+            if mapped is not None:  # contiguous bytes of the file: the digest may be known
+                digest = mapped.digest(p.byte_offset + offset, data)  # type: ignore[operator]
+            else:
+                digest = xxhash.xxh3_64_intdigest(data)
             header = ChunkHeader(
                 p.entry.name,
                 p.dtype,
@@ -274,7 +278,7 @@ def stream_chunks(
                 p.encoding,
                 offset,
                 p.nbytes,
-                xxhash.xxh3_64_intdigest(data),
+                digest,
                 n,
             )
             yield header, data

@@ -452,3 +452,36 @@ def test_one_mmap_per_file_shared_by_every_view(tmp_path: Path) -> None:
     again = catalog.get("org/m")
     assert again is model
     assert again.raw_view(a).obj is va.obj
+
+
+def test_chunk_digests_are_computed_once_per_mapping(tmp_path: Path, monkeypatch) -> None:
+    """The server digests each range of a file once; a replaced file starts afresh."""
+    import xxhash
+
+    from weightserve.service import catalog as catalog_module
+
+    path = tmp_path / "blob.bin"
+    path.write_bytes(bytes(range(256)) * 64)
+    mapped = MappedFile(path)
+    view = mapped.view()
+    calls: list[int] = []
+    real = xxhash.xxh3_64_intdigest
+
+    def counting(data) -> int:
+        calls.append(len(data))
+        return real(data)
+
+    monkeypatch.setattr(catalog_module.xxhash, "xxh3_64_intdigest", counting)
+    first = mapped.digest(1024, view[1024:5120])
+    assert first == real(bytes(view[1024:5120]))
+    assert mapped.digest(1024, view[1024:5120]) == first  # cached: no second read
+    assert calls == [4096]
+    assert mapped.digest(1024, view[1024:2048]) == real(bytes(view[1024:2048]))  # another range
+    assert calls == [4096, 1024]
+    path.write_bytes(b"\xff" * (256 * 64))  # replaced: a new mapping, new digests
+    renewed = MappedFile(path)
+    assert renewed.digest(1024, renewed.view()[1024:5120]) == real(b"\xff" * 4096)
+    monkeypatch.setattr(catalog_module, "MAX_CACHED_DIGESTS", 2)
+    for start in range(0, 4096, 512):
+        renewed.digest(start, renewed.view()[start : start + 512])
+    assert len(renewed._digests) == 2  # bounded

@@ -146,6 +146,17 @@ class RemoteModel:
             out[name] = as_array(r, info)
         return out
 
+    def _part_bound(self, name: str, shard: tuple[int, int] | None, axis: int) -> int:
+        """Bytes of the tensor's part in a shard, or a close upper bound of them."""
+        info = self.info.tensors[name]
+        if shard is None or info.encoding is not None or len(info.shape) <= axis:
+            return info.nbytes  # whole, or GGML blocks (split in whole blocks): at most all
+        length = info.shape[axis]
+        if length == 0:
+            return 0
+        # numpy.array_split: the largest part has ceil(length / n) slices along the axis
+        return -(-length // shard[1]) * (info.nbytes // length)
+
     def _bytes(self, names: list[str]) -> int:
         return sum(self.info.tensors[n].nbytes for n in names)
 
@@ -191,8 +202,8 @@ class RemoteModel:
                 revision=self.info.revision,
             )
             place = allocate
-            if place is None and shard is None:
-                place = arena_allocator({n: self.info.tensors[n].nbytes for n in group})
+            if place is None:
+                place = arena_allocator({n: self._part_bound(n, shard, axis) for n in group})
             return receive(
                 lambda p: self.client.transport.open_chunks(self.id, p),
                 params,

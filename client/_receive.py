@@ -31,11 +31,13 @@ def aligned_empty(nbytes: int, alignment: int = ALIGNMENT) -> np.ndarray:
 def arena_allocator(sizes: dict[str, int]) -> Callable[[ChunkHeader], np.ndarray]:
     """Place every tensor of one stream in one aligned arena.
 
-    One large allocation instead of one per tensor: NumPy asks the kernel for transparent
-    huge pages on allocations of 4 MiB and more, so faulting in the destination costs one
-    fault per 2 MiB instead of one per 4 KiB page — for the many tensors below 4 MiB too
-    (bench: fresh-memory faults were the largest client cost). Each array is a view that
-    keeps the arena alive; memory stays about the bytes fetched.
+    ``sizes`` gives each tensor's size, or an upper bound of it (a shard's part). One large
+    allocation instead of one per tensor: NumPy asks the kernel for transparent huge pages
+    on allocations of 4 MiB and more, so faulting in the destination costs one fault per
+    2 MiB instead of one per 4 KiB page — for the many tensors below 4 MiB too (bench:
+    fresh-memory faults were the largest client cost). Each array is a view that keeps the
+    arena alive; pages of the arena no tensor uses are never touched, so memory stays about
+    the bytes fetched.
     """
     offsets: dict[str, int] = {}
     position = 0
@@ -46,7 +48,7 @@ def arena_allocator(sizes: dict[str, int]) -> Callable[[ChunkHeader], np.ndarray
 
     def allocate(header: ChunkHeader) -> np.ndarray:
         start = offsets.get(header.name)
-        if start is None or sizes[header.name] != header.total_bytes:
+        if start is None or header.total_bytes > sizes[header.name]:
             return aligned_empty(header.total_bytes)  # not what the index said: own buffer
         return arena[start : start + header.total_bytes]
 

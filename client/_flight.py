@@ -29,6 +29,14 @@ from weightserve.client.errors import (
 )
 
 IDLE_CLIENTS = 8  # connected Flight clients kept per transport, like HTTP's kept-alive pool
+CHANNEL_OPTIONS = [
+    # Own TCP connection per client: parallel streams do not share one HTTP/2 connection.
+    ("grpc.use_local_subchannel_pool", 1),
+    # A fixed 4 MiB receive window per stream instead of BDP-probed growth: same speed on
+    # loopback, 30-40 MiB less client memory per load (bench, 1 GiB over two streams).
+    ("grpc.http2.lookahead_bytes", 4 << 20),
+    ("grpc.http2.bdp_probe", 0),
+]
 
 
 def translate(e: flight.FlightError, url: str) -> WeightserveError:
@@ -47,11 +55,7 @@ def translate(e: flight.FlightError, url: str) -> WeightserveError:
 
 
 class FlightPool:
-    """Connected ``FlightClient``s for one endpoint, one per concurrent stream.
-
-    Each client has its own TCP connection (a local subchannel pool), so parallel streams
-    of one fetch do not share one HTTP/2 connection and its flow-control window.
-    """
+    """Connected ``FlightClient``s for one endpoint, one per concurrent stream."""
 
     def __init__(
         self,
@@ -77,9 +81,7 @@ class FlightPool:
         with self._lock:
             if self._idle:
                 return self._idle.pop()
-        return flight.FlightClient(
-            self.url, generic_options=[("grpc.use_local_subchannel_pool", 1)], **self._tls
-        )
+        return flight.FlightClient(self.url, generic_options=CHANNEL_OPTIONS, **self._tls)
 
     def give(self, client: flight.FlightClient) -> None:
         with self._lock:

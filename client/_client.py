@@ -32,9 +32,11 @@ from weightserve.client.errors import InvalidRequest, TensorNotFound
 # Loads over gRPC of at least this many bytes keep glibc's heap steady (client/_malloc.py);
 # below it, the mallopt and trim calls would cost more than the faults they save.
 STEADY_HEAP_BYTES = 16 << 20
-# Loads below this many bytes use one stream: a second connection, thread and arena cost
-# more than they save (bench: a 34 MB prefix took 12-16 ms on one stream, 21-26 ms on two).
-PARALLEL_MIN_BYTES = 64 << 20
+# Loads below this many bytes use one stream. On the 2-core bench machine a second stream
+# never helped HTTP (2 GiB: 0.47 s on one, 0.52 s on two) and helped gRPC by 4 %, while it
+# cost small loads a connection, a thread and an arena (34 MB: 12-16 ms on one, 21-26 ms on
+# two). Above this, two streams keep a client with more cores from being one thread's pace.
+PARALLEL_MIN_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)

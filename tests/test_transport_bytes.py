@@ -175,6 +175,42 @@ def test_dtypes_served_as_stored(client: Client) -> None:
     assert got["empty.bfloat16"].shape == (5, 0, 2) and got["empty.bfloat16"].nbytes == 0
 
 
+def test_large_loads_split_into_parallel_streams_by_bytes(
+    server, transport: str, model_root, reference, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Above PARALLEL_MIN_BYTES a load is cut into ``parallel`` streams of about equal bytes,
+    in index order; below it, one stream. Bytes are the same either way."""
+    from weightserve.client import _client
+
+    model = "minilm" if "minilm" not in model_root.skipped else "org/sharded"
+    ref = reference(model)
+    with connect(server, transport) as c:
+        remote = c.model(model, FetchOptions(parallel=2))
+        opened: list[StreamParams] = []
+        open_chunks = c.transport.open_chunks
+
+        def spy(model_id: str, params: StreamParams):
+            opened.append(params)
+            return open_chunks(model_id, params)
+
+        c.transport.open_chunks = spy  # type: ignore[method-assign]
+        total = sum(r.array.nbytes for r in ref.values())
+        assert total < _client.PARALLEL_MIN_BYTES
+        assert_all_same(remote.fetch(prefix=""), {n: r.array for n, r in ref.items()})
+        assert len(opened) == 1
+        opened.clear()
+        monkeypatch.setattr(_client, "PARALLEL_MIN_BYTES", 0)
+        assert_all_same(remote.fetch(prefix=""), {n: r.array for n, r in ref.items()})
+    assert len(opened) == 2
+    order = remote.names()
+    # the two streams open from two threads, in either order
+    first, second = sorted((list(p.names or ()) for p in opened), key=lambda g: order.index(g[0]))
+    assert first + second == order  # index order, every tensor once
+    sizes = [sum(ref[n].array.nbytes for n in group) for group in (first, second)]
+    largest = max(r.array.nbytes for r in ref.values())
+    assert abs(sizes[0] - sizes[1]) <= largest  # about equal bytes
+
+
 # --------------------------------------------------------------------------- shards
 
 

@@ -167,9 +167,6 @@ class FlightService(flight.FlightServerBase):
         except WeightserveError as e:
             raise flight_error(e) from None
 
-        return flight.GeneratorStream(
-            TENSOR_SCHEMA,
-            _Batches(
-                state, model, stream_chunks(model, planned, request.chunk_bytes), slot, context
-            ),
-        )
+        tensors = state.metrics.tensors_served.labels("flight", model.id)
+        chunks = stream_chunks(model, planned, request.chunk_bytes, tensors.inc)
+        return flight.GeneratorStream(TENSOR_SCHEMA, _Batches(state, model, chunks, slot, context))

@@ -207,7 +207,9 @@ class WeightService:
         sent = 0
         progress = self.idle.watch(context)
         try:
-            for parts in stream_messages(model, planned, tensor_request.chunk_bytes):
+            tensors = state.metrics.tensors_served.labels("grpc", model.id)
+            chunk_bytes = tensor_request.chunk_bytes
+            for parts in stream_messages(model, planned, chunk_bytes, tensors.inc):
                 if not context.is_active():
                     return
                 message = encode_arrow_data(parts)

@@ -394,7 +394,8 @@ def create_app(state: ServiceState) -> FastAPI:
         length = stream_length(planned, request.chunk_bytes)
         slot = state.stream_slot("http", http.client.host if http.client else "")
         slot.__enter__()
-        messages = stream_messages(model, planned, request.chunk_bytes)
+        tensors = state.metrics.tensors_served.labels("http", model.id)
+        messages = stream_messages(model, planned, request.chunk_bytes, tensors.inc)
         state.metrics.requests.labels("http", "stream", "200").inc()
         return ArrowStreamResponse(
             state,

@@ -11,7 +11,7 @@ into a new buffer, one tensor at a time.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -255,10 +255,14 @@ def _chunk_bounds(p: PlannedTensor, chunk_bytes: int) -> Iterator[tuple[int, int
 
 
 def stream_chunks(
-    model: Model, planned: Sequence[PlannedTensor], chunk_bytes: int
+    model: Model,
+    planned: Sequence[PlannedTensor],
+    chunk_bytes: int,
+    on_tensor: Callable[[], None] | None = None,
 ) -> Iterator[tuple[ChunkHeader, memoryview]]:
     """Every chunk of the stream in order: its row header (digest included) and its bytes,
-    a view of the mmap (or of the gathered buffer for strided sources)."""
+    a view of the mmap (or of the gathered buffer for strided sources). ``on_tensor`` is
+    called once a tensor's last chunk has been taken (for the tensors-served metric)."""
     for p in planned:
         source = _source_bytes(model, p) if p.nbytes else memoryview(b"")
         mapped = model.mapped(p.entry.file) if p.byte_offset is not None else None
@@ -282,10 +286,15 @@ def stream_chunks(
                 n,
             )
             yield header, data
+            if on_tensor is not None and header.is_last:
+                on_tensor()
 
 
 def stream_messages(
-    model: Model, planned: Sequence[PlannedTensor], chunk_bytes: int
+    model: Model,
+    planned: Sequence[PlannedTensor],
+    chunk_bytes: int,
+    on_tensor: Callable[[], None] | None = None,
 ) -> Iterator[tuple[bytes | memoryview, ...]]:
     """The whole Arrow IPC stream, one IPC message at a time, each as its parts.
 
@@ -293,7 +302,7 @@ def stream_messages(
     message's parts into one protobuf message.
     """
     yield (schema_message(),)
-    for header, data in stream_chunks(model, planned, chunk_bytes):
+    for header, data in stream_chunks(model, planned, chunk_bytes, on_tensor):
         prefix, suffix = chunk_message(header)
         yield (prefix, data, suffix) if suffix else (prefix, data)
     yield (END_OF_STREAM,)

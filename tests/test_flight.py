@@ -215,3 +215,28 @@ def test_abandoned_flight_streams_release_their_slots(tmp_path: Path) -> None:
         reader.close()
         assert len(transport._flight._idle) == 1  # type: ignore[attr-defined]
         eventually(lambda: srv.state.open_streams == 0, 5, "slot released at the end")
+
+
+def test_every_transport_counts_tensors_and_bytes_served(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "m").mkdir(parents=True)
+    arrays = {f"t{i}": np.full((64, 10), i, dtype=np.float32) for i in range(5)}
+    save_file(arrays, root / "m" / "model.safetensors")
+    total = sum(a.nbytes for a in arrays.values())
+    config = ServerConfig(str(root), http_port=0, grpc_port=0, flight_port=0, rescan_seconds=0)
+    with WeightServer(config) as srv:
+        metrics = srv.state.metrics
+        for url, flight_on, label in (
+            (srv.http_url, None, "http"),
+            (srv.grpc_url, True, "flight"),
+            (srv.grpc_url, False, "grpc"),
+        ):
+            with Client(url, flight=flight_on) as client:
+                client.model("m").fetch(prefix="", shard=None)
+                client.model("m").fetch(["t1"])
+
+            def counted(label: str = label) -> bool:
+                tensors = metrics.tensors_served.labels(label, "m")._value.get()
+                return tensors == 6 and flight_bytes(srv, label, "m") == total + arrays["t1"].nbytes
+
+            eventually(counted, 5, f"{label} counters")

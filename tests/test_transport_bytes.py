@@ -304,12 +304,12 @@ class Corrupter:
         self.opened = 0
         self.lock = threading.Lock()
 
-    def __call__(self, model, planned, chunk_bytes):
+    def __call__(self, model, planned, chunk_bytes, on_tensor=None):
         with self.lock:
             self.opened += 1
             corrupt = self.opened <= self.bad
         flipped = False
-        for header, data in self.original(model, planned, chunk_bytes):
+        for header, data in self.original(model, planned, chunk_bytes, on_tensor):
             if corrupt and not flipped and len(data) > 0:
                 changed = bytearray(data)
                 changed[len(changed) // 2] ^= 0x10

@@ -33,7 +33,7 @@ from weightserve.client._schema import TENSOR_SCHEMA, ChunkHeader
 from weightserve.client.errors import InvalidRequest, WeightserveError, status_for
 from weightserve.service.auth import authorize
 from weightserve.service.catalog import Model
-from weightserve.service.grpc_app import _request_from_proto, peer_host
+from weightserve.service.grpc_app import peer_host, request_from_proto
 from weightserve.service.state import ServiceState
 from weightserve.service.streaming import plan_stream, stream_chunks
 
@@ -160,7 +160,7 @@ class FlightService(flight.FlightServerBase):
             header = context.get_middleware("auth").header
             authorize(state.tokens, header).check(message.model)
             model = state.catalog.get(message.model)
-            request = _request_from_proto(message)
+            request = request_from_proto(message)
             planned = plan_stream(model, request, state.limits.max_names)
             slot = state.stream_slot("flight", peer_host(context.peer()))
             slot.__enter__()

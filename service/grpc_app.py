@@ -68,7 +68,7 @@ def _abort(context: grpc.ServicerContext, exc: WeightserveError) -> None:
     context.abort(getattr(grpc.StatusCode, code), str(exc))
 
 
-def _request_from_proto(msg: pb.TensorRequest) -> TensorRequest:
+def request_from_proto(msg: pb.TensorRequest) -> TensorRequest:
     shard = None
     if msg.shard_count > 1:
         shard = Shard(msg.shard_index, msg.shard_count, msg.shard_axis)
@@ -197,7 +197,7 @@ class WeightService:
         try:
             self._access(context).check(request.model)
             model = state.catalog.get(request.model)
-            tensor_request = _request_from_proto(request)
+            tensor_request = request_from_proto(request)
             planned = plan_stream(model, tensor_request, state.limits.max_names)
             slot = state.stream_slot("grpc", peer_host(context.peer()))
             slot.__enter__()

@@ -436,11 +436,21 @@ class GrpcTransport:
             try:
                 return pool.open(ticket)
             except ServerUnreachable as e:
-                # e.g. a Service that exposes the gRPC port but not the Flight port
+                if not self._service_answers():
+                    raise  # the whole server is down or restarting: the caller retries
+                # The service answers but its Flight port does not, e.g. a Service that
+                # exposes the gRPC port only: stay on StreamTensors from now on.
                 log.warning("%s; using gRPC StreamTensors instead", e)
                 with self._flight_lock:
                     self._flight = None
         return ArrowChunkReader(self.open_stream(model, params))
+
+    def _service_answers(self) -> bool:
+        try:
+            self._info(self._pb.GetServerInfoRequest(), timeout=5, metadata=self._metadata())
+        except self._grpc.RpcError:
+            return False
+        return True
 
     def _flight_pool(self) -> FlightPool | None:
         """The Flight endpoint the server advertises (asked once), unless turned off."""

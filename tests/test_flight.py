@@ -30,6 +30,7 @@ from weightserve.client.errors import (
     InvalidRequest,
     ModelNotFound,
     RevisionMismatch,
+    ServerUnreachable,
     TensorNotFound,
 )
 from weightserve.service.server import ServerConfig, WeightServer
@@ -240,3 +241,25 @@ def test_every_transport_counts_tensors_and_bytes_served(tmp_path: Path) -> None
                 return tensors == 6 and flight_bytes(srv, label, "m") == total + arrays["t1"].nbytes
 
             eventually(counted, 5, f"{label} counters")
+
+
+def test_a_server_that_is_down_is_not_taken_for_a_missing_flight_port(tmp_path: Path) -> None:
+    """While the whole server is unreachable the client keeps its Flight endpoint (a restart
+    will bring both back); only a reachable service with an unreachable Flight port makes it
+    fall back to StreamTensors."""
+    root = tmp_path / "root"
+    (root / "m").mkdir(parents=True)
+    save_file({"w": np.arange(10, dtype=np.int64)}, root / "m" / "model.safetensors")
+    config = ServerConfig(str(root), http_port=0, grpc_port=0, flight_port=0, rescan_seconds=0)
+    srv = WeightServer(config).start()
+    client = Client(srv.grpc_url, timeout=5)
+    transport = client.transport
+    try:
+        pool = transport._flight_pool()  # type: ignore[attr-defined]
+        assert isinstance(pool, FlightPool)
+        srv.stop(grace=0)
+        with pytest.raises(ServerUnreachable):
+            transport.open_chunks("m", StreamParams(prefix=""))
+        assert transport._flight is pool  # type: ignore[attr-defined]
+    finally:
+        client.close()

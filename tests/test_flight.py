@@ -157,6 +157,8 @@ def test_unreachable_flight_endpoint_falls_back(
             "revision",
         ),
         ({"model": "mixed", "use_prefix": True, "chunk_bytes": -1}, InvalidRequest, "chunk"),
+        ({"model": "../outside", "use_prefix": True}, InvalidRequest, "invalid model id"),
+        ({"model": "/etc/passwd", "use_prefix": True}, InvalidRequest, "invalid model id"),
     ],
 )
 def test_flight_errors_are_the_same_classes(server, fields, error, match) -> None:

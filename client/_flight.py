@@ -97,6 +97,9 @@ class FlightPool:
         except flight.FlightError as e:
             client.close()
             raise translate(e, self.url) from None
+        except pa.ArrowException as e:  # e.g. an IPC error before any status arrived
+            client.close()
+            raise TransportError(f"Flight stream from {self.url} failed: {e}") from None
         return FlightChunkReader(reader, self, client)
 
     def close(self) -> None:
@@ -133,6 +136,8 @@ class FlightChunkReader:
                 return None
             except flight.FlightError as e:
                 raise translate(e, self._pool.url) from None
+            except pa.ArrowException as e:  # a malformed message, not a Flight status
+                raise TransportError(f"Flight stream from {self._pool.url}: {e}") from None
             if batch.num_rows == 1:
                 return self._place(batch, destination)
             if batch.num_rows:

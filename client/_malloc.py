@@ -7,9 +7,14 @@ kernel after frees, so every message faults its pages in again: ~170,000 minor f
 GiB received, most of the client's system time (docs/performance.md).
 
 ``steady_heap()`` raises the mmap and trim thresholds while bulk streams run (reference
-counted: parallel streams share one window) and afterwards trims the heap and puts glibc's
-initial thresholds back, so the process keeps no more memory than before. It does nothing
-where the C library is not glibc, and ``WEIGHTSERVE_MALLOC_TUNING=0`` turns it off.
+counted: parallel streams share one window), then trims the heap, so the process keeps no
+more memory than before. Setting either threshold turns glibc's dynamic threshold off for
+good, so afterwards they stay where the dynamic rule would have taken them in a process
+that frees large buffers (mmap threshold at its 32 MiB maximum, trim threshold twice it);
+they are not put back at the 128 KiB start values, which would map every allocation above
+128 KiB for the rest of the process. It does nothing where the C library is not glibc, where
+the process set its own malloc tuning (``MALLOC_*_`` variables or ``GLIBC_TUNABLES``), or
+with ``WEIGHTSERVE_MALLOC_TUNING=0``.
 """
 
 from __future__ import annotations
@@ -17,19 +22,27 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import logging
 import os
 import platform
 import threading
 from collections.abc import Iterator
 
+log = logging.getLogger("weightserve.client")
+
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
-_DURING = {_M_TRIM_THRESHOLD: 1 << 30, _M_MMAP_THRESHOLD: 64 << 20}
-_AFTER = {_M_TRIM_THRESHOLD: 128 << 10, _M_MMAP_THRESHOLD: 128 << 10}  # glibc's initial values
+_MMAP_MAX = 32 << 20  # glibc's largest mmap threshold (64-bit); older glibc refuses more
+_DURING = {_M_MMAP_THRESHOLD: _MMAP_MAX, _M_TRIM_THRESHOLD: 1 << 30}
+_AFTER = {_M_MMAP_THRESHOLD: _MMAP_MAX, _M_TRIM_THRESHOLD: 2 * _MMAP_MAX}
 
 _lock = threading.Lock()
 _active = 0
 _libc: ctypes.CDLL | None | bool = False  # False: not looked up yet
+
+
+def _glibc_here() -> bool:
+    return platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -37,7 +50,10 @@ def _glibc() -> ctypes.CDLL | None:
     if _libc is False:
         _libc = None
         enabled = os.environ.get("WEIGHTSERVE_MALLOC_TUNING", "1").lower() not in ("0", "off")
-        if enabled and platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        tuned_already = "GLIBC_TUNABLES" in os.environ or any(
+            k.startswith("MALLOC_") and k.endswith("_") for k in os.environ
+        )
+        if enabled and _glibc_here() and not tuned_already:
             with contextlib.suppress(OSError, AttributeError):
                 libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
                 libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
@@ -48,7 +64,7 @@ def _glibc() -> ctypes.CDLL | None:
 
 @contextlib.contextmanager
 def steady_heap() -> Iterator[None]:
-    """Raise glibc's mmap/trim thresholds for the duration; restore and trim after."""
+    """Raise glibc's mmap/trim thresholds for the duration; trim the heap after (see above)."""
     global _active
     libc = _glibc()
     if libc is None:
@@ -57,14 +73,18 @@ def steady_heap() -> Iterator[None]:
     with _lock:
         _active += 1
         if _active == 1:
-            for option, value in _DURING.items():
-                libc.mallopt(option, value)
+            _set(libc, _DURING)
     try:
         yield
     finally:
         with _lock:
             _active -= 1
             if _active == 0:
-                for option, value in _AFTER.items():
-                    libc.mallopt(option, value)
+                _set(libc, _AFTER)
                 libc.malloc_trim(0)
+
+
+def _set(libc: ctypes.CDLL, values: dict[int, int]) -> None:
+    for option, value in values.items():
+        if libc.mallopt(option, value) != 1:  # glibc returns 1 on success
+            log.debug("mallopt(%d, %d) refused", option, value)

@@ -125,7 +125,6 @@ def receive(
                     partial.header = replace_header(header)
                     done[header.name] = partial
                     partial = None
-            reader.close()
             missing = [n for n in expected if n not in done]
             if missing:
                 raise TransportError(
@@ -133,8 +132,9 @@ def receive(
                 )
             return done
         except (TransportError, DataCorruption) as e:
-            if reader is not None:
+            if reader is not None:  # before the back-off sleep, not after it
                 reader.close()
+                reader = None
             attempt += 1
             if attempt > retries:
                 raise
@@ -158,6 +158,11 @@ def receive(
                 retries,
             )
             time.sleep(delay)
+        finally:
+            # Every way out, an error the caller sees included: an open stream holds a
+            # slot on the server until it is cancelled.
+            if reader is not None:
+                reader.close()
 
 
 def replace_header(header: ChunkHeader) -> ChunkHeader:

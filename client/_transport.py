@@ -233,6 +233,7 @@ class _HttpSource:
     ) -> None:
         self.transport, self.conn, self.resp = transport, conn, resp
         self.where = transport.address.url
+        self.closed = False
 
     def readinto(self, view: memoryview) -> int:
         try:
@@ -241,6 +242,9 @@ class _HttpSource:
             raise TransportError(f"stream from {self.where} broke: {e!r}") from e
 
     def close(self) -> None:
+        if self.closed:  # a second close must not pool the connection twice
+            return
+        self.closed = True
         # Read to its end (the receiver stops at the end marker, the last byte): keep the
         # connection; cut short: close it, the rest of the body is not worth reading.
         if self.resp.isclosed():
@@ -443,6 +447,7 @@ class GrpcTransport:
                 log.warning("%s; using gRPC StreamTensors instead", e)
                 with self._flight_lock:
                     self._flight = None
+                pool.close()
         return ArrowChunkReader(self.open_stream(model, params))
 
     def _service_answers(self) -> bool:
@@ -457,17 +462,19 @@ class GrpcTransport:
         with self._flight_lock:
             if self._flight is not False:
                 return self._flight
-            self._flight = None
             if not self.use_flight:
+                self._flight = None
                 return None
             try:
                 info = self._info(
                     self._pb.GetServerInfoRequest(), timeout=self.timeout, metadata=self._metadata()
                 )
             except self._grpc.RpcError as e:
-                if e.code() != self._grpc.StatusCode.UNIMPLEMENTED:  # older servers lack it
-                    raise self._translate(e) from None
+                if e.code() != self._grpc.StatusCode.UNIMPLEMENTED:
+                    raise self._translate(e) from None  # not answered: ask again next time
+                self._flight = None  # an older server without GetServerInfo
                 return None
+            self._flight = None
             if info.flight_port:
                 from weightserve.client._flight import FlightPool
 

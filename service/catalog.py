@@ -77,7 +77,33 @@ def file_stamp(st: os.stat_result) -> FileStamp:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-MAX_CACHED_DIGESTS = 1 << 20
+# Chunk digests kept across all mappings (~200 bytes each as a dict entry: ~50 MiB at most;
+# 512 GiB of chunks at the default 2 MiB), and the smallest chunk worth keeping (hashing
+# small chunks again is cheap, and tiny chunk sizes would otherwise fill the budget fast).
+MAX_CACHED_DIGESTS = 1 << 18
+MIN_CACHED_CHUNK = 256 << 10
+
+
+class _DigestBudget:
+    """How many digests all mappings may still keep; a dropped mapping gives its back."""
+
+    def __init__(self) -> None:
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def take(self) -> bool:
+        with self._lock:
+            if self.used >= MAX_CACHED_DIGESTS:
+                return False
+            self.used += 1
+            return True
+
+    def give(self, n: int) -> None:
+        with self._lock:
+            self.used -= n
+
+
+DIGEST_BUDGET = _DigestBudget()
 
 
 class MappedFile:
@@ -96,22 +122,30 @@ class MappedFile:
         self._view: memoryview | None = None
         self.size = stamp[2] if stamp is not None else path.stat().st_size
         self._digests: dict[tuple[int, int], int] = {}
+        self._digest_lock = threading.Lock()
 
     def digest(self, start: int, data: memoryview) -> int:
         """xxh3-64 of ``data``, the mapped bytes from ``start``; computed once per range.
 
         A weight cache sends the same chunks to many clients; reading every byte again for
         its digest was a third of the server's CPU per load (docs/performance.md). The cache
-        lives with this mapping, so a replaced file starts afresh; it holds at most
-        ``MAX_CACHED_DIGESTS`` ranges (16 bytes each as data, a 2 TiB file at 2 MiB chunks).
+        lives with this mapping, so a replaced file starts afresh. Only chunks of at least
+        ``MIN_CACHED_CHUNK`` bytes are kept, within one budget for all mappings
+        (``MAX_CACHED_DIGESTS``), so no request pattern can grow it without bound.
         """
+        if len(data) < MIN_CACHED_CHUNK:
+            return xxhash.xxh3_64_intdigest(data)
         key = (start, len(data))
         found = self._digests.get(key)
         if found is None:
             found = xxhash.xxh3_64_intdigest(data)
-            if len(self._digests) < MAX_CACHED_DIGESTS:
-                self._digests[key] = found
+            with self._digest_lock:  # two streams may hash the same chunk at once
+                if key not in self._digests and DIGEST_BUDGET.take():
+                    self._digests[key] = found
         return found
+
+    def __del__(self) -> None:
+        DIGEST_BUDGET.give(len(getattr(self, "_digests", ())))
 
     def view(self) -> memoryview:
         with self._lock:

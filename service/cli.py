@@ -51,6 +51,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "0 for any free port, -1 for none (env WEIGHTSERVE_FLIGHT_PORT; default 50052)",
     )
     parser.add_argument(
+        "--flight-public-port",
+        type=int,
+        default=int(_env("FLIGHT_PUBLIC_PORT", "0") or 0) or None,
+        help="the Flight port clients dial, when port mapping makes it differ from "
+        "--flight-port (env WEIGHTSERVE_FLIGHT_PUBLIC_PORT; default: the bound port)",
+    )
+    parser.add_argument(
         "--grace",
         type=float,
         default=float(_env("GRACE_SECONDS", "30") or 30),
@@ -139,6 +146,7 @@ def run_serve(args: argparse.Namespace) -> int:
         http_port=args.http_port,
         grpc_port=args.grpc_port,
         flight_port=None if args.flight_port < 0 else args.flight_port,
+        flight_public_port=args.flight_public_port,
         grace_seconds=args.grace,
         limits=Limits(
             max_streams=args.max_streams,

@@ -30,7 +30,12 @@ from google.protobuf.message import DecodeError
 
 from weightserve.client._proto.weightserve.v1 import weightserve_pb2 as pb
 from weightserve.client._schema import TENSOR_SCHEMA, ChunkHeader
-from weightserve.client.errors import InvalidRequest, WeightserveError, status_for
+from weightserve.client.errors import (
+    InvalidRequest,
+    ModelUnavailable,
+    WeightserveError,
+    status_for,
+)
 from weightserve.service.auth import authorize
 from weightserve.service.catalog import Model
 from weightserve.service.grpc_app import peer_host, request_from_proto
@@ -99,13 +104,13 @@ class _Batches:
 
     def __init__(
         self,
-        state: ServiceState,
+        service: FlightService,
         model: Model,
         chunks: Iterator[tuple[ChunkHeader, memoryview]],
         slot: AbstractContextManager[Any],
         context: flight.ServerCallContext,
     ) -> None:
-        self.state, self.model, self.chunks = state, model, chunks
+        self.service, self.model, self.chunks = service, model, chunks
         self.slot, self.context = slot, context
         self.sent = 0
         self.started = time.perf_counter()
@@ -118,6 +123,9 @@ class _Batches:
         if not self.open or self.context.is_cancelled():
             self.close()
             raise StopIteration
+        if self.service.closing:  # shutting down and past the grace period: cut the stream
+            self.close()
+            raise flight_error(ModelUnavailable("the server is shutting down; retry"))
         try:
             header, data = next(self.chunks)
         except StopIteration:
@@ -135,7 +143,7 @@ class _Batches:
             return
         self.open = False
         self.slot.__exit__(None, None, None)
-        metrics = self.state.metrics
+        metrics = self.service.state.metrics
         metrics.bytes_served.labels("flight", self.model.id).inc(self.sent)
         metrics.latency.labels("flight", "stream").observe(time.perf_counter() - self.started)
 
@@ -147,6 +155,7 @@ class FlightService(flight.FlightServerBase):
     def __init__(self, state: ServiceState, location: str, **tls: object) -> None:
         super().__init__(location, middleware={"auth": _AuthorizationFactory()}, **tls)
         self.state = state
+        self.closing = False  # set by WeightServer.stop once the grace period is over
 
     def do_get(self, context: flight.ServerCallContext, ticket: flight.Ticket) -> object:
         state = self.state
@@ -169,4 +178,4 @@ class FlightService(flight.FlightServerBase):
 
         tensors = state.metrics.tensors_served.labels("flight", model.id)
         chunks = stream_chunks(model, planned, request.chunk_bytes, tensors.inc)
-        return flight.GeneratorStream(TENSOR_SCHEMA, _Batches(state, model, chunks, slot, context))
+        return flight.GeneratorStream(TENSOR_SCHEMA, _Batches(self, model, chunks, slot, context))

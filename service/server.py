@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import pyarrow as pa
 import uvicorn
 
 from weightserve.service.auth import TokenStore
@@ -36,6 +37,9 @@ class ServerConfig:
     grpc_port: int = 50051
     # Arrow Flight for bulk data (gRPC clients use it when GetServerInfo offers it); None: off
     flight_port: int | None = 50052
+    # The Flight port clients should dial when it differs from the bound one (port mapping,
+    # a Kubernetes Service whose port is not the container's); None: the bound port.
+    flight_public_port: int | None = None
     grace_seconds: float = 30.0
     limits: Limits | None = None
     token_file: str | None = None  # bearer tokens, one per line (see service/auth.py)
@@ -105,8 +109,14 @@ class WeightServer:
     def _start_flight(self) -> None:
         scheme = "grpc+tls" if self.tls else "grpc+tcp"
         location = f"{scheme}://{_url_host(self.config.host)}:{self.config.flight_port}"
-        self._flight = FlightService(self.state, location, **self._flight_tls())
-        self.flight_port = self.state.flight_port = self._flight.port
+        try:
+            self._flight = FlightService(self.state, location, **self._flight_tls())
+        except pa.ArrowException as e:  # pyarrow says only "Server did not start properly"
+            raise RuntimeError(
+                f"the Arrow Flight endpoint could not listen on {location} (port in use?): {e}"
+            ) from e
+        self.flight_port = self._flight.port
+        self.state.flight_port = self.config.flight_public_port or self.flight_port
 
     def _grpc_credentials(self) -> grpc.ServerCredentials | None:
         c = self.config
@@ -129,6 +139,13 @@ class WeightServer:
         return settings
 
     def start(self) -> WeightServer:
+        try:
+            return self._start()
+        except BaseException:
+            self.stop(grace=0)  # e.g. a port in use: do not leave the other listeners running
+            raise
+
+    def _start(self) -> WeightServer:
         host = self.config.host
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         # IPPROTO_TCP given explicitly: asyncio sets TCP_NODELAY only on sockets that say so,
@@ -173,14 +190,15 @@ class WeightServer:
 
         self._http_thread = threading.Thread(target=run_http, name="weightserve-http", daemon=True)
         self._http_thread.start()
+        if self.config.flight_port is not None:
+            # Before gRPC: GetServerInfo must never answer "no Flight" while it starts.
+            self._start_flight()  # pyarrow.flight serves on its own threads once constructed
         self._grpc, self.grpc_port = create_grpc_server(
             self.state,
             f"{_url_host(host)}:{self.config.grpc_port}",
             credentials=self._grpc_credentials(),
         )
         self._grpc.start()
-        if self.config.flight_port is not None:
-            self._start_flight()  # pyarrow.flight serves on its own threads once constructed
         started.wait()
         if not self._uvicorn.started:
             raise RuntimeError(f"HTTP server failed to start on {host}:{self.http_port}")
@@ -219,10 +237,12 @@ class WeightServer:
         if self._grpc is not None:
             self._grpc.stop(0).wait()
         if self._flight is not None:
-            # shutdown() waits for open calls; after the grace period, stop waiting for them.
+            # shutdown() waits for open calls: streams still open after the grace period end
+            # at their next batch (pyarrow cannot cancel a call from the server side).
+            self._flight.closing = True
             closer = threading.Thread(target=self._flight.shutdown, daemon=True)
             closer.start()
-            closer.join(timeout=0 if not drained else 5)
+            closer.join(timeout=5)
         if self._uvicorn is not None:
             self._uvicorn.should_exit = True
             if not drained:

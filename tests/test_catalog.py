@@ -455,11 +455,17 @@ def test_one_mmap_per_file_shared_by_every_view(tmp_path: Path) -> None:
 
 
 def test_chunk_digests_are_computed_once_per_mapping(tmp_path: Path, monkeypatch) -> None:
-    """The server digests each range of a file once; a replaced file starts afresh."""
+    """The server digests each range of a file once; a replaced file starts afresh; small
+    chunks are not kept, and all mappings share one bounded budget."""
+    import gc
+
     import xxhash
 
     from weightserve.service import catalog as catalog_module
 
+    monkeypatch.setattr(catalog_module, "MIN_CACHED_CHUNK", 1024)
+    monkeypatch.setattr(catalog_module, "DIGEST_BUDGET", catalog_module._DigestBudget())
+    budget = catalog_module.DIGEST_BUDGET
     path = tmp_path / "blob.bin"
     path.write_bytes(bytes(range(256)) * 64)
     mapped = MappedFile(path)
@@ -477,11 +483,18 @@ def test_chunk_digests_are_computed_once_per_mapping(tmp_path: Path, monkeypatch
     assert mapped.digest(1024, view[1024:5120]) == first  # cached: no second read
     assert calls == [4096]
     assert mapped.digest(1024, view[1024:2048]) == real(bytes(view[1024:2048]))  # another range
-    assert calls == [4096, 1024]
+    assert mapped.digest(0, view[0:512]) == real(bytes(view[0:512]))  # small: not kept
+    assert mapped.digest(0, view[0:512]) == real(bytes(view[0:512]))
+    assert calls == [4096, 1024, 512, 512]
+    assert budget.used == 2
     path.write_bytes(b"\xff" * (256 * 64))  # replaced: a new mapping, new digests
     renewed = MappedFile(path)
     assert renewed.digest(1024, renewed.view()[1024:5120]) == real(b"\xff" * 4096)
-    monkeypatch.setattr(catalog_module, "MAX_CACHED_DIGESTS", 2)
-    for start in range(0, 4096, 512):
-        renewed.digest(start, renewed.view()[start : start + 512])
-    assert len(renewed._digests) == 2  # bounded
+    assert budget.used == 3
+    monkeypatch.setattr(catalog_module, "MAX_CACHED_DIGESTS", 5)
+    for start in range(0, 16384, 1024):
+        renewed.digest(start, renewed.view()[start : start + 1024])
+    assert budget.used == 5  # the shared budget bounds every mapping together
+    del mapped, view
+    gc.collect()
+    assert budget.used == 3  # the dropped mapping gave its two back

@@ -21,7 +21,7 @@ import pyarrow.flight as flight
 import pytest
 from safetensors.numpy import save_file
 
-from weightserve.client._client import Client
+from weightserve.client._client import Client, FetchOptions
 from weightserve.client._flight import FlightPool
 from weightserve.client._proto.weightserve.v1 import weightserve_pb2 as pb
 from weightserve.client._schema import TENSOR_SCHEMA
@@ -29,6 +29,7 @@ from weightserve.client._transport import StreamParams
 from weightserve.client.errors import (
     InvalidRequest,
     ModelNotFound,
+    ModelUnavailable,
     RevisionMismatch,
     ServerUnreachable,
     TensorNotFound,
@@ -265,3 +266,87 @@ def test_a_server_that_is_down_is_not_taken_for_a_missing_flight_port(tmp_path: 
         assert transport._flight is pool  # type: ignore[attr-defined]
     finally:
         client.close()
+
+
+def _big_root(tmp_path: Path) -> Path:
+    root = tmp_path / "root"
+    (root / "big").mkdir(parents=True)
+    rng = np.random.default_rng(5)
+    save_file(
+        {f"t{i}": rng.integers(0, 255, 4 << 20, dtype=np.uint8) for i in range(8)},
+        root / "big" / "model.safetensors",
+    )
+    return root
+
+
+def test_an_error_the_caller_sees_still_cancels_the_stream(tmp_path: Path) -> None:
+    """Not only retried breaks: any exception out of a load closes its stream (a Flight
+    stream left open would hold its server slot, with no idle cut to free it)."""
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_first_chunk(n: int) -> None:
+        raise Stop
+
+    config = ServerConfig(str(_big_root(tmp_path)), http_port=0, grpc_port=0, flight_port=0)
+    with WeightServer(config) as srv:
+        for url in (srv.grpc_url, srv.http_url):
+            with Client(url, timeout=10) as client:
+                model = client.model("big", FetchOptions(parallel=1, chunk_bytes=1 << 20))
+                with pytest.raises(Stop):
+                    model.fetch(prefix="", on_bytes=stop_after_first_chunk)
+                eventually(lambda: srv.state.open_streams == 0, 5, f"{url}: slot released")
+
+
+def test_streams_past_the_grace_period_are_cut_at_shutdown(tmp_path: Path) -> None:
+    config = ServerConfig(
+        str(_big_root(tmp_path)), http_port=0, grpc_port=0, flight_port=0, rescan_seconds=0
+    )
+    srv = WeightServer(config).start()
+    client = Client(srv.grpc_url, timeout=10)
+    try:
+        reader = client.transport.open_chunks("big", StreamParams(prefix="", chunk_bytes=1 << 20))
+        reader.read_schema()
+        assert reader.next_chunk(lambda h: memoryview(bytearray(h.nbytes))) is not None
+        eventually(lambda: srv.state.open_streams == 1, 5, "the stream holds a slot")
+        started = time.monotonic()
+        srv.stop(grace=0.5)  # the client reads nothing more: not drained in time
+        assert time.monotonic() - started < 8
+        with pytest.raises(ModelUnavailable, match="shutting down"):
+            while reader.next_chunk(lambda h: memoryview(bytearray(h.nbytes))) is not None:
+                pass
+        assert srv.state.open_streams == 0
+    finally:
+        client.close()
+
+
+def test_public_flight_port_is_what_clients_are_told(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    config = ServerConfig(
+        str(root), http_port=0, grpc_port=0, flight_port=0, flight_public_port=31052
+    )
+    with WeightServer(config) as srv, grpc.insecure_channel(f"127.0.0.1:{srv.grpc_port}") as ch:
+        info = ch.unary_unary(
+            "/weightserve.v1.WeightService/GetServerInfo",
+            request_serializer=pb.GetServerInfoRequest.SerializeToString,
+            response_deserializer=pb.ServerInfo.FromString,
+        )(pb.GetServerInfoRequest(), timeout=10)
+        assert info.flight_port == 31052 and srv.flight_port not in (0, 31052)
+
+
+def test_a_failed_start_leaves_nothing_listening(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = ServerConfig(str(root), http_port=0, grpc_port=0, flight_port=port)
+        srv = WeightServer(config)
+        with pytest.raises(RuntimeError, match="Flight endpoint could not listen"):
+            srv.start()
+    assert srv.http_port
+    with socket.socket() as probe:  # the HTTP listener was closed again
+        eventually(lambda: probe.connect_ex(("127.0.0.1", srv.http_port)) != 0, 5, "closed")

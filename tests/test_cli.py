@@ -163,7 +163,8 @@ def demo_file(demo: Served) -> Path:
     ("args", "mentions"),
     [
         ([], ["serve", "ls", "pull"]),
-        (["serve"], ["--demo", "--host", "--http-port", "--grpc-port", "--grace",
+        (["serve"], ["--demo", "--host", "--http-port", "--grpc-port", "--flight-port",
+                     "--flight-public-port", "WEIGHTSERVE_FLIGHT_PORT", "--grace",
                      "--max-streams", "--log-level", "WEIGHTSERVE_ROOT", "WEIGHTSERVE_HTTP_PORT",
                      "WEIGHTSERVE_GRPC_PORT"]),
         (["ls"], ["url", "--prefix", "--token"]),

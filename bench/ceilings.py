@@ -28,7 +28,7 @@ import threading
 
 import numpy as np
 
-from bench.procs import serve_until_stdin_closes
+from bench.procs import listen_threaded, serve_until_stdin_closes
 
 PIECE = 4 << 20
 
@@ -60,20 +60,7 @@ def serve(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
     view = memoryview(mm)
-    listener = socket.socket()
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(64)
-
-    def accept() -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=_serve_one, args=(conn, fd, view), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
+    listener = listen_threaded(0, lambda conn: _serve_one(conn, fd, view))
     serve_until_stdin_closes({"port": listener.getsockname()[1], "size": os.fstat(fd).st_size})
     listener.close()
 

@@ -101,6 +101,26 @@ def serve_until_stdin_closes(info: dict) -> None:
         sys.stdin.read()
 
 
+def listen_threaded(port: int, handle) -> socket.socket:
+    """A loopback listener on ``port`` (0: any) serving each connection on its own thread
+    with ``handle(conn)``; the accept loop ends when the listener is closed."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen(64)
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return listener
+
+
 def cpu_seconds(pid: int) -> tuple[float, float]:
     """(user, system) CPU seconds a process has used, all its threads together."""
     with open(f"/proc/{pid}/stat") as f:

@@ -22,11 +22,10 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-from bench.procs import free_port, serve_until_stdin_closes
+from bench.procs import free_port, listen_threaded, serve_until_stdin_closes
 
 NGINX_CONF = """\
 {user}
@@ -158,20 +157,7 @@ def _handle(conn: socket.socket, root: str) -> None:
 
 def serve(root: str, port: int) -> None:
     root = os.path.realpath(root)
-    listener = socket.socket()
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", port))
-    listener.listen(64)
-
-    def accept() -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=_handle, args=(conn, root), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
+    listen_threaded(port, lambda conn: _handle(conn, root))
     serve_until_stdin_closes({"port": port})
 
 

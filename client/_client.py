@@ -168,7 +168,7 @@ class RemoteModel:
     def _groups(self, names: list[str]) -> list[list[str]]:
         """Split into up to ``parallel`` groups of about equal bytes, keeping stream order."""
         parallel = max(1, self.options.parallel)
-        total = sum(self.info.tensors[n].nbytes for n in names)
+        total = self._bytes(names)
         if parallel == 1 or len(names) < 2 or total < PARALLEL_MIN_BYTES:
             return [names]
         groups: list[list[str]] = [[]]

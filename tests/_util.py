@@ -1,6 +1,9 @@
-"""Small helpers shared by tests: reading an index entry's bytes straight from its file."""
+"""Small helpers shared by tests: reading an index entry's bytes straight from its file, and
+recording the tensor streams a client opens."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 
@@ -30,3 +33,16 @@ def entry_bytes(entry: TensorEntry) -> bytes:
 def entry_array(entry: TensorEntry) -> np.ndarray:
     """The tensor as a NumPy array of its served dtype and shape."""
     return np.frombuffer(entry_bytes(entry), dtype=numpy_dtype(entry.dtype)).reshape(entry.shape)
+
+
+def record_streams(transport: Any) -> list[Any]:
+    """Every StreamParams the transport opens a tensor stream with, from now on."""
+    opened: list[Any] = []
+    original = transport.open_chunks
+
+    def recording(model: str, params: Any) -> Any:
+        opened.append(params)
+        return original(model, params)
+
+    transport.open_chunks = recording
+    return opened

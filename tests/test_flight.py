@@ -189,14 +189,20 @@ def test_a_ticket_that_is_not_a_request_is_refused(server) -> None:
     assert json.loads(info.value.extra_info)["error"] == "InvalidRequest"
 
 
-def test_abandoned_flight_streams_release_their_slots(tmp_path: Path) -> None:
+def _big_root(tmp_path: Path) -> Path:
+    """A model "big" of eight 4 MiB tensors: 32 streamed MiB, enough to stall a reader."""
     root = tmp_path / "root"
     (root / "big").mkdir(parents=True)
-    rng = np.random.default_rng(3)
+    rng = np.random.default_rng(5)
     save_file(
         {f"t{i}": rng.integers(0, 255, 4 << 20, dtype=np.uint8) for i in range(8)},
         root / "big" / "model.safetensors",
     )
+    return root
+
+
+def test_abandoned_flight_streams_release_their_slots(tmp_path: Path) -> None:
+    root = _big_root(tmp_path)
     config = ServerConfig(str(root), http_port=0, grpc_port=0, flight_port=0, rescan_seconds=0)
     with WeightServer(config) as srv, Client(srv.grpc_url, timeout=10) as client:
         transport = client.transport
@@ -266,17 +272,6 @@ def test_a_server_that_is_down_is_not_taken_for_a_missing_flight_port(tmp_path: 
         assert transport._flight is pool  # type: ignore[attr-defined]
     finally:
         client.close()
-
-
-def _big_root(tmp_path: Path) -> Path:
-    root = tmp_path / "root"
-    (root / "big").mkdir(parents=True)
-    rng = np.random.default_rng(5)
-    save_file(
-        {f"t{i}": rng.integers(0, 255, 4 << 20, dtype=np.uint8) for i in range(8)},
-        root / "big" / "model.safetensors",
-    )
-    return root
 
 
 def test_an_error_the_caller_sees_still_cancels_the_stream(tmp_path: Path) -> None:

@@ -135,6 +135,16 @@ def word_edits(limit: int) -> st.SearchStrategy[list[tuple[int, int]]]:
     return st.lists(st.tuples(st.integers(0, limit - 1), value), min_size=1, max_size=4)
 
 
+def mutate(blob: bytes, data) -> bytes:
+    """Flipped bytes, 64-bit words set to edge values, or a truncation, as drawn."""
+    kind = data.draw(st.sampled_from(["flip", "word", "truncate"]))
+    if kind == "flip":
+        return flip(blob, data.draw(edits(len(blob))))
+    if kind == "word":
+        return overwrite_u64(blob, data.draw(word_edits(len(blob))))
+    return blob[: data.draw(st.integers(0, len(blob) - 1))]
+
+
 # ----------------------------------------------------------------------------- safetensors
 
 
@@ -227,13 +237,7 @@ def gguf_file(tmp_path_factory: pytest.TempPathFactory) -> bytes:
 @given(data=st.data())
 def test_gguf_mutations(files: Files, gguf_file: bytes, data) -> None:
     blob = gguf_file
-    kind = data.draw(st.sampled_from(["flip", "word", "truncate"]))
-    if kind == "flip":
-        mutated = flip(blob, data.draw(edits(len(blob))))
-    elif kind == "word":
-        mutated = overwrite_u64(blob, data.draw(word_edits(len(blob))))
-    else:
-        mutated = blob[: data.draw(st.integers(0, len(blob) - 1))]
+    mutated = mutate(blob, data)
     parse(GGUFReader(), files.write(mutated, ".gguf"))
 
 
@@ -251,13 +255,7 @@ def torch_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @given(data=st.data())
 def test_pytorch_file_mutations(files: Files, torch_checkpoint: Path, data) -> None:
     blob = torch_checkpoint.read_bytes()
-    kind = data.draw(st.sampled_from(["flip", "word", "truncate"]))
-    if kind == "flip":
-        mutated = flip(blob, data.draw(edits(len(blob))))
-    elif kind == "word":
-        mutated = overwrite_u64(blob, data.draw(word_edits(len(blob))))
-    else:
-        mutated = blob[: data.draw(st.integers(0, len(blob) - 1))]
+    mutated = mutate(blob, data)
     parse(PytorchReader(), files.write(mutated, ".bin"))
 
 

@@ -49,6 +49,7 @@ from max.graph.weights import load_weights as max_load_weights  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
 from tests import fixtures_gguf, fixtures_safetensors  # noqa: E402
+from tests._util import record_streams  # noqa: E402
 from tests.conftest import link_or_copy  # noqa: E402
 from weightserve.client import (  # noqa: E402
     Client,
@@ -337,16 +338,7 @@ def missing_names(names: list[str]) -> list[str]:
 
 def count_streams(w: RemoteWeights) -> list[Any]:
     """Record every tensor stream the weights' transport opens from now on."""
-    transport = w.remote_model.client.transport
-    calls: list[Any] = []
-    original = transport.open_chunks
-
-    def counted(model: str, params: Any) -> Any:
-        calls.append(params)
-        return original(model, params)
-
-    transport.open_chunks = counted
-    return calls
+    return record_streams(w.remote_model.client.transport)
 
 
 def names_of(w: Any) -> list[str]:

@@ -26,6 +26,7 @@ import pyarrow as pa
 import pytest
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from tests._util import record_streams
 from tests.conftest import PACKED_DTYPES, Ref, child_environment, np_dtype
 from weightserve.client._client import Client, FetchOptions
 from weightserve.client._flight import FlightPool
@@ -186,14 +187,7 @@ def test_large_loads_split_into_parallel_streams_by_bytes(
     ref = reference(model)
     with connect(server, transport) as c:
         remote = c.model(model, FetchOptions(parallel=2))
-        opened: list[StreamParams] = []
-        open_chunks = c.transport.open_chunks
-
-        def spy(model_id: str, params: StreamParams):
-            opened.append(params)
-            return open_chunks(model_id, params)
-
-        c.transport.open_chunks = spy  # type: ignore[method-assign]
+        opened = record_streams(c.transport)
         total = sum(r.array.nbytes for r in ref.values())
         assert total < _client.PARALLEL_MIN_BYTES
         assert_all_same(remote.fetch(prefix=""), {n: r.array for n, r in ref.items()})
@@ -420,14 +414,7 @@ def test_broken_stream_resumes(server, transport: str, model_root, reference) ->
             c = connect(server, transport, f"{scheme}://127.0.0.1:{proxy.port}")
         with c:
             remote = c.model(model, FetchOptions(retries=3, parallel=1, chunk_bytes=chunk))
-            opened: list[StreamParams] = []
-            open_chunks = c.transport.open_chunks
-
-            def spy(model_id: str, params: StreamParams):
-                opened.append(params)
-                return open_chunks(model_id, params)
-
-            c.transport.open_chunks = spy  # type: ignore[method-assign]
+            opened = record_streams(c.transport)
             got = remote.fetch(prefix="")
     finally:
         proxy.close()

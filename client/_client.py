@@ -6,7 +6,6 @@ round trip per tensor. Arrays handed out are views of the buffers the data was r
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +14,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from weightserve.client._dtypes import numpy_dtype, wire_dtype
-from weightserve.client._malloc import steady_heap
 from weightserve.client._models import ModelInfo, ModelProblem, ModelSummary, TensorInfo
 from weightserve.client._receive import ReceivedTensor, arena_allocator, receive
 from weightserve.client._schema import ChunkHeader
@@ -29,9 +27,6 @@ from weightserve.client._transport import (
 from weightserve.client._url import ServerAddress, parse_url
 from weightserve.client.errors import InvalidRequest, TensorNotFound
 
-# Loads over gRPC of at least this many bytes keep glibc's heap steady (client/_malloc.py);
-# below it, the mallopt and trim calls would cost more than the faults they save.
-STEADY_HEAP_BYTES = 16 << 20
 # Loads below this many bytes use one stream. On the 2-core bench machine a second stream
 # never helped HTTP (2 GiB: 0.47 s on one, 0.52 s on two) and helped gRPC by 4 %, while it
 # cost small loads a connection, a thread and an arena (34 MB: 12-16 ms on one, 21-26 ms on
@@ -138,10 +133,7 @@ class RemoteModel:
                     raise TensorNotFound(f"No weight named {n!r} in model {self.id!r}.{hint}")
         if not wanted:
             return {}
-        heap: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-        if self.client.address.transport == "grpc" and self._bytes(wanted) >= STEADY_HEAP_BYTES:
-            heap = steady_heap()  # gRPC receive buffers: see client/_malloc.py
-        with heap:
+        with self.client.transport.receiving(self._bytes(wanted)):
             received = self._fetch_parallel(wanted, shard, axis, on_bytes, allocate)
         out: dict[str, np.ndarray] = {}
         for name in wanted:

@@ -8,6 +8,7 @@ grpc) are translated here, at this one boundary, into weightserve errors.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import logging
@@ -16,11 +17,13 @@ import socket
 import ssl
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import quote
 
 from weightserve.client._arrow_reader import ArrowChunkReader
+from weightserve.client._malloc import steady_heap
 from weightserve.client._schema import ChunkHeader
 from weightserve.client._url import ServerAddress
 from weightserve.client.errors import (
@@ -38,6 +41,9 @@ log = logging.getLogger("weightserve.client")
 DEFAULT_CONNECT_TIMEOUT = 10.0
 DEFAULT_READ_TIMEOUT = 60.0  # longest silence tolerated inside a stream
 IDLE_CONNECTIONS = 8  # kept-alive HTTP connections per transport
+# gRPC loads of at least this many bytes keep glibc's heap steady (client/_malloc.py); below
+# it, the mallopt and trim calls would cost more than the faults they save.
+STEADY_HEAP_BYTES = 16 << 20
 MAX_GRPC_MESSAGE = (64 << 20) + (1 << 20)
 
 
@@ -77,6 +83,7 @@ class Transport(Protocol):
     def model_info(self, model: str) -> dict[str, Any]: ...
     def open_stream(self, model: str, params: StreamParams) -> ByteSource: ...
     def open_chunks(self, model: str, params: StreamParams) -> ChunkReader: ...
+    def receiving(self, nbytes: int) -> AbstractContextManager[None]: ...
     def close(self) -> None: ...
 
 
@@ -216,6 +223,10 @@ class HttpTransport:
 
     def open_chunks(self, model: str, params: StreamParams) -> ChunkReader:
         return ArrowChunkReader(self.open_stream(model, params))
+
+    def receiving(self, nbytes: int) -> AbstractContextManager[None]:
+        """Around a load of ``nbytes``: nothing to prepare, data lands in place."""
+        return contextlib.nullcontext()
 
     def close(self) -> None:
         with self._pool_lock:
@@ -450,9 +461,19 @@ class GrpcTransport:
                 pool.close()
         return ArrowChunkReader(self.open_stream(model, params))
 
+    def receiving(self, nbytes: int) -> AbstractContextManager[None]:
+        """Around a load of ``nbytes``: large ones keep glibc's heap steady, since gRPC
+        receives every message into fresh malloc'd buffers (client/_malloc.py)."""
+        return steady_heap() if nbytes >= STEADY_HEAP_BYTES else contextlib.nullcontext()
+
+    def _server_info(self, timeout: float) -> Any:
+        return self._info(
+            self._pb.GetServerInfoRequest(), timeout=timeout, metadata=self._metadata()
+        )
+
     def _service_answers(self) -> bool:
         try:
-            self._info(self._pb.GetServerInfoRequest(), timeout=5, metadata=self._metadata())
+            self._server_info(timeout=5)
         except self._grpc.RpcError:
             return False
         return True
@@ -466,9 +487,7 @@ class GrpcTransport:
                 self._flight = None
                 return None
             try:
-                info = self._info(
-                    self._pb.GetServerInfoRequest(), timeout=self.timeout, metadata=self._metadata()
-                )
+                info = self._server_info(self.timeout)
             except self._grpc.RpcError as e:
                 if e.code() != self._grpc.StatusCode.UNIMPLEMENTED:
                     raise self._translate(e) from None  # not answered: ask again next time

@@ -90,20 +90,23 @@ class WeightServer:
         scheme = "grpc+tls" if self.tls else "grpc"
         return f"{scheme}://{_url_host(self.config.host)}:{self.flight_port}"
 
-    def _flight_tls(self) -> dict:
-        """pyarrow.flight's TLS settings: the same certificate (and client CA) as gRPC."""
+    def _tls_material(self) -> tuple[bytes, bytes, bytes | None] | None:
+        """(certificate chain, key, client CA or None) as PEM bytes; None without TLS."""
         c = self.config
         if not c.tls_cert:
+            return None
+        ca = Path(c.tls_client_ca).read_bytes() if c.tls_client_ca else None
+        return Path(c.tls_cert).read_bytes(), Path(c.tls_key or "").read_bytes(), ca
+
+    def _flight_tls(self) -> dict:
+        """pyarrow.flight's TLS settings: the same certificate (and client CA) as gRPC."""
+        material = self._tls_material()
+        if material is None:
             return {}
-        settings: dict = {
-            "tls_certificates": [
-                (Path(c.tls_cert).read_bytes(), Path(c.tls_key or "").read_bytes())
-            ]
-        }
-        if c.tls_client_ca:
-            settings.update(
-                verify_client=True, root_certificates=Path(c.tls_client_ca).read_bytes()
-            )
+        cert, key, ca = material
+        settings: dict = {"tls_certificates": [(cert, key)]}
+        if ca is not None:
+            settings.update(verify_client=True, root_certificates=ca)
         return settings
 
     def _start_flight(self) -> None:
@@ -119,11 +122,10 @@ class WeightServer:
         self.state.flight_port = self.config.flight_public_port or self.flight_port
 
     def _grpc_credentials(self) -> grpc.ServerCredentials | None:
-        c = self.config
-        if not c.tls_cert:
+        material = self._tls_material()
+        if material is None:
             return None
-        key, cert = Path(c.tls_key or "").read_bytes(), Path(c.tls_cert).read_bytes()
-        ca = Path(c.tls_client_ca).read_bytes() if c.tls_client_ca else None
+        cert, key, ca = material
         return grpc.ssl_server_credentials(
             [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
         )

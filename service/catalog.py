@@ -22,14 +22,14 @@ walked (a directory symlink that leaves the root is reported).
 
 from __future__ import annotations
 
+import contextlib
 import difflib
-import hashlib
 import logging
 import mmap
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -44,6 +44,13 @@ from weightserve.client.errors import (
     TensorNotFound,
 )
 from weightserve.service.readers.base import FormatReader, ModelContents, TensorEntry
+from weightserve.service.revisions import (
+    DigestStore,
+    FileChanged,
+    FileStamp,
+    content_revision,
+    file_stamp,
+)
 
 log = logging.getLogger("weightserve.catalog")
 
@@ -68,13 +75,6 @@ class Problem:
     model: str
     file: str
     reason: str
-
-
-FileStamp = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
-
-
-def file_stamp(st: os.stat_result) -> FileStamp:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 # Chunk digests kept across all mappings (~200 bytes each as a dict entry: ~50 MiB at most;
@@ -121,6 +121,8 @@ class MappedFile:
         self._map: mmap.mmap | None = None
         self._view: memoryview | None = None
         self.size = stamp[2] if stamp is not None else path.stat().st_size
+        self._mapped_stamp: FileStamp | None = None  # the file as mapped, checked per chunk
+        self._mapped_nlink = 0
         self._digests: dict[tuple[int, int], int] = {}
         self._digest_lock = threading.Lock()
 
@@ -132,13 +134,23 @@ class MappedFile:
         lives with this mapping, so a replaced file starts afresh. Only chunks of at least
         ``MIN_CACHED_CHUNK`` bytes are kept, within one budget for all mappings
         (``MAX_CACHED_DIGESTS``), so no request pattern can grow it without bound.
+
+        The file is checked unchanged *after* hashing (``ensure_unchanged``): a write updates
+        the file's times before it copies data, so bytes hashed before an unchanged check
+        are bytes of the indexed version. A digest is kept only once that holds, and the
+        client compares it with what it received: a chunk torn by a later overwrite fails
+        there, and an overwrite before the check cuts the stream here. No mixed data passes.
         """
+        end = start + len(data)
         if len(data) < MIN_CACHED_CHUNK:
-            return xxhash.xxh3_64_intdigest(data)
+            found = xxhash.xxh3_64_intdigest(data)
+            self.ensure_unchanged(end)
+            return found
         key = (start, len(data))
         found = self._digests.get(key)
         if found is None:
             found = xxhash.xxh3_64_intdigest(data)
+            self.ensure_unchanged(end)
             with self._digest_lock:  # two streams may hash the same chunk at once
                 if key not in self._digests and DIGEST_BUDGET.take():
                     self._digests[key] = found
@@ -150,11 +162,12 @@ class MappedFile:
     def view(self) -> memoryview:
         with self._lock:
             if self._view is None:
-                # The file stays open: ensure_covers() fstat()s it before data is touched, and
+                # The file stays open: ensure_unchanged() fstat()s it before data is touched, and
                 # the open file pins this inode, so a later rename over it changes nothing here.
                 f = open(self.path, "rb")  # noqa: SIM115
                 try:
-                    found = file_stamp(os.fstat(f.fileno()))
+                    st = os.fstat(f.fileno())
+                    found = file_stamp(st)
                     if self.stamp is not None and found != self.stamp:
                         # Replaced between indexing and first use: the index describes another
                         # file, so serving these bytes under the old revision would mix two.
@@ -163,6 +176,7 @@ class MappedFile:
                             "on its next request"
                         )
                     self.size = found[2]
+                    self._mapped_stamp, self._mapped_nlink = found, st.st_nlink
                     if self.size == 0:
                         f.close()
                         self._view = memoryview(b"")
@@ -175,17 +189,34 @@ class MappedFile:
                     raise
             return self._view
 
-    def ensure_covers(self, end: int) -> None:
-        """Refuse to touch mapped bytes past the file's current end.
+    def _only_relinked(self, st: os.stat_result, now: FileStamp) -> bool:
+        """A rename over the file, a delete or a new hard link changes its ctime (the link
+        count changed) but not one byte: streams of the old version read on."""
+        assert self._mapped_stamp is not None
+        return now[:4] == self._mapped_stamp[:4] and st.st_nlink != self._mapped_nlink
 
-        Reading a mapped page that a truncation removed raises SIGBUS and kills the process;
-        checking the size (one fstat) before each chunk turns that into a clean error for
-        the streams of this file only.
+    def ensure_unchanged(self, end: int = 0) -> None:
+        """Refuse to go on if the file is not the version the stream started with.
+
+        One fstat: a size below ``end`` means a truncation (reading a mapped page it removed
+        raises SIGBUS and kills the process), a changed size, mtime or ctime means the file
+        was overwritten in place (``cp`` over it, not a rename): its bytes may now be a mix
+        of two versions, so the streams of this file end with a clear error instead.
         """
-        if self._file is not None and os.fstat(self._file.fileno()).st_size < end:
+        if self._file is None:
+            return
+        st = os.fstat(self._file.fileno())
+        now = file_stamp(st)
+        if now[2] < end:
             raise ModelUnavailable(
                 f"{self.path.name} was truncated while being served; the model reloads on "
                 "its next request"
+            )
+        if now != self._mapped_stamp and not self._only_relinked(st, now):
+            raise ModelUnavailable(
+                f"{self.path.name} was overwritten in place while being served; the stream "
+                "is cut so no bytes of two versions mix; the model reloads on its next "
+                "request (replace files by renaming a new file over them)"
             )
 
 
@@ -195,12 +226,46 @@ class Model:
     format: str
     path: Path  # the model's directory or file
     files: list[Path]
-    revision: str
     contents: ModelContents
+    stamps: dict[Path, FileStamp]  # the files as indexed
+    digests: DigestStore = field(default_factory=DigestStore, repr=False)
     checked_at: float = field(default_factory=time.monotonic, repr=False)
-    stamps: dict[Path, FileStamp] = field(default_factory=dict, repr=False)  # as indexed
+    _revision: str | None = field(default=None, repr=False)
+    _revision_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _maps: dict[Path, MappedFile] = field(default_factory=dict, repr=False)
     _maps_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def revision(self) -> str:
+        """The content revision (see service/revisions.py): computed on first use, from
+        digests remembered per file version, so only a file never seen before is read."""
+        if self._revision is None:
+            with self._revision_lock:
+                if self._revision is None:
+                    self._revision = self._content_revision()
+        return self._revision
+
+    @property
+    def revision_known(self) -> bool:
+        return self._revision is not None
+
+    def _content_revision(self) -> str:
+        base = self.path if self.path.is_dir() else self.path.parent
+        try:
+            return content_revision(
+                (
+                    f.relative_to(base).as_posix(),
+                    self.stamps[f],
+                    self.digests.digest(f, self.stamps[f]),
+                )
+                for f in self.files
+            )
+        except (FileChanged, FileNotFoundError) as e:
+            self.checked_at = float("-inf")  # re-index on the next request
+            raise ModelUnavailable(
+                f"model {self.id!r} changed while its revision was computed ({e}); "
+                "it reloads on its next request"
+            ) from None
 
     @property
     def tensors(self) -> dict[str, TensorEntry]:
@@ -239,7 +304,9 @@ class Model:
         file replaced since indexing fails the request with a status instead of mid-stream."""
         try:
             for f in dict.fromkeys(files):
-                self.mapped(f).view()
+                mapped = self.mapped(f)
+                mapped.view()
+                mapped.ensure_unchanged()  # mapped by an earlier stream, overwritten since
         except ModelUnavailable:
             self.checked_at = float("-inf")  # recheck the files on the next request
             raise
@@ -264,19 +331,8 @@ def missing_tensor_message(model_id: str, name: str, names: Iterable[str]) -> st
     return msg
 
 
-def file_revision(
-    files: list[Path], root: Path, stamps: dict[Path, FileStamp] | None = None
-) -> str:
-    """A short digest of each file's identity: path, size, mtime, inode.
-
-    It changes when any file is rewritten, replaced or renamed, without reading data.
-    ``stamps`` gives the identities to use (taken earlier) instead of stat()ing now.
-    """
-    h = hashlib.sha256()
-    for f in sorted(files):
-        _, ino, size, mtime_ns = stamps[f] if stamps is not None else file_stamp(f.stat())
-        h.update(f"{f.relative_to(root)}\0{size}\0{mtime_ns}\0{ino}\n".encode())
-    return h.hexdigest()[:16]
+def current_stamps(files: Iterable[Path]) -> dict[Path, FileStamp]:
+    return {f: file_stamp(f.stat()) for f in files}
 
 
 def validate_model_id(model_id: str) -> str:
@@ -296,14 +352,20 @@ class Catalog:
         root: str | os.PathLike,
         readers: dict[str, FormatReader] | None = None,
         recheck_seconds: float = 1.0,
+        digests: DigestStore | None = None,
     ):
         self.root = Path(root).resolve()
         self.recheck_seconds = recheck_seconds
         if not self.root.is_dir():
             raise FileNotFoundError(f"model root {self.root} is not a directory")
         self.readers = readers if readers is not None else default_readers()
+        self.digests = digests if digests is not None else DigestStore()
         self.models: dict[str, Model] = {}
         self.problems: dict[str, Problem] = {}
+        # Refused models with their files as they were: not parsed (or logged) again until
+        # a file changes, so a hostile 256 MiB pickle is walked once, not every rescan.
+        self._refused: dict[str, tuple[dict[Path, FileStamp], Problem]] = {}
+        self.on_refused: Callable[[Problem], None] | None = None  # metrics: a new refusal
         self._lock = threading.Lock()
         self.scan()
 
@@ -373,17 +435,18 @@ class Catalog:
                 found[model_id] = ("pytorch", directory, pt + extra)
         return found
 
-    def _load(self, model_id: str, fmt: str, path: Path, files: list[Path]) -> Model:
-        stamps = {f: file_stamp(f.stat()) for f in files}  # before reading: see MappedFile.view
-        contents = self.readers[fmt].read(files)
+    def _load(
+        self, model_id: str, fmt: str, path: Path, files: list[Path], stamps: dict[Path, FileStamp]
+    ) -> Model:
+        # ``stamps`` were taken before reading: see MappedFile.view.
         return Model(
             id=model_id,
             format=fmt,
             path=path,
             files=files,
-            revision=file_revision(files, self.root, stamps),  # the files the index is of
-            contents=contents,
+            contents=self.readers[fmt].read(files),
             stamps=stamps,
+            digests=self.digests,
         )
 
     def _relative(self, text: str) -> str:
@@ -391,37 +454,61 @@ class Catalog:
         return text.replace(f"{self.root}{os.sep}", "").replace(str(self.root), ".")
 
     def scan(self) -> None:
-        """(Re)discover models. Unchanged models keep their index and mappings."""
+        """(Re)discover models. Unchanged models keep their index and mappings; unchanged
+        refused models keep their refusal without being parsed again."""
         started = time.perf_counter()
         with self._lock:
             self.problems = {}
             found = self.discover()
             models: dict[str, Model] = {}
+            refused: dict[str, tuple[dict[Path, FileStamp], Problem]] = {}
             for model_id, (fmt, path, files) in found.items():
                 try:
-                    revision = file_revision(files, self.root)
+                    stamps = current_stamps(files)
                     old = self.models.get(model_id)
-                    if old is not None and old.revision == revision:
+                    if old is not None and old.stamps == stamps:
                         models[model_id] = old
                         continue
-                    models[model_id] = self._load(model_id, fmt, path, files)
-                except CheckpointError as e:
-                    self.problems[model_id] = Problem(
-                        model_id, self._relative(e.file), self._relative(str(e))
-                    )
-                    log.warning("model %s refused: %s", model_id, e)
-                except OSError as e:
-                    self.problems[model_id] = Problem(
-                        model_id, self._relative(str(e.filename or path)), self._relative(str(e))
-                    )
-                    log.warning("model %s unreadable: %s", model_id, e)
+                    known = self._refused.get(model_id)
+                    if known is not None and known[0] == stamps:
+                        refused[model_id] = known
+                        self.problems[model_id] = known[1]
+                        continue
+                    models[model_id] = self._load(model_id, fmt, path, files, stamps)
+                except (CheckpointError, OSError) as e:
+                    if isinstance(e, CheckpointError):
+                        problem = Problem(model_id, self._relative(e.file), self._relative(str(e)))
+                    else:
+                        where = str(e.filename or path)
+                        problem = Problem(model_id, self._relative(where), self._relative(str(e)))
+                    self.problems[model_id] = problem
+                    with contextlib.suppress(OSError):  # files vanished: looked at next time
+                        refused[model_id] = (current_stamps(files), problem)
+                    log.warning("model %s refused: %s", model_id, problem.reason)
+                    if self.on_refused is not None:
+                        self.on_refused(problem)
             self.models = models
+            self._refused = refused
         log.info(
             "catalog: %d models, %d refused, in %.3f s",
             len(self.models),
             len(self.problems),
             time.perf_counter() - started,
         )
+
+    def warm_revisions(self) -> None:
+        """Compute every model's revision now (in the background after a scan), so the first
+        request for a model finds it known; a model that changes meanwhile is skipped."""
+        for model in list(self.models.values()):
+            if not model.revision_known:
+                try:
+                    model.revision  # noqa: B018 - computed and remembered on first access
+                except ModelUnavailable as e:
+                    log.info("revision of %s not computed: %s", model.id, e)
+
+    @property
+    def pending_revisions(self) -> int:
+        return sum(not m.revision_known for m in list(self.models.values()))
 
     # -- lookup ------------------------------------------------------------------------------
 
@@ -436,10 +523,10 @@ class Catalog:
             return model
         model.checked_at = now
         try:
-            revision = file_revision(model.files, self.root)
+            unchanged = current_stamps(model.files) == model.stamps
         except OSError:
-            revision = None
-        if revision == model.revision:
+            unchanged = False
+        if unchanged:
             return model
         self.scan()
         if model.id in self.models:
@@ -448,7 +535,9 @@ class Catalog:
         reason = problem.reason if problem else "its files are gone"
         raise ModelUnavailable(f"model {model.id!r} changed on disk and is refused: {reason}")
 
-    def get(self, model_id: str) -> Model:
+    def get(self, model_id: str, may_read: Callable[[str], bool] | None = None) -> Model:
+        """The model, or ModelNotFound. ``may_read`` limits the "did you mean" suggestion
+        to ids the caller may see: an error must not reveal what exists beyond a grant."""
         validate_model_id(model_id)
         model = self.models.get(model_id)
         if model is not None:
@@ -457,7 +546,8 @@ class Catalog:
         if problem is not None:
             raise ModelUnavailable(f"model {model_id!r} is refused: {problem.reason}")
         msg = f"No model {model_id!r} under the model root."
-        close = difflib.get_close_matches(model_id, list(self.models), n=1)
+        visible = [m for m in self.models if may_read is None or may_read(m)]
+        close = difflib.get_close_matches(model_id, visible, n=1)
         if close:
             msg += f" Did you mean {close[0]!r}?"
         raise ModelNotFound(msg)

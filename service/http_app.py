@@ -219,7 +219,7 @@ class _SocketWriter:
 
 def _ensure_still_mapped(mapping: mmap.mmap) -> None:
     """ModelUnavailable if the file behind ``mapping`` shrank since it was mapped (one fstat):
-    see ``MappedFile.ensure_covers``."""
+    see ``MappedFile.ensure_unchanged``."""
     if mapping.size() < len(mapping):
         raise ModelUnavailable(
             "a file of this model was truncated while being served; the model reloads on its "
@@ -365,12 +365,16 @@ def create_app(state: ServiceState) -> FastAPI:
 
     @app.get("/readyz", tags=["operations"])
     def readyz() -> JSONResponse:
-        """Readiness: the catalog is loaded and the server accepts new streams."""
-        ready = not state.draining
+        """Readiness: the catalog is loaded, the content revisions of the models found at
+        start are known (a never-seen large model is hashed once first), and the server
+        accepts new streams."""
+        ready = not state.draining and not state.warming
+        status = "draining" if state.draining else "warming" if state.warming else "ready"
         body = {
-            "status": "ready" if ready else "draining",
+            "status": status,
             "models": len(catalog.models),
             "refused": len(catalog.problems),
+            "revisions_pending": catalog.pending_revisions,
         }
         return JSONResponse(body, status_code=200 if ready else 503)
 

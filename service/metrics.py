@@ -70,3 +70,8 @@ class Metrics:
             "Models found but refused (failed validation)",
             registry=self.registry,
         )
+        self.model_refusals = Counter(
+            "weightserve_model_refusals_total",
+            "Times a model was refused (once per version of its files: not per rescan)",
+            registry=self.registry,
+        )

@@ -22,8 +22,9 @@ import uvicorn
 from weightserve.service.auth import TokenStore
 from weightserve.service.catalog import Catalog
 from weightserve.service.flight_app import FlightService
-from weightserve.service.grpc_app import create_grpc_server
+from weightserve.service.grpc_app import SERVICE_NAME, create_grpc_server
 from weightserve.service.http_app import create_app
+from weightserve.service.revisions import DigestStore
 from weightserve.service.state import Limits, ServiceState
 
 log = logging.getLogger("weightserve.server")
@@ -48,6 +49,10 @@ class ServerConfig:
     tls_key: str | None = None
     tls_client_ca: str | None = None  # require client certificates signed by this CA (mTLS)
     rescan_seconds: float = 30.0  # how often the root is searched for new or removed models
+    watch: bool = True  # rescan on file-system events too (inotify), not only periodically
+    # Where file content digests are remembered across restarts (file-digests.sqlite); None:
+    # in memory only, so each start reads every file once to compute revisions.
+    cache_dir: str | None = None
 
 
 def _url_host(host: str) -> str:
@@ -57,7 +62,9 @@ def _url_host(host: str) -> str:
 class WeightServer:
     def __init__(self, config: ServerConfig, catalog: Catalog | None = None) -> None:
         self.config = config
-        self.catalog = catalog or Catalog(config.root)
+        self.catalog = catalog or Catalog(
+            config.root, digests=DigestStore(config.cache_dir) if config.cache_dir else None
+        )
         tokens = TokenStore(config.token_file) if config.token_file else None
         self.state = ServiceState(self.catalog, config.limits, tokens, config.protect_metrics)
         if bool(config.tls_cert) != bool(config.tls_key):
@@ -204,10 +211,7 @@ class WeightServer:
         started.wait()
         if not self._uvicorn.started:
             raise RuntimeError(f"HTTP server failed to start on {host}:{self.http_port}")
-        if self.config.rescan_seconds > 0:
-            threading.Thread(
-                target=self._rescan_loop, name="weightserve-rescan", daemon=True
-            ).start()
+        self._start_catalog_upkeep()
         log.info(
             "serving %d models: %s %s%s",
             len(self.catalog.models),
@@ -217,13 +221,92 @@ class WeightServer:
         )
         return self
 
+    # How long start() waits for the first content revisions: small roots are ready when it
+    # returns; a large never-seen model reports "warming" on /readyz until it is hashed.
+    WARM_WAIT_SECONDS = 2.0
+
+    def _start_catalog_upkeep(self) -> None:
+        """Revisions computed in the background (readiness waits for them), and rescans: on
+        file-system events where the platform has them, and every ``rescan_seconds``."""
+        warmed = threading.Event()
+
+        def warm() -> None:
+            try:
+                self.catalog.warm_revisions()
+            finally:
+                self.state.warming = False
+                warmed.set()
+
+        self.state.warming = True
+        threading.Thread(target=warm, name="weightserve-revisions", daemon=True).start()
+        if not warmed.wait(self.WARM_WAIT_SECONDS):
+            log.info(
+                "computing content revisions of %d models (once per file version); ready when done",
+                self.catalog.pending_revisions,
+            )
+            self._set_grpc_health(serving=False)
+            threading.Thread(
+                target=lambda: warmed.wait() and self._set_grpc_health(not self.state.draining),
+                daemon=True,
+            ).start()
+        if self.config.rescan_seconds > 0:
+            threading.Thread(
+                target=self._rescan_loop, name="weightserve-rescan", daemon=True
+            ).start()
+        if self.config.watch:
+            threading.Thread(target=self._watch_loop, name="weightserve-watch", daemon=True).start()
+
+    def _set_grpc_health(self, serving: bool) -> None:
+        """gRPC health follows /readyz (probes may use either)."""
+        if self._grpc is None:
+            return
+        from grpc_health.v1 import health_pb2
+
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else (health_pb2.HealthCheckResponse.NOT_SERVING)
+        )
+        for name in ("", SERVICE_NAME):
+            self._grpc.health_servicer.set(name, status)  # type: ignore[attr-defined]
+
+    def rescan(self) -> None:
+        try:
+            self.catalog.scan()
+            self.state.refresh_gauges()
+            self.catalog.warm_revisions()
+        except Exception:  # a failed scan must not stop later ones
+            log.exception("rescan of %s failed", self.catalog.root)
+
     def _rescan_loop(self) -> None:
         while not self._stop_rescan.wait(self.config.rescan_seconds):
-            try:
-                self.catalog.scan()
-                self.state.refresh_gauges()
-            except Exception:  # a failed scan must not stop later ones
-                log.exception("rescan of %s failed", self.catalog.root)
+            self.rescan()
+
+    def _watch_loop(self) -> None:
+        """Rescan soon after files under the root change (inotify through watchfiles), so a
+        fixed or new model does not wait for the periodic rescan. The periodic rescan stays:
+        watches miss changes on network file systems and in directories created later."""
+        try:
+            import watchfiles
+        except ImportError:  # pragma: no cover - a server dependency
+            return
+        try:
+            for _changes in watchfiles.watch(
+                self.catalog.root,
+                stop_event=self._stop_rescan,
+                debounce=500,  # a copy in progress is many events: scan once it settles
+                rust_timeout=1000,
+                yield_on_timeout=False,
+                raise_interrupt=False,
+            ):
+                self.rescan()
+        except Exception as e:  # e.g. inotify watch limit reached: the periodic rescan remains
+            log.warning(
+                "watching %s for changes stopped (%s); rescanning every %s s",
+                self.catalog.root,
+                e,
+                self.config.rescan_seconds,
+            )
 
     def stop(self, grace: float | None = None) -> None:
         grace = self.config.grace_seconds if grace is None else grace

@@ -43,11 +43,17 @@ class ServiceState:
         self._per_client: dict[str, int] = {}
         self.metrics = Metrics()
         self.draining = False
+        self.warming = False  # content revisions of the models found at start being computed
         self.flight_port = 0  # set when the Flight endpoint runs; GetServerInfo reports it
         self._streams = 0
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
+        catalog.on_refused = self.on_refused
+        self.metrics.model_refusals.inc(len(catalog.problems))  # those of the first scan
         self.refresh_gauges()
+
+    def on_refused(self, problem: object) -> None:
+        self.metrics.model_refusals.inc()
 
     def refresh_gauges(self) -> None:
         self.metrics.models.set(len(self.catalog.models))
@@ -94,7 +100,7 @@ class ServiceState:
     def readable_model(self, access: Access, model_id: str) -> Model:
         """The model, if the caller may read it (else PermissionDenied / ModelNotFound)."""
         access.check(model_id)
-        return self.catalog.get(model_id)
+        return self.catalog.get(model_id, access.may_read)
 
     def begin_stream(
         self, model: Model, request: TensorRequest, transport: str, client: str

@@ -212,7 +212,7 @@ def _source_bytes(model: Model, p: PlannedTensor) -> memoryview:
     itemsize = wire_dtype(entry.dtype).itemsize
     mapped = model.mapped(entry.file)
     raw = np.frombuffer(mapped.view(), dtype=np.uint8)
-    mapped.ensure_covers(mapped.size)  # the gather below reads the mapping in user space
+    mapped.ensure_unchanged(mapped.size)  # the gather below reads the mapping in user space
     strides = entry.strides or tuple(
         math.prod(entry.shape[i + 1 :]) for i in range(len(entry.shape))
     )
@@ -225,7 +225,9 @@ def _source_bytes(model: Model, p: PlannedTensor) -> memoryview:
     )
     if p.index:
         elements = elements[(*p.index, slice(None))]
-    return np.ascontiguousarray(elements).data.cast("B")
+    gathered = np.ascontiguousarray(elements).data.cast("B")
+    mapped.ensure_unchanged(mapped.size)  # so the copy is of one version (see MappedFile.digest)
+    return gathered
 
 
 def stream_length(planned: Sequence[PlannedTensor], chunk_bytes: int) -> int:
@@ -268,7 +270,8 @@ def stream_chunks(
         mapped = model.mapped(p.entry.file) if p.byte_offset is not None else None
         for offset, n in _chunk_bounds(p, chunk_bytes):
             if mapped is not None and n:
-                mapped.ensure_covers(p.byte_offset + offset + n)  # type: ignore[operator]
+                # Before reading (a truncated page is SIGBUS); digest() checks again after.
+                mapped.ensure_unchanged(p.byte_offset + offset + n)  # type: ignore[operator]
             data = source[offset : offset + n]
             if mapped is not None:  # contiguous bytes of the file: the digest may be known
                 digest = mapped.digest(p.byte_offset + offset, data)  # type: ignore[operator]

@@ -1,0 +1,160 @@
+"""Revisions from content: what a model's revision names, and how it stays cheap.
+
+A revision names bytes, not a path: two servers holding byte-identical files report the same
+revision whatever the root, inode or mtime, so a load balancer may send a resume to any
+replica; any changed byte gives a new revision.
+
+Each file's digest (xxh3-128 of every byte) is computed once per file *version* and remembered
+by the file's identity (device, inode, size, mtime, ctime): in memory, and on disk in a small
+SQLite table under the cache directory, so a restarted server does not read a 100 GiB model
+again. A file whose identity changes while it is being hashed is hashed again. The revision of
+a model is a digest of its files' names (relative to the model), sizes and content digests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import mmap
+import os
+import sqlite3
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+
+import xxhash
+
+log = logging.getLogger("weightserve.revisions")
+
+# st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns: any write, truncation, rename over or
+# chmod changes one of them (ctime catches a write that restores the old mtime).
+FileStamp = tuple[int, int, int, int, int]
+
+HASH_BLOCK = 16 << 20  # bytes hashed per step: big enough to run at memory speed
+REVISION_CHARS = 16
+
+
+def file_stamp(st: os.stat_result) -> FileStamp:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+class FileChanged(OSError):
+    """The file changed while it was read; what was read describes no single version."""
+
+
+def hash_file(path: Path, stamp: FileStamp) -> str:
+    """xxh3-128 of the whole file, if it is still the version ``stamp`` names afterwards."""
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        if file_stamp(os.fstat(f.fileno())) != stamp:
+            raise FileChanged(f"{path.name} changed before it could be hashed")
+        if stamp[2]:
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                view = memoryview(mapped)
+                try:
+                    for start in range(0, len(view), HASH_BLOCK):
+                        # A truncation under the mapping would be SIGBUS: check the size first.
+                        if os.fstat(f.fileno()).st_size < min(start + HASH_BLOCK, len(view)):
+                            raise FileChanged(f"{path.name} was truncated while being hashed")
+                        h.update(view[start : start + HASH_BLOCK])
+                finally:
+                    view.release()
+        if file_stamp(os.fstat(f.fileno())) != stamp:
+            raise FileChanged(f"{path.name} changed while it was being hashed")
+    return h.hexdigest()
+
+
+class DigestStore:
+    """Content digests of files, by file identity; persisted when given a directory.
+
+    The table is a cache: losing it costs one more read of each file, never a wrong answer,
+    because an entry is only used for the exact identity it was computed for.
+    """
+
+    MAX_ROWS = 1_000_000  # ~100 MB at most; older entries are dropped past it
+
+    def __init__(self, directory: str | os.PathLike | None = None) -> None:
+        self._memory: dict[FileStamp, str] = {}
+        self._lock = threading.Lock()
+        self._db_path: Path | None = None
+        if directory is not None:
+            path = Path(directory) / "file-digests.sqlite"
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with self._connect(path) as db:
+                    db.execute(
+                        "CREATE TABLE IF NOT EXISTS digests (dev INTEGER, ino INTEGER, "
+                        "size INTEGER, mtime_ns INTEGER, ctime_ns INTEGER, digest TEXT, "
+                        "PRIMARY KEY (dev, ino, size, mtime_ns, ctime_ns))"
+                    )
+                self._db_path = path
+            except (OSError, sqlite3.Error) as e:
+                # A read-only or full cache directory costs speed at the next start, not service.
+                log.warning("file digests kept in memory only (%s: %s)", path, e)
+
+    @staticmethod
+    def _connect(path: Path) -> sqlite3.Connection:
+        # Several servers on one node may share the cache directory: wait for each other.
+        return sqlite3.connect(path, timeout=10, isolation_level=None)
+
+    def _lookup(self, stamp: FileStamp) -> str | None:
+        found = self._memory.get(stamp)
+        if found is not None or self._db_path is None:
+            return found
+        try:
+            with contextlib.closing(self._connect(self._db_path)) as db:
+                row = db.execute(
+                    "SELECT digest FROM digests WHERE dev=? AND ino=? AND size=? AND "
+                    "mtime_ns=? AND ctime_ns=?",
+                    stamp,
+                ).fetchone()
+        except sqlite3.Error as e:
+            log.warning("file digest table unreadable (%s); hashing again", e)
+            return None
+        if row is not None:
+            self._memory[stamp] = row[0]
+            return str(row[0])
+        return None
+
+    def _remember(self, stamp: FileStamp, digest: str) -> None:
+        self._memory[stamp] = digest
+        if self._db_path is None:
+            return
+        try:
+            with contextlib.closing(self._connect(self._db_path)) as db:
+                db.execute(
+                    "INSERT OR REPLACE INTO digests VALUES (?, ?, ?, ?, ?, ?)", (*stamp, digest)
+                )
+                (rows,) = db.execute("SELECT COUNT(*) FROM digests").fetchone()
+                if rows > self.MAX_ROWS:
+                    db.execute(
+                        "DELETE FROM digests WHERE rowid IN (SELECT rowid FROM digests "
+                        "ORDER BY rowid LIMIT ?)",
+                        (rows - self.MAX_ROWS,),
+                    )
+        except sqlite3.Error as e:
+            log.warning("file digest not saved (%s); it is kept in memory", e)
+
+    def digest(self, path: Path, stamp: FileStamp) -> str:
+        """The content digest of ``path`` as of ``stamp``; FileChanged if it is not that file
+        any more (the caller re-indexes it)."""
+        with self._lock:
+            found = self._lookup(stamp)
+        if found is not None:
+            return found
+        digest = hash_file(path, stamp)
+        with self._lock:
+            self._remember(stamp, digest)
+        return digest
+
+
+def content_revision(
+    files: Iterable[tuple[str, FileStamp, str]],
+) -> str:
+    """The revision of a model from (name relative to the model, stamp, content digest) of
+    each file: names, sizes and bytes count; paths, inodes and times do not."""
+    h = hashlib.sha256()
+    for name, stamp, digest in sorted(files):
+        h.update(f"{name}\0{stamp[2]}\0{digest}\n".encode())
+    return h.hexdigest()[:REVISION_CHARS]

@@ -349,10 +349,16 @@ def test_server_killed_mid_transfer_and_restarted(tmp_path: Path, transport: str
 
 class CuttingProxy:
     """A loopback TCP proxy that cuts the first connection carrying more than ``cut_after``
-    bytes from the server, once; every other connection is passed through untouched."""
+    bytes from the server, once; every other connection is passed through untouched.
 
-    def __init__(self, upstream_port: int, cut_after: int) -> None:
-        self.upstream_port = upstream_port
+    Given several upstream ports it sends each new connection to the next one in turn, as a
+    plain round-robin load balancer (a Kubernetes Service) does: ``connections`` counts them.
+    """
+
+    def __init__(self, upstream_port: int | list[int], cut_after: int) -> None:
+        ports = upstream_port if isinstance(upstream_port, list) else [upstream_port]
+        self.upstream_ports = ports
+        self.connections = [0] * len(ports)
         self.cut_after = cut_after
         self.cuts = 0
         self._lock = threading.Lock()
@@ -377,7 +383,9 @@ class CuttingProxy:
                 continue
             except OSError:
                 return
-            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            turn = sum(self.connections) % len(self.upstream_ports)
+            self.connections[turn] += 1
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_ports[turn]))
             self._socks += [client, upstream]
             self._start(self._pump, client, upstream, False)
             self._start(self._pump, upstream, client, True)

@@ -23,7 +23,6 @@ from safetensors.numpy import save_file
 from tests.test_faults import eventually, save_atomic, tensors
 from weightserve.client._client import Client
 from weightserve.client.errors import WeightserveError
-from weightserve.service.catalog import Catalog
 from weightserve.service.server import ServerConfig, WeightServer
 
 

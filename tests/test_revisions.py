@@ -118,11 +118,9 @@ def test_replicas_of_copied_files_behind_a_round_robin_proxy(
 
 def overwrite_in_place(path: Path, data: bytes, how: str) -> None:
     """Not an atomic rename: the served inode itself gets the new bytes, in 1 MiB writes."""
-    if how == "cp":  # shutil.copyfile / cp: truncate, then write
-        f = open(path, "wb")  # noqa: SIM115
-    else:  # same size, written over the old bytes without truncating
-        f = open(path, "r+b")  # noqa: SIM115
-    with f:
+    # "cp" truncates, then writes (shutil.copyfile, cp); "rewrite" writes the same size over
+    # the old bytes without truncating.
+    with open(path, "wb" if how == "cp" else "r+b") as f:
         for start in range(0, len(data), MIB):
             f.write(data[start : start + MIB])
             f.flush()
@@ -154,16 +152,11 @@ def test_overwrite_in_place_during_loads_never_mixes(
                 eventually(
                     lambda: client.model("m").info.revision == revision_a, 5, "A served again"
                 )
-                writer: list[threading.Thread] = []
-
-                def start_overwrite() -> None:
-                    t = threading.Thread(target=overwrite_in_place, args=(path, bytes_b, how))
-                    t.start()
-                    writer.append(t)
+                writer = threading.Thread(target=overwrite_in_place, args=(path, bytes_b, how))
 
                 # The overwrite starts while the stream runs, from the reading thread, at a
                 # point that varies between trials; it then races with the server's reads.
-                trigger = once(start_overwrite, after_bytes=int(rng.integers(1, 12)) * MIB)
+                trigger = once(writer.start, after_bytes=int(rng.integers(1, 12)) * MIB)
                 model = client.model("m", FetchOptions(parallel=1, chunk_bytes=CHUNK))
                 try:
                     got = model.fetch(prefix="", on_bytes=trigger)
@@ -177,7 +170,7 @@ def test_overwrite_in_place_during_loads_never_mixes(
                         f"mixed data: tensors from A {same_a}, from B {same_b}"
                     )
                     outcomes["A" if all(same_a) else "B"] += 1
-                for t in writer:
-                    t.join()
+                if writer.ident is not None:  # it started
+                    writer.join()
     # Each trial ended one of the three honest ways; the counts show which happened.
     assert sum(outcomes.values()) == 8, outcomes

@@ -336,7 +336,12 @@ def test_health_and_readiness(api, model_root) -> None:
     assert r.status == 200 and r.json() == {"status": "ok"}
     r = api("/readyz")
     assert r.status == 200
-    assert r.json() == {"status": "ready", "models": len(model_root.models), "refused": 1}
+    assert r.json() == {
+        "status": "ready",
+        "models": len(model_root.models),
+        "refused": 1,
+        "revisions_pending": 0,  # every model's content revision is known
+    }
 
 
 def _bytes_served(api, model: str) -> float:

@@ -6,10 +6,25 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Any, NoReturn
 
+from weightserve.client._arg_types import positive_int
 from weightserve.client.errors import WeightserveError
 
 _SERVER_EXTRA = "pip install 'weightserve[server]'"
+
+
+class _CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: a usage mistake is one line that names the argument (the usage
+    text, a dozen lines for ``serve``, would bury it), and the parser is in the namespace so
+    ``main`` reports later mistakes the same way."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.set_defaults(command_parser=self)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _size(n: float) -> str:
@@ -20,12 +35,24 @@ def _size(n: float) -> str:
     return f"{n} B"
 
 
+def _retry_seconds(text: str) -> float:
+    """argparse type of --retry-seconds (its default comes from the environment, parsed too)."""
+    from weightserve.client._retry import retry_seconds_from
+
+    try:
+        return retry_seconds_from(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"need a number of seconds >= 0 (0: never retry), got {text!r}"
+        ) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="weightserve",
         description="Serve model weights as Arrow streams over HTTP and gRPC, and fetch them.",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
     serve = sub.add_parser(
         "serve",
         help="serve a model root over HTTP and gRPC",
@@ -42,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
         serve.set_defaults(func=_serve)
 
     token_help = "bearer token (env WEIGHTSERVE_TOKEN)"
+    retry_env = "WEIGHTSERVE_RETRY_SECONDS"
+    retry_help = (
+        "how long to keep trying a busy, restarting or unreachable server, with jittered "
+        f"backoff; 0: never (env {retry_env}; default 60)"
+    )
+    retry_default = os.environ.get(retry_env) or None  # a string: argparse parses it too
     ls = sub.add_parser(
         "ls",
         help="list a server's models, or one model's tensors",
@@ -51,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("url")
     ls.add_argument("--prefix", default="", help="only tensors whose name starts so")
     ls.add_argument("--token", default=None, help=token_help)
+    ls.add_argument("--retry-seconds", type=_retry_seconds, default=retry_default, help=retry_help)
     ls.set_defaults(func=_ls)
 
     pull = sub.add_parser(
@@ -64,7 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", default=None, help="output directory (default: the model's last path part)"
     )
     pull.add_argument("--token", default=None, help=token_help)
-    pull.add_argument("--parallel", type=int, default=2, help="concurrent streams (default 2)")
+    pull.add_argument(
+        "--retry-seconds", type=_retry_seconds, default=retry_default, help=retry_help
+    )
+    pull.add_argument(
+        "--parallel", type=positive_int, default=2, help="concurrent streams (default 2)"
+    )
     pull.add_argument("--quiet", action="store_true", help="no progress bar")
     pull.set_defaults(func=_pull)
     return parser
@@ -86,7 +125,7 @@ def _ls(args: argparse.Namespace) -> int:
     from weightserve.client._url import parse_url
 
     _, model_id = parse_url(args.url)
-    with Client(args.url, token=args.token) as client:
+    with Client(args.url, token=args.token, retry_seconds=args.retry_seconds) as client:
         if model_id is None:
             models, problems = client.list_models()
             print(f"{'MODEL':40} {'FORMAT':12} {'TENSORS':>8} {'SIZE':>10}  REVISION")
@@ -125,7 +164,7 @@ def _pull(args: argparse.Namespace) -> int:
         )
         return 2
     out_dir = Path(args.out) if args.out else Path(model_id.rstrip("/").split("/")[-1])
-    with Client(args.url, token=args.token) as client:
+    with Client(args.url, token=args.token, retry_seconds=args.retry_seconds) as client:
         model = client.model(model_id, FetchOptions(parallel=args.parallel))
         names = model.names(args.prefix)
         if not names:
@@ -145,8 +184,21 @@ def _pull(args: argparse.Namespace) -> int:
             disable=args.quiet or None,
             file=sys.stderr,
         ) as bar:
+
+            def show_wait(reason: str, seconds: float) -> None:
+                bar.set_postfix_str(f"{reason}, retrying in {seconds:.1f} s")
+
+            def received(n: int) -> None:
+                if getattr(bar, "postfix", None):  # data flows again: the wait is over
+                    bar.set_postfix_str("", refresh=False)
+                bar.update(n)
+
             path = pull_to_safetensors(
-                model, out_dir / "model.safetensors", args.prefix, on_bytes=bar.update
+                model,
+                out_dir / "model.safetensors",
+                args.prefix,
+                on_bytes=received,
+                on_wait=show_wait,
             )
     print(path)
     return 0
@@ -156,14 +208,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown and args.func is not _no_server:  # `serve --demo` without the server extra
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command in ("ls", "pull"):
         from weightserve.client._url import parse_url
 
         try:
             parse_url(args.url)
         except ValueError as e:  # a malformed URL is a usage error, not a traceback
-            parser.error(str(e))
+            args.command_parser.error(str(e))
     try:
         return int(args.func(args) or 0)
     except WeightserveError as e:

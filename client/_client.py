@@ -10,12 +10,14 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from weightserve.client._dtypes import numpy_dtype, wire_dtype
 from weightserve.client._models import ModelInfo, ModelProblem, ModelSummary, TensorInfo
 from weightserve.client._receive import ReceivedTensor, arena_allocator, receive
+from weightserve.client._retry import OnWait, call_with_retry, retry_seconds_from
 from weightserve.client._schema import ChunkHeader
 from weightserve.client._transport import (
     DEFAULT_READ_TIMEOUT,
@@ -37,8 +39,11 @@ PARALLEL_MIN_BYTES = 256 << 20
 @dataclass(frozen=True)
 class FetchOptions:
     parallel: int = 2  # concurrent streams for a bulk fetch (split by bytes)
-    retries: int = 5
+    # At most this many retries of one stream; None: as many as retry_seconds allows.
+    retries: int | None = None
     chunk_bytes: int | None = None
+    # How long a busy or unreachable server is waited for; None: the client's retry_seconds.
+    retry_seconds: float | None = None
 
 
 def as_array(t: ReceivedTensor | np.ndarray, info: TensorInfo) -> np.ndarray:
@@ -51,7 +56,13 @@ def as_array(t: ReceivedTensor | np.ndarray, info: TensorInfo) -> np.ndarray:
 
 
 class Client:
-    """A connection to one weightserve server (``http(s)://host:port`` or ``grpc(s)://...``)."""
+    """A connection to one weightserve server (``http(s)://host:port`` or ``grpc(s)://...``).
+
+    A busy server (stream limit reached), one that refuses connections (restarting) and a
+    broken stream are tried again with jittered backoff for up to ``retry_seconds`` (default:
+    ``WEIGHTSERVE_RETRY_SECONDS``, else 60 s; 0: never); ``on_wait(reason, seconds)`` hears of
+    each wait.
+    """
 
     def __init__(
         self,
@@ -61,15 +72,28 @@ class Client:
         tls: TLSOptions | None = None,
         timeout: float = DEFAULT_READ_TIMEOUT,
         flight: bool | None = None,
+        retry_seconds: float | None = None,
+        on_wait: OnWait | None = None,
     ) -> None:
         address, _ = parse_url(url)
         self.address: ServerAddress = address
+        self.retry_seconds = retry_seconds_from(retry_seconds)
+        self.on_wait = on_wait
         self.transport: Transport = make_transport(
             address, token=token, tls=tls, timeout=timeout, flight=flight
         )
 
+    def _with_retry(self, call: Callable[[], Any], what: str) -> Any:
+        return call_with_retry(call, self.retry_seconds, what, self.on_wait)
+
+    def model_info(self, model_id: str) -> dict[str, Any]:
+        """One model's info as JSON (format, revision, metadata, tensor index)."""
+        return self._with_retry(
+            lambda: self.transport.model_info(model_id), f"{self.address.url} model {model_id!r}"
+        )
+
     def list_models(self) -> tuple[list[ModelSummary], list[ModelProblem]]:
-        listing = self.transport.list_models()
+        listing = self._with_retry(self.transport.list_models, f"{self.address.url} models")
         return (
             [ModelSummary(**m) for m in listing["models"]],
             [ModelProblem(**p) for p in listing["problems"]],
@@ -95,7 +119,7 @@ class RemoteModel:
         self.client = client
         self.id = model_id
         self.options = options or FetchOptions()
-        self.info = ModelInfo.from_json(client.transport.model_info(model_id))
+        self.info = ModelInfo.from_json(client.model_info(model_id))
         self._lock = threading.Lock()
 
     @property
@@ -114,11 +138,14 @@ class RemoteModel:
         axis: int = 0,
         on_bytes: Callable[[int], None] | None = None,
         allocate: Callable[[ChunkHeader], np.ndarray] | None = None,
+        on_wait: OnWait | None = None,
     ) -> dict[str, np.ndarray]:
         """Arrays (served dtype and shape; uint8 blocks for GGML types) by name.
 
         Give ``names`` or ``prefix`` (``prefix=""`` is the whole model). With ``shard=(k, n)``
         each array is part k of n along ``axis`` (tensors with fewer dims come whole).
+        ``on_wait(reason, seconds)`` hears of each wait for a busy or unreachable server
+        (default: the client's ``on_wait``).
         """
         if names is None:
             wanted = self.names(prefix or "")
@@ -134,7 +161,7 @@ class RemoteModel:
         if not wanted:
             return {}
         with self.client.transport.receiving(self._bytes(wanted)):
-            received = self._fetch_parallel(wanted, shard, axis, on_bytes, allocate)
+            received = self._fetch_parallel(wanted, shard, axis, on_bytes, allocate, on_wait)
         out: dict[str, np.ndarray] = {}
         for name in wanted:
             r = received[name]
@@ -179,10 +206,14 @@ class RemoteModel:
         axis: int,
         on_bytes: Callable[[int], None] | None,
         allocate: Callable[[ChunkHeader], np.ndarray] | None = None,
+        on_wait: OnWait | None = None,
     ) -> dict[str, ReceivedTensor]:
         if shard is not None and not 0 <= shard[0] < shard[1]:
             raise InvalidRequest(f"shard {shard[0]}/{shard[1]}: need 0 <= index < count")
         groups = self._groups(names)
+        retry_seconds = self.client.retry_seconds
+        if self.options.retry_seconds is not None:
+            retry_seconds = retry_seconds_from(self.options.retry_seconds)
         progress_lock = threading.Lock()
 
         def counted(n: int) -> None:
@@ -206,8 +237,10 @@ class RemoteModel:
                 params,
                 group,
                 retries=self.options.retries,
+                retry_seconds=retry_seconds,
                 on_bytes=counted,
                 allocate=place,
+                on_wait=on_wait or self.client.on_wait,
             )
 
         if len(groups) == 1:

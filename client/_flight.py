@@ -46,7 +46,12 @@ def translate(e: flight.FlightError, url: str) -> WeightserveError:
     except ValueError:
         detail = {}
     if isinstance(detail, dict) and "error" in detail:
-        return error_from_wire(str(detail["error"]), str(detail.get("message", "")))
+        hint = detail.get("retry_after")
+        return error_from_wire(
+            str(detail["error"]),
+            str(detail.get("message", "")),
+            float(hint) if isinstance(hint, (int, float)) else None,
+        )
     message = str(e).split(". Detail:", 1)[0]
     if isinstance(e, flight.FlightUnavailableError) and "connect" in message.lower():
         return ServerUnreachable(f"cannot reach the Flight endpoint {url}: {message}")

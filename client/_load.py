@@ -105,6 +105,7 @@ def weights_format(
     token: str | None = None,
     tls: TLSOptions | None = None,
     timeout: float = DEFAULT_READ_TIMEOUT,
+    retry_seconds: float | None = None,
 ) -> WeightsFormat:
     """The format of local checkpoint files (by suffix; directories by their contents) or of
     the model several URLs name (asked from the server)."""
@@ -112,8 +113,8 @@ def weights_format(
     if urls:
         url = _model_url(urls)
         _, model_id = parse_url(url)
-        with Client(url, token=token, tls=tls, timeout=timeout) as client:
-            info = client.transport.model_info(model_id or "")
+        with Client(url, token=token, tls=tls, timeout=timeout, retry_seconds=retry_seconds) as c:
+            info = c.model_info(model_id or "")
         return WeightsFormat(info["format"])
     return _format_of_paths(_local_files(paths))
 
@@ -126,19 +127,21 @@ def load_weights(
     tls: TLSOptions | None = None,
     timeout: float = DEFAULT_READ_TIMEOUT,
     options: FetchOptions | None = None,
+    retry_seconds: float | None = None,
 ) -> Any:
     """``Weights`` for local checkpoint files or for a model on a weightserve server.
 
     URLs (``http://host:port/v1/models/NAME``, ``grpc://host:port/NAME``; several URLs must
     name one model) give a ``RemoteWeights``. Local paths are loaded by MAX's own
     ``load_weights`` (so they need the ``max`` package); a directory stands for the
-    checkpoint files in it.
+    checkpoint files in it. ``retry_seconds`` bounds how long a busy or unreachable server
+    is waited for (default ``WEIGHTSERVE_RETRY_SECONDS``, else 60 s; see ``Client``).
     """
     urls, paths = _split(paths_or_urls)
     if urls:
         return RemoteWeights(
             _model_url(urls), use_max=use_max, token=token, tls=tls, timeout=timeout,
-            options=options,
+            options=options, retry_seconds=retry_seconds,
         )  # fmt: skip
     files = _local_files(paths)
     fmt = _format_of_paths(files) if all(p.exists() for p in files) else None

@@ -18,6 +18,7 @@ import numpy as np
 
 from weightserve.client._client import RemoteModel
 from weightserve.client._dtypes import wire_dtype
+from weightserve.client._retry import OnWait
 from weightserve.client._schema import ChunkHeader
 
 _ALIGN = 8  # safetensors pads the header so tensor data starts 8-byte aligned
@@ -59,7 +60,11 @@ def safetensors_header(model: RemoteModel, names: list[str]) -> tuple[bytes, dic
 
 
 def pull_to_safetensors(
-    model: RemoteModel, out: Path, prefix: str = "", on_bytes: Callable[[int], None] | None = None
+    model: RemoteModel,
+    out: Path,
+    prefix: str = "",
+    on_bytes: Callable[[int], None] | None = None,
+    on_wait: OnWait | None = None,
 ) -> Path:
     names = model.names(prefix)
     if not names:
@@ -79,7 +84,9 @@ def pull_to_safetensors(
             return np.frombuffer(mapped, dtype=np.uint8, count=h.total_bytes, offset=start)
 
         try:
-            model.fetch(names, on_bytes=on_bytes, allocate=place if mapped else None)
+            model.fetch(
+                names, on_bytes=on_bytes, allocate=place if mapped else None, on_wait=on_wait
+            )
             if mapped is not None:
                 mapped.flush()
         finally:

@@ -12,9 +12,10 @@ from dataclasses import replace
 import numpy as np
 import xxhash
 
+from weightserve.client._retry import DEFAULT_RETRY_SECONDS, Backoff, OnWait, retry_reason
 from weightserve.client._schema import ChunkHeader
 from weightserve.client._transport import ChunkReader, StreamParams
-from weightserve.client.errors import DataCorruption, TransportError
+from weightserve.client.errors import DataCorruption, TransportError, WeightserveError
 
 log = logging.getLogger("weightserve.client")
 
@@ -75,16 +76,20 @@ def receive(
     params: StreamParams,
     expected: Sequence[str],
     *,
-    retries: int = 5,
-    backoff: float = 0.2,
+    retries: int | None = None,
+    retry_seconds: float = DEFAULT_RETRY_SECONDS,
     on_bytes: Callable[[int], None] | None = None,
     allocate: Callable[[ChunkHeader], np.ndarray] | None = None,
+    on_wait: OnWait | None = None,
 ) -> dict[str, ReceivedTensor]:
     """Fetch ``expected`` tensors (in stream order) with resume on breaks.
 
     ``params`` must pin the model revision so a resumed transfer never mixes two revisions.
     ``allocate`` gives the buffer for a tensor from its first chunk's header (default: fresh
     aligned memory; ``weightserve pull`` passes slices of the output file instead).
+    A busy server, one that cannot be reached and a broken stream are tried again with
+    backoff (client/_retry.py) while no data flows for up to ``retry_seconds``, and at most
+    ``retries`` times in all when given; ``on_wait`` hears of each wait.
     """
     done: dict[str, ReceivedTensor] = {}
     partial: ReceivedTensor | None = None  # the tensor being received; kept across resumes
@@ -102,6 +107,7 @@ def receive(
         return partial.buffer.data[header.offset : header.offset + header.nbytes]
 
     attempt = 0
+    backoff = Backoff(retry_seconds)
     request = params
     while True:
         reader: ChunkReader | None = None
@@ -119,6 +125,7 @@ def receive(
                         f"{header.offset + header.nbytes} do not match their digest"
                     )
                 partial.received += header.nbytes
+                backoff.reset()  # data flows: a later outage gets the whole budget again
                 if on_bytes is not None:
                     on_bytes(header.nbytes)
                 if partial.complete:
@@ -131,13 +138,19 @@ def receive(
                     f"stream ended without {len(missing)} tensors, e.g. {missing[0]!r}"
                 )
             return done
-        except (TransportError, DataCorruption) as e:
+        except WeightserveError as e:
             if reader is not None:  # before the back-off sleep, not after it
                 reader.close()
                 reader = None
             attempt += 1
-            if attempt > retries:
+            reason = retry_reason(e)
+            if reason is None or (retries is not None and attempt > retries):
                 raise
+            delay = backoff.next_wait(e)
+            if delay is None:  # the budget is spent
+                if not backoff.tries:
+                    raise
+                raise backoff.gave_up(e) from e
             remaining = [n for n in expected if n not in done]
             if partial is not None and partial.header.name in remaining:
                 request = replace(
@@ -147,16 +160,19 @@ def receive(
                 request = replace(params, resume_tensor=remaining[0], resume_offset=0)
             else:
                 return done
-            delay = backoff * 2 ** (attempt - 1)
-            log.warning(
-                "stream broke (%s); resuming at %s byte %d in %.1f s (try %d of %d)",
+            # A busy server is expected in a crowd (and shown through on_wait): no warning.
+            log.log(
+                logging.INFO if reason == "server busy" else logging.WARNING,
+                "%s (%s); trying again from %s byte %d in %.1f s (retry %d)",
+                reason,
                 e,
                 request.resume_tensor,
                 request.resume_offset,
                 delay,
                 attempt,
-                retries,
             )
+            if on_wait is not None:
+                on_wait(reason, delay)
             time.sleep(delay)
         finally:
             # Every way out, an error the caller sees included: an open stream holds a

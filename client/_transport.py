@@ -9,10 +9,13 @@ grpc) are translated here, at this one boundary, into weightserve errors.
 from __future__ import annotations
 
 import contextlib
+import datetime
+import email.utils
 import http.client
 import json
 import logging
 import os
+import re
 import socket
 import ssl
 import threading
@@ -20,16 +23,17 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
-from urllib.parse import quote
 
 from weightserve.client._arrow_reader import ArrowChunkReader
 from weightserve.client._malloc import steady_heap
 from weightserve.client._schema import ChunkHeader
-from weightserve.client._url import ServerAddress
+from weightserve.client._url import ServerAddress, http_model_path
 from weightserve.client.errors import (
+    ResourceExhausted,
     ServerUnreachable,
     TransportError,
     WeightserveError,
+    WrongTransport,
     error_from_wire,
 )
 
@@ -45,6 +49,12 @@ IDLE_CONNECTIONS = 8  # kept-alive HTTP connections per transport
 # it, the mallopt and trim calls would cost more than the faults they save.
 STEADY_HEAP_BYTES = 16 << 20
 MAX_GRPC_MESSAGE = (64 << 20) + (1 << 20)
+# gRPC's standard trailer for "retry after this many milliseconds" (the server sets it on
+# temporary refusals; grpc's own retry policy reads the same key).
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
+# grpc core's words (UNAVAILABLE details) for a connection that was made and then refused:
+# a failed TLS handshake, or a TLS server closing a plain-text connection.
+_NOT_AN_OUTAGE = re.compile(r"handshake failed|Socket closed", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -168,10 +178,25 @@ class HttpTransport:
                 conn.request(method, path, body=data, headers=headers)
                 resp = conn.getresponse()
                 break
+            except ssl.SSLError as e:  # an OSError, but no outage: waiting will not fix it
+                conn.close()
+                raise TransportError(
+                    f"TLS with weightserve at {self.address.url} failed: {e}; check the CA it "
+                    "is verified with (TLSOptions.ca_file) and the client certificate"
+                ) from e
             except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as e:
                 conn.close()
                 if reused:
                     continue  # the server closed an idle kept-alive connection: use a new one
+                if isinstance(e, http.client.RemoteDisconnected):
+                    # A new connection closed without an answer: not an outage (that refuses
+                    # the connection) but a TLS port spoken to in plain text, or a refused
+                    # client certificate.
+                    raise TransportError(
+                        f"weightserve at {self.address.url} closed the connection without "
+                        "answering: is it a TLS port (use https://), or does it require a "
+                        "client certificate it accepts?"
+                    ) from e
                 raise ServerUnreachable(
                     f"cannot reach weightserve at {self.address.url}: {e}"
                 ) from e
@@ -182,11 +207,16 @@ class HttpTransport:
                 ) from e
             except http.client.HTTPException as e:
                 conn.close()
-                raise TransportError(f"{self.address.url}: broken HTTP exchange: {e}") from e
+                raise _broken_exchange(self.address, e) from e
         if resp.status != 200:
             raw = resp.read()
             conn.close()
-            raise _http_error(resp.status, raw, f"{method} {self.address.url}{path}")
+            raise _http_error(
+                resp.status,
+                raw,
+                f"{method} {self.address.url}{path}",
+                resp.getheader("retry-after"),
+            )
         return conn, resp
 
     def _json(self, path: str) -> dict[str, Any]:
@@ -203,7 +233,7 @@ class HttpTransport:
         return self._json("/v1/models")
 
     def model_info(self, model: str) -> dict[str, Any]:
-        return self._json(f"/v1/models/{quote(model, safe='/')}")
+        return self._json(http_model_path(model))
 
     def open_stream(self, model: str, params: StreamParams) -> ByteSource:
         body: dict[str, Any] = {
@@ -218,7 +248,7 @@ class HttpTransport:
             body["shard"] = f"{params.shard[0]}/{params.shard[1]}"
         if params.chunk_bytes:
             body["chunk_bytes"] = params.chunk_bytes
-        conn, resp = self._request("POST", f"/v1/models/{quote(model, safe='/')}/stream", body)
+        conn, resp = self._request("POST", http_model_path(model, "stream"), body)
         return _HttpSource(self, conn, resp)
 
     def open_chunks(self, model: str, params: StreamParams) -> ChunkReader:
@@ -265,12 +295,49 @@ class _HttpSource:
             self.conn.close()
 
 
-def _http_error(status: int, raw: bytes, what: str) -> WeightserveError:
+def _retry_after_seconds(value: str | None) -> float | None:
+    """An HTTP ``Retry-After`` value (seconds, or an HTTP date) in seconds from now."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return max(0.0, (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds())
+
+
+def _broken_exchange(address: ServerAddress, e: http.client.HTTPException) -> WeightserveError:
+    """What a reply that is not HTTP/1.x means: WrongTransport when it is the first frame of
+    an HTTP/2 server (a SETTINGS frame, type 4, on stream 0), which is what a gRPC or Arrow
+    Flight port answers; TransportError otherwise."""
+    line = getattr(e, "line", "")  # http.client.BadStatusLine: the reply's first line, latin-1
+    head = line[:9].encode("latin-1", errors="replace") if isinstance(line, str) else b""
+    if len(head) == 9 and head[3] == 0x04 and head[5:] == b"\0\0\0\0":
+        grpc_url = ServerAddress("grpc", address.tls, address.host, address.port).url
+        return WrongTransport(
+            f"{address.url} answered in HTTP/2 only: this is a gRPC port; use {grpc_url} "
+            f"(a model: {grpc_url}/MODEL), or the server's HTTP port for http:// URLs"
+        )
+    return TransportError(f"{address.url}: broken HTTP exchange: {e}")
+
+
+def _http_error(
+    status: int, raw: bytes, what: str, retry_after: str | None = None
+) -> WeightserveError:
+    hint = _retry_after_seconds(retry_after)
     try:
         err = json.loads(raw)["error"]
-        return error_from_wire(err["type"], err["message"])
+        return error_from_wire(err["type"], err["message"], hint)
     except (ValueError, KeyError, TypeError):
         text = raw[:200].decode(errors="replace")
+        if status == 429 and hint is not None:  # a proxy's rate limit: temporary
+            return ResourceExhausted(f"{what}: HTTP 429: {text}", retry_after=hint)
         if status >= 500:
             return TransportError(f"{what}: HTTP {status}: {text}")
         return WeightserveError(f"{what}: HTTP {status}: {text}")
@@ -299,7 +366,14 @@ class GrpcTransport:
             else f"[{address.host}]:{address.port}"
         )
         self._target = target
-        options = [("grpc.max_receive_message_length", MAX_GRPC_MESSAGE)]
+        options = [
+            ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
+            # grpc's reconnect backoff grows to 120 s by default, so a channel to a server
+            # that was down a while would stay in failure long after it came back; our own
+            # retries (client/_retry.py) pace the attempts instead.
+            ("grpc.initial_reconnect_backoff_ms", 250),
+            ("grpc.max_reconnect_backoff_ms", 2000),
+        ]
         # Bulk data goes over the server's Arrow Flight endpoint when it offers one;
         # flight=False (or WEIGHTSERVE_FLIGHT=0) keeps every stream on grpcio StreamTensors.
         if flight is None:
@@ -352,8 +426,19 @@ class GrpcTransport:
         grpc = self._grpc
         trailing = dict(e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else {}
         kind = trailing.get("weightserve-error")
+        hint = _pushback_seconds(trailing.get(RETRY_PUSHBACK_KEY))
         if kind:
-            return error_from_wire(kind, e.details())
+            return error_from_wire(kind, e.details(), hint)
+        wrong_port = self._wrong_port(e)
+        if wrong_port is not None:
+            return wrong_port
+        if e.code() == grpc.StatusCode.UNAVAILABLE and _NOT_AN_OUTAGE.search(e.details() or ""):
+            # A TLS failure, or a TLS port spoken to in plain text: waiting will not fix it.
+            return TransportError(
+                f"weightserve at {self.address.url} did not accept the connection: "
+                f"{e.details()}; check the URL's scheme (grpcs:// for TLS), the CA and the "
+                "client certificate"
+            )
         if e.code() == grpc.StatusCode.UNAVAILABLE:
             return ServerUnreachable(
                 f"cannot reach weightserve at {self.address.url}: {e.details()}"
@@ -370,7 +455,49 @@ class GrpcTransport:
         return error_from_wire(
             _GRPC_CODE_CLASSES.get(e.code().name, "WeightserveError"),
             f"{self.address.url}: {e.code().name}: {e.details()}",
+            hint,
         )
+
+    def _wrong_port(self, e: Any) -> WrongTransport | None:
+        """WrongTransport when the port speaks another protocol: HTTP/1.1 (grpc core says
+        so when its HTTP/2 preface is answered by an HTTP/1 server), or Arrow Flight (it
+        answers our methods UNIMPLEMENTED)."""
+        code, details = e.code(), e.details() or ""
+        base = self.address.url
+        if code == self._grpc.StatusCode.UNAVAILABLE and "http1.x server" in details:
+            http_url = ServerAddress("http", self.address.tls, self.address.host, self.address.port)
+            return WrongTransport(
+                f"{base} is an HTTP port, not gRPC (it answered in HTTP/1.1): use "
+                f"{http_url.url} (a model: {http_url.url}/v1/models/MODEL)"
+            )
+        if code == self._grpc.StatusCode.UNIMPLEMENTED and self._is_flight_port():
+            return WrongTransport(
+                f"{base} is the server's Arrow Flight data port, not its gRPC API: use the "
+                "gRPC port in grpc:// URLs (default 50051); gRPC clients find the Flight "
+                "port by themselves"
+            )
+        return None
+
+    def _is_flight_port(self) -> bool:
+        """Whether this port serves Arrow Flight (asked only once our methods came back
+        UNIMPLEMENTED): a Flight server answers DoGet of an empty ticket (with an error about
+        the ticket), any other server does not know the method."""
+        do_get = self.channel.unary_stream(
+            "/arrow.flight.protocol.FlightService/DoGet",
+            request_serializer=lambda _: b"",  # a Ticket with no bytes
+            response_deserializer=bytes,
+        )
+        try:
+            call = do_get(None, timeout=5, metadata=self._metadata())
+            next(iter(call), None)
+            call.cancel()
+        except self._grpc.RpcError as probe:
+            return probe.code() not in (
+                self._grpc.StatusCode.UNIMPLEMENTED,
+                self._grpc.StatusCode.UNAVAILABLE,
+                self._grpc.StatusCode.DEADLINE_EXCEEDED,
+            )
+        return True
 
     def list_models(self) -> dict[str, Any]:
         try:
@@ -510,6 +637,15 @@ class GrpcTransport:
         if pool is not None and not isinstance(pool, bool):
             pool.close()
         self.channel.close()
+
+
+def _pushback_seconds(value: str | bytes | None) -> float | None:
+    """gRPC's ``grpc-retry-pushback-ms`` trailer in seconds (a negative value: do not retry)."""
+    try:
+        ms = int(value) if value is not None else -1
+    except ValueError:
+        return None
+    return ms / 1000 if ms >= 0 else None
 
 
 _GRPC_CODE_CLASSES = {

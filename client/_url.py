@@ -1,10 +1,11 @@
 """Parse weightserve URLs: a server (``http://h:p``, ``grpc://h:p``) or a model on one
-(``http://h:p/v1/models/ORG/NAME``, ``grpc://h:p/ORG/NAME``; ``https``/``grpcs`` for TLS)."""
+(``http://h:p/v1/models/ORG/NAME``, ``grpc://h:p/ORG/NAME``; ``https``/``grpcs`` for TLS),
+and build the HTTP paths of a model's routes."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from urllib.parse import unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 SCHEMES = {
     "http": ("http", False),
@@ -12,6 +13,9 @@ SCHEMES = {
     "grpc": ("grpc", False),
     "grpcs": ("grpc", True),
 }
+# The path part that separates a model id from the route below it (``/v1/models/ID/-/stream``).
+# No model id has it, so no id or tensor name can be mistaken for a route.
+RESERVED_PART = "-"
 DEFAULT_PORTS = {
     ("http", False): 80,
     ("http", True): 443,
@@ -64,5 +68,19 @@ def parse_url(url: str) -> tuple[ServerAddress, str | None]:
             raise ValueError(
                 f"an HTTP model URL looks like http://HOST:PORT/v1/models/MODEL, got {url!r}"
             )
-        path = path[len("v1/models/") :]
+        # A URL of one of the model's routes (``.../v1/models/ID/-/stream``) names it too.
+        path = path[len("v1/models/") :].partition(f"/{RESERVED_PART}/")[0]
     return server, path or None
+
+
+def http_model_path(model_id: str, *route: str) -> str:
+    """The HTTP path of a model (``/v1/models/ID``) or of a route below it:
+    ``http_model_path(m, "stream")``, ``http_model_path(m, "tensors", name)``.
+
+    Every part is percent-encoded (``%``, ``?``, ``#``, spaces); the id keeps its slashes
+    (they separate its path parts), a tensor name does not (it is one opaque string).
+    """
+    path = f"/v1/models/{quote(model_id, safe='/')}"
+    if route:
+        path += f"/{RESERVED_PART}/" + "/".join(quote(part, safe="") for part in route)
+    return path

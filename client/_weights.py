@@ -129,7 +129,8 @@ class RemoteWeights:
     ``grpc://host:port/NAME``) or a ``RemoteModel``. With ``max`` installed it returns MAX's
     own types, and for safetensors models an object that is also a
     ``max.graph.weights.SafetensorWeights``. ``use_max=False`` forces the look-alike types.
-    ``bulk=False`` turns off fetching a listed prefix as a whole.
+    ``bulk=False`` turns off fetching a listed prefix as a whole. ``retry_seconds`` bounds
+    how long a busy or unreachable server is waited for (see ``Client``).
     """
 
     # Set per instance by _attach (never looked up through __getattr__).
@@ -146,8 +147,9 @@ class RemoteWeights:
         timeout: float = DEFAULT_READ_TIMEOUT,
         options: FetchOptions | None = None,
         bulk: bool = True,
+        retry_seconds: float | None = None,
     ) -> RemoteWeights:
-        state = _open(source, use_max, token, tls, timeout, options, bulk)
+        state = _open(source, use_max, token, tls, timeout, options, bulk, retry_seconds)
         klass: type = cls
         if cls is RemoteWeights and state.backend.is_max and state.format == "safetensors":
             from weightserve.client._max_compat import safetensors_weights_class
@@ -420,6 +422,7 @@ def _open(
     timeout: float,
     options: FetchOptions | None,
     bulk: bool,
+    retry_seconds: float | None = None,
 ) -> _State:
     b = backend(use_max)
     if isinstance(source, RemoteModel):
@@ -431,7 +434,7 @@ def _open(
             f"{url!r} names a server, not a model: use http://HOST:PORT/v1/models/MODEL"
             " or grpc://HOST:PORT/MODEL"
         )
-    client = Client(url, token=token, tls=tls, timeout=timeout)
+    client = Client(url, token=token, tls=tls, timeout=timeout, retry_seconds=retry_seconds)
     try:
         model = client.model(model_id, options)
     except BaseException:

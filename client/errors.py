@@ -14,12 +14,15 @@ the client as the same class.
     ├── InvalidRequest           a malformed request: bad slice, bad name, bad offset
     ├── Unauthenticated          no valid token
     ├── PermissionDenied         the token may not read this model
-    ├── ResourceExhausted        a limit was reached (streams, request size); retry later
+    ├── ResourceExhausted        a limit was reached: streams (temporary, ``retry_after``
+    │                            set) or request size (final)
     ├── ModelUnavailable         the model exists but cannot be served now (failed checks,
-    │                            file changed underneath)
+    │                            file changed underneath, server shutting down)
     ├── RevisionMismatch         the model changed since the revision the request names
     ├── TransportError           the server could not be reached, or the stream broke
     │   └── ServerUnreachable
+    ├── WrongTransport           the URL's scheme is not what its port speaks (http:// at
+    │                            the gRPC port, grpc:// at the HTTP or Flight port); final
     └── DataCorruption           a received tensor's digest did not match
 """
 
@@ -28,6 +31,10 @@ from __future__ import annotations
 
 class WeightserveError(Exception):
     """Base class of every error weightserve raises on purpose."""
+
+    # Seconds the server asks the client to wait before trying again, on refusals that are
+    # temporary (a stream limit reached, a server shutting down); None on final ones.
+    retry_after: float | None = None
 
 
 class CheckpointError(WeightserveError):
@@ -75,11 +82,21 @@ class PermissionDenied(WeightserveError):
 
 
 class ResourceExhausted(WeightserveError):
-    pass
+    """A limit was reached. With ``retry_after`` (stream slots) it is temporary and the client
+    waits and tries again; without (too many names, a request body too large) it is final."""
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class ModelUnavailable(WeightserveError):
-    pass
+    """The model cannot be served now; with ``retry_after`` (a server shutting down) the client
+    waits and tries again, which reaches another replica or the restarted server."""
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class RevisionMismatch(WeightserveError):
@@ -92,6 +109,11 @@ class TransportError(WeightserveError):
 
 class ServerUnreachable(TransportError):
     pass
+
+
+class WrongTransport(WeightserveError):
+    """The port answers, in another protocol than the URL's scheme names; the message says
+    which URL to use. Not a TransportError: trying the same URL again cannot help."""
 
 
 class DataCorruption(WeightserveError):
@@ -146,9 +168,14 @@ ERROR_CLASSES: dict[str, type[WeightserveError]] = {
 }
 
 
-def error_from_wire(class_name: str, message: str) -> WeightserveError:
-    """Rebuild the exception a server reported, as the same class when it is one of ours."""
+def error_from_wire(
+    class_name: str, message: str, retry_after: float | None = None
+) -> WeightserveError:
+    """Rebuild the exception a server reported, as the same class when it is one of ours,
+    with the server's retry hint (seconds) when it sent one."""
     cls = ERROR_CLASSES.get(class_name, WeightserveError)
     exc = cls.__new__(cls)
     Exception.__init__(exc, message)
+    if retry_after is not None:
+        exc.retry_after = retry_after
     return exc

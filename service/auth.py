@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import hashlib
 import hmac
 import os
 import threading
@@ -31,6 +32,12 @@ class Grant:
 
     def may_read(self, model_id: str) -> bool:
         return not self.patterns or any(fnmatch.fnmatchcase(model_id, p) for p in self.patterns)
+
+    @property
+    def identity(self) -> str:
+        """Who holds this token, safe to log and to show in errors: a short hash of it
+        (never the token itself)."""
+        return "token " + hashlib.sha256(self.token.encode()).hexdigest()[:12]
 
 
 def parse_tokens(text: str) -> list[Grant]:
@@ -92,6 +99,12 @@ class Access:
 
     def may_read(self, model_id: str) -> bool:
         return self.grant is None or self.grant.may_read(model_id)
+
+    def client_key(self, address: str) -> str:
+        """The key of the per-client stream limit: the token's identity when the request
+        carries one (many workers behind one ingress or node address are many clients), else
+        the peer ``address``."""
+        return self.grant.identity if self.grant is not None else address
 
     def check(self, model_id: str) -> None:
         if not self.may_read(model_id):

@@ -36,6 +36,7 @@ from typing import BinaryIO
 
 import xxhash
 
+from weightserve.client._url import RESERVED_PART
 from weightserve.client.errors import (
     CheckpointError,
     InvalidRequest,
@@ -143,9 +144,9 @@ class MappedFile:
         """
         end = start + len(data)
         if len(data) < MIN_CACHED_CHUNK:
-            found = xxhash.xxh3_64_intdigest(data)
+            small = xxhash.xxh3_64_intdigest(data)
             self.ensure_unchanged(end)
-            return found
+            return small
         key = (start, len(data))
         found = self._digests.get(key)
         if found is None:
@@ -249,12 +250,19 @@ class Model:
     def revision_known(self) -> bool:
         return self._revision is not None
 
-    def _content_revision(self) -> str:
+    def file_names(self) -> list[tuple[str, int]]:
+        """(name relative to the model, size as indexed) of each file, in the model's order."""
+        return [(self._relative_name(f), self.stamps[f][2]) for f in self.files]
+
+    def _relative_name(self, file: Path) -> str:
         base = self.path if self.path.is_dir() else self.path.parent
+        return file.relative_to(base).as_posix()
+
+    def _content_revision(self) -> str:
         try:
             return content_revision(
                 (
-                    f.relative_to(base).as_posix(),
+                    self._relative_name(f),
                     self.stamps[f],
                     self.digests.digest(f, self.stamps[f]),
                 )
@@ -341,6 +349,12 @@ def validate_model_id(model_id: str) -> str:
         raise InvalidRequest(f"invalid model id {model_id!r}")
     if any(part in ("", ".", "..") for part in model_id.split("/")):
         raise InvalidRequest(f"invalid model id {model_id!r}: empty, '.' or '..' path parts")
+    if RESERVED_PART in model_id.split("/"):
+        raise InvalidRequest(
+            f"invalid model id {model_id!r}: the path part {RESERVED_PART!r} is reserved for "
+            f"the routes below a model (/v1/models/ID/{RESERVED_PART}/stream, "
+            f"/v1/models/ID/{RESERVED_PART}/tensors/NAME)"
+        )
     return model_id
 
 
@@ -382,6 +396,10 @@ class Catalog:
         """model id -> (format, path, files), from the directory layout alone."""
         found: dict[str, tuple[str, Path, list[Path]]] = {}
         outside = "symlink points outside the model root"
+        reserved = (
+            f"a directory named {RESERVED_PART!r} is not served: that name is reserved in URLs "
+            f"(/v1/models/ID/{RESERVED_PART}/stream); rename it"
+        )
         for dirpath, dirnames, filenames in os.walk(self.root, followlinks=False):
             directory = Path(dirpath)
             at_root = directory == self.root
@@ -390,7 +408,10 @@ class Catalog:
             kept = []
             for name in sorted(d for d in dirnames if not d.startswith(".")):
                 sub = directory / name
-                if sub.is_symlink() and not self._inside_root(sub):
+                if name == RESERVED_PART:  # no model id may have this part (validate_model_id)
+                    rel = sub.relative_to(self.root).as_posix()
+                    self.problems[rel] = Problem(rel, rel, reserved)
+                elif sub.is_symlink() and not self._inside_root(sub):
                     rel = sub.relative_to(self.root).as_posix()
                     self.problems[rel] = Problem(rel, rel, outside)
                 else:

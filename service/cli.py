@@ -8,165 +8,202 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from weightserve.client._arg_types import (
+    non_empty,
+    non_negative_seconds,
+    one_of,
+    port,
+    port_or_off,
+    positive_int,
+    positive_seconds,
+    switch,
+)
+from weightserve.service.catalog import GGUF_SUFFIXES, PYTORCH_SUFFIXES, SAFETENSORS_SUFFIXES
 from weightserve.service.state import Limits
 
+if TYPE_CHECKING:
+    from weightserve.service.server import WeightServer
 
-def _env(name: str, default: str | None = None) -> str | None:
-    return os.environ.get(f"WEIGHTSERVE_{name}", default)
+log = logging.getLogger("weightserve.serve")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One ``serve`` option: its flag, environment variable, value check and default.
+
+    ``SETTINGS`` is the one list: the parser, the environment, ``serve --help`` and the
+    README's Configuration table come from it (tests/test_startup_errors.py compares them).
+    """
+
+    flag: str  # "--http-port"; "root" for the positional argument
+    env: str
+    default: object  # when neither the flag nor the variable is given
+    help: str
+    value: Callable[[str], object] | None = None  # None: a switch, on when the flag is given
+    shown_default: str | None = None  # how --help and the README show the default
+
+    @property
+    def dest(self) -> str:
+        """The attribute argparse sets; for listeners and files, ServerConfig's field too."""
+        return self.flag.lstrip("-").replace("-", "_")
+
+    @property
+    def label(self) -> str:
+        """How an error names this setting: ``--http-port (WEIGHTSERVE_HTTP_PORT)``."""
+        name = self.flag if self.flag.startswith("-") else self.flag.upper()
+        return f"{name} ({self.env})"
+
+    @property
+    def default_text(self) -> str:
+        if self.shown_default is not None:
+            return self.shown_default
+        if self.value is None:
+            return "off"
+        return str(self.default)
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("root", "WEIGHTSERVE_ROOT", None, "model root directory", str,
+            "none: give ROOT or --demo"),
+    Setting("--demo", "WEIGHTSERVE_DEMO", False,
+            "write a small demonstration model into the cache directory (--cache-dir) "
+            "and serve it"),
+    Setting("--host", "WEIGHTSERVE_HOST", "127.0.0.1",
+            "address to bind; 0.0.0.0 in a container", non_empty),
+    Setting("--http-port", "WEIGHTSERVE_HTTP_PORT", 8080, "HTTP port, 0: any free port", port),
+    Setting("--grpc-port", "WEIGHTSERVE_GRPC_PORT", 50051, "gRPC port, 0: any free port", port),
+    Setting("--flight-port", "WEIGHTSERVE_FLIGHT_PORT", 50052,
+            "Arrow Flight port for bulk tensor data (gRPC clients find it by themselves), "
+            "0: any free port, -1: none", port_or_off),
+    Setting("--flight-public-port", "WEIGHTSERVE_FLIGHT_PUBLIC_PORT", None,
+            "the Flight port clients dial, when port mapping makes it differ from "
+            "--flight-port; 0: the bound port", port, "the bound port"),
+    Setting("--grace", "WEIGHTSERVE_GRACE_SECONDS", 30.0,
+            "seconds open streams get to finish on shutdown", non_negative_seconds, "30 s"),
+    Setting("--max-streams", "WEIGHTSERVE_MAX_STREAMS", 64,
+            "concurrent tensor streams, all clients together", positive_int),
+    Setting("--max-streams-per-client", "WEIGHTSERVE_MAX_STREAMS_PER_CLIENT", 16,
+            "concurrent tensor streams of one client (its token, else its address)",
+            positive_int),
+    Setting("--idle-timeout", "WEIGHTSERVE_IDLE_TIMEOUT", 60.0,
+            "seconds a client may read nothing before its stream is cut", positive_seconds,
+            "60 s"),
+    Setting("--token-file", "WEIGHTSERVE_TOKEN_FILE", None,
+            "bearer tokens, one per line, each optionally followed by the model ids or "
+            "patterns it may read; re-read when it changes", str, "none: no authentication"),
+    Setting("--protect-metrics", "WEIGHTSERVE_PROTECT_METRICS", False,
+            "/metrics needs a token too"),
+    Setting("--tls-cert", "WEIGHTSERVE_TLS_CERT", None,
+            "PEM certificate chain: TLS on HTTP, gRPC and Flight", str, "none: plain TCP"),
+    Setting("--tls-key", "WEIGHTSERVE_TLS_KEY", None,
+            "PEM private key of --tls-cert (unencrypted)", str, "none"),
+    Setting("--tls-client-ca", "WEIGHTSERVE_TLS_CLIENT_CA", None,
+            "require client certificates signed by this CA (PEM): mutual TLS", str, "none"),
+    Setting("--rescan", "WEIGHTSERVE_RESCAN_SECONDS", 30.0,
+            "seconds between full searches of the root for new, changed or removed models "
+            "(file-system events start one sooner where the platform reports them), 0: never",
+            non_negative_seconds, "30 s"),
+    Setting("--no-watch", "WEIGHTSERVE_NO_WATCH", False,
+            "rescan only every --rescan seconds, not on file-system events (inotify)"),
+    Setting("--cache-dir", "WEIGHTSERVE_CACHE_DIR", None,
+            "where file content digests (file-digests.sqlite) are kept across restarts, so "
+            "revisions cost no reads after the first, and where --demo writes", str,
+            "$XDG_CACHE_HOME/weightserve, else ~/.cache/weightserve"),
+    Setting("--require-models", "WEIGHTSERVE_REQUIRE_MODELS", False,
+            "refuse to start when the root holds no servable model (otherwise: a warning)"),
+    Setting("--log-level", "WEIGHTSERVE_LOG_LEVEL", "info",
+            "debug, info, warning or error", one_of("debug", "info", "warning", "error")),
+)  # fmt: skip
+SETTINGS_BY_DEST = {s.dest: s for s in SETTINGS}
+
+
+class ConfigError(Exception):
+    """A setting's value is wrong; the message names the setting and what it accepts."""
+
+
+# How --help names each kind of value.
+_METAVARS: dict[Callable[[str], object], str] = {
+    port: "PORT",
+    port_or_off: "PORT",
+    positive_int: "N",
+    positive_seconds: "SECONDS",
+    non_negative_seconds: "SECONDS",
+    non_empty: "ADDRESS",
+    str: "FILE",
+}
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "root", nargs="?", default=_env("ROOT"), help="model root directory (env WEIGHTSERVE_ROOT)"
-    )
-    parser.add_argument(
-        "--demo",
-        action="store_true",
-        help="write a small demonstration model into the cache directory and serve it",
-    )
-    parser.add_argument(
-        "--host",
-        default=_env("HOST", "127.0.0.1"),
-        help="address to bind (env WEIGHTSERVE_HOST; default 127.0.0.1)",
-    )
-    parser.add_argument(
-        "--http-port",
-        type=int,
-        default=int(_env("HTTP_PORT", "8080") or 8080),
-        help="HTTP port, 0 for any free port (env WEIGHTSERVE_HTTP_PORT; default 8080)",
-    )
-    parser.add_argument(
-        "--grpc-port",
-        type=int,
-        default=int(_env("GRPC_PORT", "50051") or 50051),
-        help="gRPC port, 0 for any free port (env WEIGHTSERVE_GRPC_PORT; default 50051)",
-    )
-    parser.add_argument(
-        "--flight-port",
-        type=int,
-        default=int(_env("FLIGHT_PORT", "50052") or 50052),
-        help="Arrow Flight port for bulk tensor data (gRPC clients use it when offered), "
-        "0 for any free port, -1 for none (env WEIGHTSERVE_FLIGHT_PORT; default 50052)",
-    )
-    parser.add_argument(
-        "--flight-public-port",
-        type=int,
-        default=int(_env("FLIGHT_PUBLIC_PORT", "0") or 0) or None,
-        help="the Flight port clients dial, when port mapping makes it differ from "
-        "--flight-port (env WEIGHTSERVE_FLIGHT_PUBLIC_PORT; default: the bound port)",
-    )
-    parser.add_argument(
-        "--grace",
-        type=float,
-        default=float(_env("GRACE_SECONDS", "30") or 30),
-        help="seconds open streams get to finish on shutdown (env WEIGHTSERVE_GRACE_SECONDS)",
-    )
-    parser.add_argument(
-        "--max-streams",
-        type=int,
-        default=int(_env("MAX_STREAMS", "64") or 64),
-        help="concurrent tensor streams allowed (env WEIGHTSERVE_MAX_STREAMS)",
-    )
-    parser.add_argument(
-        "--max-streams-per-client",
-        type=int,
-        default=int(_env("MAX_STREAMS_PER_CLIENT", "16") or 16),
-        help="concurrent tensor streams per client address (env WEIGHTSERVE_MAX_STREAMS_PER_CLIENT)",
-    )
-    parser.add_argument(
-        "--idle-timeout",
-        type=float,
-        default=float(_env("IDLE_TIMEOUT", "60") or 60),
-        help="seconds a client may read nothing before its stream is cut "
-        "(env WEIGHTSERVE_IDLE_TIMEOUT)",
-    )
-    parser.add_argument(
-        "--token-file",
-        default=_env("TOKEN_FILE"),
-        help="bearer tokens, one per line, each optionally followed by the model ids or "
-        "patterns it may read; re-read when it changes (env WEIGHTSERVE_TOKEN_FILE)",
-    )
-    parser.add_argument(
-        "--protect-metrics",
-        action="store_true",
-        default=(_env("PROTECT_METRICS") or "") in ("1", "true", "yes"),
-        help="/metrics needs a token too (env WEIGHTSERVE_PROTECT_METRICS=1)",
-    )
-    parser.add_argument(
-        "--tls-cert",
-        default=_env("TLS_CERT"),
-        help="PEM certificate chain: TLS on HTTP and gRPC (env WEIGHTSERVE_TLS_CERT)",
-    )
-    parser.add_argument(
-        "--tls-key", default=_env("TLS_KEY"), help="PEM private key (env WEIGHTSERVE_TLS_KEY)"
-    )
-    parser.add_argument(
-        "--tls-client-ca",
-        default=_env("TLS_CLIENT_CA"),
-        help="require client certificates signed by this CA: mutual TLS "
-        "(env WEIGHTSERVE_TLS_CLIENT_CA)",
-    )
-    parser.add_argument(
-        "--rescan",
-        type=float,
-        default=float(_env("RESCAN_SECONDS", "30") or 30),
-        help="seconds between searches of the root for new or removed models, 0: never "
-        "(env WEIGHTSERVE_RESCAN_SECONDS); a changed file is noticed on its next request",
-    )
-    parser.add_argument(
-        "--log-level",
-        default=_env("LOG_LEVEL", "info"),
-        choices=["debug", "info", "warning", "error"],
+    # Every default is None here: "not given" lets the environment fill it in later
+    # (apply_environment), so a bad variable fails only `serve`, never `ls` or `pull`.
+    for s in SETTINGS:
+        help_text = f"{s.help} (env {s.env}; default {s.default_text})"
+        if s.flag == "root":
+            parser.add_argument("root", nargs="?", default=None, metavar="ROOT", help=help_text)
+        elif s.value is None:
+            parser.add_argument(s.flag, action="store_true", default=None, help=help_text)
+        else:
+            metavar = _METAVARS.get(s.value, s.dest.split("_")[-1].upper())
+            parser.add_argument(s.flag, type=s.value, default=None, metavar=metavar, help=help_text)
+
+
+def apply_environment(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> None:
+    """Fill each setting the command line left out from its environment variable (checked as
+    the flag is), else from its default. An empty variable counts as unset."""
+    for s in SETTINGS:
+        if getattr(args, s.dest, None) is not None:
+            continue
+        raw = environ.get(s.env, "")
+        if not raw.strip():
+            setattr(args, s.dest, s.default)
+            continue
+        try:
+            setattr(args, s.dest, (s.value or switch)(raw))
+        except argparse.ArgumentTypeError as e:
+            raise ConfigError(f"{s.env}={raw!r} (the variable of {s.flag}): {e}") from None
+
+
+def _models_wanted() -> str:
+    """What the catalog serves, for the message about a root without models."""
+    pytorch = ", ".join(f"*{suffix}" for suffix in PYTORCH_SUFFIXES)
+    safetensors = ", ".join(f"*{suffix}" for suffix in SAFETENSORS_SUFFIXES)
+    gguf = ", ".join(f"*{suffix}" for suffix in GGUF_SUFFIXES)
+    return (
+        f"the server looks for {safetensors} files, PyTorch checkpoints ({pytorch}) and "
+        f"{gguf} files anywhere below it (a directory of checkpoints is one model, so is "
+        "each GGUF file)"
     )
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from weightserve.service.demo import default_cache_dir, write_demo
-    from weightserve.service.server import ServerConfig, WeightServer
+    """Serve as ``args`` (and the environment) say until SIGTERM or SIGINT: 0 after a clean
+    shutdown; 2, with one line on stderr naming the setting to change, when it cannot start."""
+    from weightserve.service.server import StartupError
 
+    try:
+        apply_environment(args)
+    except ConfigError as e:
+        return _cannot_start(str(e))
     logging.basicConfig(
         level=args.log_level.upper(),
         format='{"time":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","message":"%(message)s"}',
-    )
-    if args.demo:
-        root = write_demo(Path(args.root) if args.root else default_cache_dir() / "demo-root")
-    elif args.root:
-        root = Path(args.root)
-    else:
-        print("weightserve serve: give a model root directory, or --demo", file=sys.stderr)
-        return 2
-    if not root.is_dir():
-        print(f"weightserve serve: model root {root} is not a directory", file=sys.stderr)
-        return 2
-    config = ServerConfig(
-        root=str(root),
-        host=args.host,
-        http_port=args.http_port,
-        grpc_port=args.grpc_port,
-        flight_port=None if args.flight_port < 0 else args.flight_port,
-        flight_public_port=args.flight_public_port,
-        grace_seconds=args.grace,
-        limits=Limits(
-            max_streams=args.max_streams,
-            max_streams_per_client=args.max_streams_per_client,
-            idle_timeout=args.idle_timeout,
-        ),
-        token_file=args.token_file,
-        protect_metrics=args.protect_metrics,
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-        tls_client_ca=args.tls_client_ca,
-        rescan_seconds=args.rescan,
     )
     # Handlers first: a SIGTERM that arrives right after "ready" must still drain cleanly.
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    server = WeightServer(config).start()
+    try:
+        server = _configured_server(args).start()
+    except StartupError as e:
+        setting = SETTINGS_BY_DEST.get(e.setting)
+        return _cannot_start(f"{setting.label}: {e}" if setting else str(e))
     catalog = server.catalog
-    print(f"weightserve: {len(catalog.models)} models from {root}", flush=True)
+    print(f"weightserve: {len(catalog.models)} models from {catalog.root}", flush=True)
     for problem in catalog.problems.values():
         print(f"  refused {problem.model}: {problem.reason}", flush=True)
     print(f"  HTTP  {server.http_url}/v1/models   (OpenAPI: {server.http_url}/docs)", flush=True)
@@ -181,3 +218,79 @@ def run_serve(args: argparse.Namespace) -> int:
     print(f"weightserve: shutting down, open streams get {args.grace:.0f} s", flush=True)
     server.stop()
     return 0
+
+
+def _cannot_start(message: str) -> int:
+    print(f"weightserve serve: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
+def _configured_server(args: argparse.Namespace) -> WeightServer:
+    """The server ``args`` describe, its catalog scanned, not yet listening; StartupError
+    names the setting at fault."""
+    from weightserve.service.demo import default_cache_dir, write_demo
+    from weightserve.service.server import (
+        ServerConfig,
+        StartupError,
+        WeightServer,
+        check_listeners,
+    )
+
+    cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    if args.demo:
+        target = Path(args.root) if args.root else cache_dir / "demo-root"
+        try:
+            root = write_demo(target)
+        except OSError as e:
+            raise StartupError(
+                "demo",
+                f"cannot write the demonstration model into {target}: {e.strerror or e}; "
+                "point --cache-dir (WEIGHTSERVE_CACHE_DIR) at a writable directory",
+            ) from None
+    elif args.root:
+        root = Path(args.root)
+    else:
+        raise StartupError("root", "give a model root directory, or --demo")
+    if not root.is_dir():
+        raise StartupError(
+            "root",
+            f"model root {root} is not a directory: give the directory that holds the models",
+        )
+    if not os.access(root, os.R_OK | os.X_OK):
+        raise StartupError(
+            "root", f"model root {root} is not readable by this process (uid {os.getuid()})"
+        )
+    config = ServerConfig(
+        root=str(root),
+        host=args.host,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        flight_port=None if args.flight_port < 0 else args.flight_port,
+        flight_public_port=args.flight_public_port or None,
+        grace_seconds=args.grace,
+        limits=Limits(
+            max_streams=args.max_streams,
+            max_streams_per_client=args.max_streams_per_client,
+            idle_timeout=args.idle_timeout,
+        ),
+        token_file=args.token_file,
+        protect_metrics=args.protect_metrics,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
+        rescan_seconds=args.rescan,
+        watch=not args.no_watch,
+        cache_dir=str(cache_dir),
+    )
+    check_listeners(config)  # before the scan: a taken port is the only line on stderr
+    server = WeightServer(config)
+    catalog = server.catalog
+    if not catalog.models:
+        refused = f"; refused: {', '.join(sorted(catalog.problems))}" if catalog.problems else ""
+        problem = f"no models found under {catalog.root}: {_models_wanted()}{refused}"
+        if args.require_models:
+            raise StartupError("require_models", problem)
+        log.warning(
+            "%s. Serving nothing until models appear; --require-models makes this fatal", problem
+        )
+    return server

@@ -10,8 +10,8 @@ and its client assembles them without Python. The gRPC service stays the control
 record batch per chunk in the schema of client/_schema.py, so any Flight client (pyarrow,
 Arrow Java, arrow-rs) can read weights with no weightserve code. Auth, limits, draining,
 errors and metrics are those of the other transports. An error carries ``extra_info``, JSON
-``{"error": class name, "message": text}``, which the weightserve client turns back into the
-same exception as on HTTP and gRPC.
+``{"error": class name, "message": text}`` (plus ``"retry_after": seconds`` on a temporary
+refusal), which the weightserve client turns back into the same exception as on HTTP and gRPC.
 """
 
 from __future__ import annotations
@@ -58,7 +58,10 @@ _FLIGHT_ERRORS = {
 def flight_error(exc: WeightserveError) -> flight.FlightError:
     """The Flight error for one of ours; ``extra_info`` names our class for the client."""
     _, code = status_for(exc)
-    detail = json.dumps({"error": type(exc).__name__, "message": str(exc)}).encode()
+    fields: dict[str, object] = {"error": type(exc).__name__, "message": str(exc)}
+    if exc.retry_after is not None:  # a temporary refusal: seconds to wait before retrying
+        fields["retry_after"] = exc.retry_after
+    detail = json.dumps(fields).encode()
     return _FLIGHT_ERRORS.get(code, flight.FlightServerError)(str(exc), extra_info=detail)
 
 
@@ -109,11 +112,12 @@ class _Batches:
         chunks: Iterator[tuple[ChunkHeader, memoryview]],
         slot: AbstractContextManager[Any],
         context: flight.ServerCallContext,
+        started: float,
     ) -> None:
         self.service, self.model, self.chunks = service, model, chunks
         self.slot, self.context = slot, context
         self.sent = 0
-        self.started = time.perf_counter()
+        self.started = started  # when do_get began (time.perf_counter)
         self.open = True
 
     def __iter__(self) -> _Batches:
@@ -124,28 +128,44 @@ class _Batches:
             self.close()
             raise StopIteration
         if self.service.closing:  # shutting down and past the grace period: cut the stream
-            self.close()
-            raise flight_error(ModelUnavailable("the server is shutting down; retry"))
+            hint = self.service.state.limits.retry_after
+            error = ModelUnavailable("the server is shutting down; retry", retry_after=hint)
+            self.close(error)
+            raise flight_error(error)
         try:
             header, data = next(self.chunks)
         except StopIteration:
-            self.close()
+            self.close(finished=True)
             raise
         except WeightserveError as e:  # e.g. a file truncated while being served
             log.warning("Flight stream of model %s broke: %s", self.model.id, e)
-            self.close()
+            self.close(e)
             raise flight_error(e) from None
+        except Exception:
+            self.close(internal=True)
+            raise
         self.sent += len(data)
         return chunk_batch(header, data)
 
-    def close(self) -> None:
+    def close(
+        self, error: WeightserveError | None = None, finished: bool = False, internal: bool = False
+    ) -> None:
+        """Ends the stream once: frees its slot and counts it. With no argument, the client
+        went away (or Flight dropped the stream) before the end."""
         if not self.open:
             return
         self.open = False
         self.slot.__exit__(None, None, None)
         metrics = self.service.state.metrics
         metrics.bytes_served.labels("flight", self.model.id).inc(self.sent)
-        metrics.latency.labels("flight", "stream").observe(time.perf_counter() - self.started)
+        if finished:
+            metrics.flight.succeeded("stream", "OK", time.perf_counter() - self.started)
+        elif error is not None:
+            metrics.flight.failed("stream", status_for(error)[1], type(error).__name__)
+        elif internal:
+            metrics.flight.failed("stream", "UNKNOWN", "Internal")
+        else:
+            metrics.flight.failed("stream", "CANCELLED", "Cancelled")
 
     def __del__(self) -> None:
         self.close()
@@ -159,6 +179,7 @@ class FlightService(flight.FlightServerBase):
 
     def do_get(self, context: flight.ServerCallContext, ticket: flight.Ticket) -> object:
         state = self.state
+        started = time.perf_counter()
         try:
             if len(ticket.ticket) > MAX_TICKET_BYTES:
                 raise InvalidRequest(f"ticket of {len(ticket.ticket)} bytes is too large")
@@ -169,10 +190,14 @@ class FlightService(flight.FlightServerBase):
             access = authorize(state.tokens, context.get_middleware("auth").header)
             model = state.readable_model(access, message.model)
             request = request_from_proto(message)
-            planned, slot = state.begin_stream(model, request, "flight", peer_host(context.peer()))
+            client = access.client_key(peer_host(context.peer()))
+            planned, slot = state.begin_stream(model, request, "flight", client)
         except WeightserveError as e:
+            # Counted under the error table's code, not Flight's coarser status on the wire.
+            state.metrics.flight.failed("stream", status_for(e)[1], type(e).__name__)
             raise flight_error(e) from None
 
         tensors = state.metrics.tensors_served.labels("flight", model.id)
         chunks = stream_chunks(model, planned, request.chunk_bytes, tensors.inc)
-        return flight.GeneratorStream(TENSOR_SCHEMA, _Batches(self, model, chunks, slot, context))
+        batches = _Batches(self, model, chunks, slot, context, started)
+        return flight.GeneratorStream(TENSOR_SCHEMA, batches)

@@ -7,12 +7,13 @@ the message, instead of twice through a protobuf object.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any
 from urllib.parse import unquote
@@ -23,8 +24,9 @@ from grpc_reflection.v1alpha import reflection
 
 from weightserve.client._proto.weightserve.v1 import weightserve_pb2 as pb
 from weightserve.client._schema import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
-from weightserve.client.errors import WeightserveError, status_for
+from weightserve.client.errors import InvalidRequest, WeightserveError, status_for
 from weightserve.service import models_view
+from weightserve.service.arrow_writer import END_OF_STREAM
 from weightserve.service.auth import Access, authorize
 from weightserve.service.state import ServiceState
 from weightserve.service.streaming import (
@@ -35,6 +37,8 @@ from weightserve.service.streaming import (
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WeightService"].full_name
 ERROR_METADATA_KEY = "weightserve-error"
+# gRPC's standard trailer for "retry after this many milliseconds", on temporary refusals.
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 # A chunk message plus its framing; the client and server both allow this much per message.
 MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + (1 << 20)
 
@@ -68,11 +72,30 @@ def encode_arrow_data(parts: tuple | list) -> bytes:
 
 def _abort(context: grpc.ServicerContext, exc: WeightserveError) -> None:
     _, code = status_for(exc)
-    context.set_trailing_metadata(((ERROR_METADATA_KEY, type(exc).__name__),))
+    trailing = [(ERROR_METADATA_KEY, type(exc).__name__)]
+    if exc.retry_after is not None:  # a temporary refusal (stream limit, draining)
+        trailing.append((RETRY_PUSHBACK_KEY, str(round(exc.retry_after * 1000))))
+    context.set_trailing_metadata(tuple(trailing))
     context.abort(getattr(grpc.StatusCode, code), str(exc))
 
 
 def request_from_proto(msg: pb.TensorRequest) -> TensorRequest:
+    """The request a TensorRequest message (StreamTensors, or a Flight ticket) asks for.
+
+    ``use_prefix`` chooses between ``names`` and ``prefix``; a field the choice would ignore
+    is refused rather than dropped, so a forgotten flag is an error, not an empty stream.
+    """
+    if msg.use_prefix and msg.names:
+        raise InvalidRequest(
+            f"the request lists {len(msg.names)} tensor names and also sets use_prefix; "
+            "send either names (with use_prefix false) or a prefix (with use_prefix true)"
+        )
+    if not msg.use_prefix and msg.prefix:
+        also = " and leave names empty" if msg.names else ""
+        raise InvalidRequest(
+            f"the request has prefix {msg.prefix!r} but use_prefix is false, which selects "
+            f"by names only; set use_prefix to true to stream the tensors under the prefix{also}"
+        )
     shard = None
     if msg.shard_count > 1:
         shard = Shard(msg.shard_index, msg.shard_count, msg.shard_axis)
@@ -145,6 +168,31 @@ class _IdleCutter:
                 context.cancel()
 
 
+def _unary_call(operation: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A unary handler counted under ``operation`` whatever its outcome; the WeightserveError
+    it raises becomes the gRPC status the error table gives it."""
+
+    def decorate(answer: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(answer)
+        def handler(service: WeightService, request: Any, context: grpc.ServicerContext) -> Any:
+            calls = service.state.metrics.grpc
+            started = time.perf_counter()
+            try:
+                response = answer(service, request, context)
+            except WeightserveError as e:
+                calls.failed(operation, status_for(e)[1], type(e).__name__)
+                _abort(context, e)
+            except Exception:
+                calls.failed(operation, "UNKNOWN", "Internal")  # grpc answers UNKNOWN
+                raise
+            calls.succeeded(operation, "OK", time.perf_counter() - started)
+            return response
+
+        return handler
+
+    return decorate
+
+
 class WeightService:
     def __init__(self, state: ServiceState) -> None:
         self.state = state
@@ -154,22 +202,17 @@ class WeightService:
         metadata = dict(context.invocation_metadata())
         return authorize(self.state.tokens, metadata.get("authorization"))
 
+    @_unary_call("list_models")
     def ListModels(self, request: pb.ListModelsRequest, context: grpc.ServicerContext) -> Any:
-        try:
-            access = self._access(context)
-        except WeightserveError as e:
-            _abort(context, e)
-        listing = models_view.model_list(self.state.catalog, access.may_read)
+        listing = models_view.model_list(self.state.catalog, self._access(context).may_read)
         return pb.ListModelsResponse(
             models=[pb.ModelSummary(**m) for m in listing["models"]],
             problems=[pb.ModelProblem(**p) for p in listing["problems"]],
         )
 
+    @_unary_call("model_info")
     def GetModel(self, request: pb.GetModelRequest, context: grpc.ServicerContext) -> Any:
-        try:
-            model = self.state.readable_model(self._access(context), request.model)
-        except WeightserveError as e:
-            _abort(context, e)
+        model = self.state.readable_model(self._access(context), request.model)
         info = models_view.model_info(model)
         return pb.ModelInfo(
             id=info["id"],
@@ -190,6 +233,7 @@ class WeightService:
             ],
         )
 
+    @_unary_call("server_info")
     def GetServerInfo(self, request: pb.GetServerInfoRequest, context: grpc.ServicerContext) -> Any:
         return pb.ServerInfo(version=server_version(), flight_port=self.state.flight_port)
 
@@ -197,16 +241,20 @@ class WeightService:
         self, request: pb.TensorRequest, context: grpc.ServicerContext
     ) -> Iterator[bytes]:
         state = self.state
+        calls = state.metrics.grpc
+        started = time.perf_counter()
         try:
-            model = state.readable_model(self._access(context), request.model)
+            access = self._access(context)
+            model = state.readable_model(access, request.model)
             tensor_request = request_from_proto(request)
             planned, slot = state.begin_stream(
-                model, tensor_request, "grpc", peer_host(context.peer())
+                model, tensor_request, "grpc", access.client_key(peer_host(context.peer()))
             )
         except WeightserveError as e:
+            calls.failed("stream", status_for(e)[1], type(e).__name__)
             _abort(context, e)
-        started = time.perf_counter()
         sent = 0
+        outcome = ("CANCELLED", "Cancelled")  # (code, error) unless it finishes or breaks
         progress = self.idle.watch(context)
         try:
             tensors = state.metrics.tensors_served.labels("grpc", model.id)
@@ -217,17 +265,31 @@ class WeightService:
                 message = encode_arrow_data(parts)
                 if len(parts) > 1:
                     sent += len(parts[1])  # tensor data bytes, not framing
+                elif parts[0] is END_OF_STREAM:
+                    # Complete once the end marker is handed over: a client that has read it
+                    # may cancel before grpc asks this generator for more.
+                    outcome = ("OK", "")
                 progress[0] = time.monotonic()
                 yield message  # returns once grpc has sent it: the client is reading
                 progress[0] = time.monotonic()
         except WeightserveError as e:  # e.g. a file truncated while being served
             log.warning("gRPC stream of model %s broke: %s", model.id, e)
+            outcome = (status_for(e)[1], type(e).__name__)
             _abort(context, e)
+        except Exception:
+            outcome = ("UNKNOWN", "Internal")
+            raise
         finally:
             self.idle.forget(progress)
             slot.__exit__(None, None, None)
             state.metrics.bytes_served.labels("grpc", model.id).inc(sent)
-            state.metrics.latency.labels("grpc", "stream").observe(time.perf_counter() - started)
+            code, error = outcome
+            if code == "OK":
+                calls.succeeded("stream", code, time.perf_counter() - started)
+            else:
+                if error == "Cancelled" and time.monotonic() - progress[0] > self.idle.timeout:
+                    error = "IdleTimeout"  # _IdleCutter cancelled it
+                calls.failed("stream", code, error)
 
 
 def create_grpc_server(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import mmap
 import os
 import select
@@ -21,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
+from starlette.routing import Match
 
 from weightserve.client._schema import ARROW_STREAM_MEDIA_TYPE, DEFAULT_CHUNK_BYTES
 from weightserve.client.errors import (
@@ -31,6 +33,8 @@ from weightserve.client.errors import (
 )
 from weightserve.service import models_view
 from weightserve.service.auth import Access, authorize
+from weightserve.service.http_docs import add_offline_docs
+from weightserve.service.http_routes import Target, get_and_head, resolve_legacy
 from weightserve.service.state import ServiceState
 from weightserve.service.streaming import (
     Shard,
@@ -65,6 +69,10 @@ class StreamBody(BaseModel):
     revision: str | None = None
 
 
+# An ASGI stream gives the event loop a turn after this many tensor bytes (see below).
+PAUSE_EVERY_BYTES = 8 << 20
+
+
 class ArrowStreamResponse(Response):
     """Writes the stream's pieces as they come; stops early when the client goes away."""
 
@@ -92,7 +100,7 @@ class ArrowStreamResponse(Response):
 
         gone = asyncio.ensure_future(wait_disconnect())
         sent = 0
-        started = time.perf_counter()
+        pause_at = PAUSE_EVERY_BYTES
         metrics = self.state.metrics
         idle = _IdleCut(self.state.limits.idle_timeout)
         writer: _SocketWriter | None = None
@@ -103,6 +111,7 @@ class ArrowStreamResponse(Response):
                 idle.close()  # the writer enforces the idle timeout itself
             for message in self.messages:
                 if gone.done():
+                    scope[ERROR_KEY] = "Cancelled"
                     break
                 if writer is not None:
                     data = message[1] if len(message) > 1 else None
@@ -113,6 +122,13 @@ class ArrowStreamResponse(Response):
                     continue
                 if len(message) > 1:
                     sent += len(message[1])  # tensor data bytes, not framing
+                    if sent >= pause_at:
+                        # uvicorn's send returns without yielding while the socket takes the
+                        # bytes, and after a client resets until the loop runs connection_lost:
+                        # without a pause, a client that left gets the rest of the stream
+                        # read, hashed and written into the void, with the loop blocked.
+                        pause_at = sent + PAUSE_EVERY_BYTES
+                        await asyncio.sleep(0)
                 for part in message:
                     if not part:
                         continue
@@ -131,6 +147,7 @@ class ArrowStreamResponse(Response):
             if not idle.fired:
                 raise
             idle.uncancel()
+            scope[ERROR_KEY] = "IdleTimeout"
             # Returning with the response incomplete makes uvicorn close the connection.
             log.warning(
                 "stream of model %s to %s cut: the client read nothing for %.1f s",
@@ -139,8 +156,10 @@ class ArrowStreamResponse(Response):
                 idle.timeout,
             )
         except WeightserveError as e:  # e.g. a file truncated while being served
+            scope[ERROR_KEY] = type(e).__name__
             log.warning("stream of model %s broke: %s", self.model_id, e)
         except (OSError, TimeoutError) as e:  # direct writes: the client left or stalled
+            scope[ERROR_KEY] = "IdleTimeout" if isinstance(e, TimeoutError) else "Cancelled"
             log.warning(
                 "stream of model %s to %s cut: %s",
                 self.model_id,
@@ -154,7 +173,6 @@ class ArrowStreamResponse(Response):
             gone.cancel()
             self.release()
             metrics.bytes_served.labels("http", self.model_id).inc(sent)
-            metrics.latency.labels("http", "stream").observe(time.perf_counter() - started)
 
 
 class _SocketWriter:
@@ -308,12 +326,104 @@ class BodyLimit:
 
 
 async def _too_large(scope: Any, receive: Any, send: Any, size: str, limit: int) -> None:
+    scope[ERROR_KEY] = "ResourceExhausted"
     response = JSONResponse(
         {"error": {"type": "ResourceExhausted",
                    "message": f"request body of {size}; the limit is {limit}"}},
         status_code=413,
     )  # fmt: skip
     await response(scope, receive, send)
+
+
+# ASGI scope keys the app sets for CallMetrics: the error class a request ended with, and the
+# operation when its route alone does not say (a stream reached through a route of its own).
+ERROR_KEY = "weightserve.error"
+OPERATION_KEY = "weightserve.operation"
+
+
+def route_operation(path: str) -> str:
+    """The ``operation`` label of a route template: a fixed set, never a model id."""
+    if path == "/v1/models":
+        return "list_models"
+    if path.startswith("/v1/models/"):
+        return "stream" if path.endswith("/stream") or "/tensors/" in path else "model_info"
+    fixed = {"/healthz": "health", "/readyz": "ready", "/metrics": "metrics"}
+    if path in fixed:
+        return fixed[path]
+    if path.startswith(("/docs", "/redoc", "/openapi")):
+        return "docs"
+    return "other"
+
+
+class CallMetrics:
+    """Counts every HTTP request as it ends (``Metrics.http``): by operation and status, its
+    latency when it succeeded, its error class when not.
+
+    The outermost middleware, so requests that BodyLimit refuses, unknown paths and unhandled
+    errors are counted too. The operation comes from the matched route's template, once per
+    route; a stream cut after its 200 counts as a failure with the class that cut it.
+    """
+
+    def __init__(self, app: Any, state: ServiceState) -> None:
+        self.app = app
+        self.calls = state.metrics.http
+        self._by_route: dict[int, str] = {}  # id(route) -> operation; routes are unhashable
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = time.perf_counter()
+        status = 0
+        path, root_path = scope["path"], scope.get("root_path", "")  # a Mount changes them
+
+        async def send_noting_status(message: Any) -> None:
+            nonlocal status
+            if not status and message["type"] == "http.response.start":  # once per request
+                status = message["status"]
+            await send(message)
+
+        error: str | None = "Internal"  # unless the app returns
+        try:
+            await self.app(scope, receive, send_noting_status)
+            error = scope.get(ERROR_KEY)
+        except asyncio.CancelledError:
+            error = "Cancelled"
+            raise
+        finally:
+            if not status:  # nothing answered: the client left, or Starlette answers 500
+                status, error = (500, error) if error == "Internal" else (499, "Cancelled")
+            operation = scope.get(OPERATION_KEY) or self._operation(scope, path, root_path)
+            if error is None and status < 400:
+                self.calls.succeeded(operation, str(status), time.perf_counter() - started)
+            else:
+                self.calls.failed(operation, str(status), error or f"HTTP{status}")
+
+    def _operation(self, scope: Any, path: str, root_path: str) -> str:
+        route = scope.get("route")
+        if route is None:
+            # FastAPI records only its own routes: this is a mount (the docs' assets), a
+            # plain route (/openapi.json), a request refused before routing (413) or one no
+            # route serves (404). Match it as it arrived.
+            arrived = {**scope, "path": path, "root_path": root_path}
+            return route_operation(_route_path(arrived))
+        operation = self._by_route.get(id(route))
+        if operation is None:
+            operation = route_operation(getattr(route, "path", ""))
+            self._by_route[id(route)] = operation
+        return operation
+
+
+def _route_path(scope: Any) -> str:
+    """The template of the route a request that never reached the router would take."""
+    app = scope.get("app")
+    partial = ""
+    for route in getattr(getattr(app, "router", None), "routes", ()):
+        match, _ = route.matches(scope)
+        if match is Match.FULL:
+            return str(getattr(route, "path", ""))
+        if match is Match.PARTIAL and not partial:  # the path matches, the method not
+            partial = str(getattr(route, "path", ""))
+    return partial
 
 
 # Every route that answers with an Arrow stream. status_code is given because
@@ -330,22 +440,34 @@ def create_app(state: ServiceState) -> FastAPI:
     app = FastAPI(
         title="weightserve",
         description="Model weights as Apache Arrow streams. Tensor data: Arrow IPC stream, "
-        "one row per chunk of a tensor (see docs/protocol.md).",
+        "one row per chunk of a tensor (see docs/protocol.md). Every GET route answers "
+        "HEAD too. Model ids never have a path part `-`: routes below a model start with "
+        "it (`/v1/models/{model}/-/stream`), so no model id or tensor name collides with one.",
         version="1",
+        docs_url=None,  # add_offline_docs: the pages' assets come from this server, no CDN
+        redoc_url=None,
     )
     catalog = state.catalog
+    add_offline_docs(app)
 
     def access(request: Request) -> Access:
         return authorize(state.tokens, request.headers.get("authorization"))
 
     app.add_middleware(BodyLimit, state=state)
+    app.add_middleware(CallMetrics, state=state)  # added last: outermost, sees every answer
 
     @app.exception_handler(WeightserveError)
     async def weightserve_error(request: Request, exc: WeightserveError) -> JSONResponse:
         status, _ = status_for(exc)
-        state.metrics.requests.labels("http", "error", str(status)).inc()
+        request.scope[ERROR_KEY] = type(exc).__name__  # for CallMetrics
+        headers = None
+        if exc.retry_after is not None:  # a temporary refusal (stream limit, draining)
+            # Retry-After counts whole seconds; never 0, which would invite a busy loop.
+            headers = {"retry-after": str(max(1, math.ceil(exc.retry_after)))}
         return JSONResponse(
-            {"error": {"type": type(exc).__name__, "message": str(exc)}}, status_code=status
+            {"error": {"type": type(exc).__name__, "message": str(exc)}},
+            status_code=status,
+            headers=headers,
         )
 
     @app.exception_handler(RequestValidationError)
@@ -358,12 +480,12 @@ def create_app(state: ServiceState) -> FastAPI:
         )
         return await weightserve_error(request, InvalidRequest(f"invalid request: {problems}"))
 
-    @app.get("/healthz", tags=["operations"])
+    @get_and_head(app, "/healthz", tags=["operations"])
     def healthz() -> dict[str, str]:
         """Liveness: the process answers."""
         return {"status": "ok"}
 
-    @app.get("/readyz", tags=["operations"])
+    @get_and_head(app, "/readyz", tags=["operations"])
     def readyz() -> JSONResponse:
         """Readiness: the catalog is loaded, the content revisions of the models found at
         start are known (a never-seen large model is hashed once first), and the server
@@ -378,40 +500,49 @@ def create_app(state: ServiceState) -> FastAPI:
         }
         return JSONResponse(body, status_code=200 if ready else 503)
 
-    @app.get("/metrics", tags=["operations"])
+    @get_and_head(app, "/metrics", tags=["operations"])
     def metrics(request: Request) -> Response:
         """Prometheus metrics (needs a token when the server protects metrics)."""
         if state.protect_metrics:
             access(request)
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", tags=["models"])
+    @get_and_head(app, "/v1/models", tags=["models"])
     def list_models(request: Request) -> dict[str, Any]:
         """Every model served, and those refused with the file and rule they broke."""
         return models_view.model_list(catalog, access(request).may_read)
 
-    def start_stream(http: Request, model_id: str, request: TensorRequest) -> ArrowStreamResponse:
-        model = state.readable_model(access(http), model_id)
-        client = http.client.host if http.client else ""
+    def start_stream(http: Request, model_id: str, request: TensorRequest) -> Response:
+        http.scope[OPERATION_KEY] = "stream"  # whichever route led here
+        caller = access(http)
+        model = state.readable_model(caller, model_id)
+        client = caller.client_key(http.client.host if http.client else "")
         planned, slot = state.begin_stream(model, request, "http", client)
         length = stream_length(planned, request.chunk_bytes)
+        headers = {
+            "etag": f'"{model.revision}"',
+            "x-weightserve-revision": model.revision,
+            "x-weightserve-tensors": str(len(planned)),
+        }
+        if http.method == "HEAD":
+            # The status and headers a GET gets (a slot was taken so a full server answers
+            # 429 here too), no body, and the slot is free again at once. Not an
+            # ArrowStreamResponse: its direct socket writes would bypass uvicorn's HEAD rule.
+            slot.__exit__(None, None, None)
+            headers["content-length"] = str(length)
+            return Response(headers=headers, media_type=ARROW_STREAM_MEDIA_TYPE)
         tensors = state.metrics.tensors_served.labels("http", model.id)
         messages = stream_messages(model, planned, request.chunk_bytes, tensors.inc)
-        state.metrics.requests.labels("http", "stream", "200").inc()
         return ArrowStreamResponse(
             state,
             model.id,
             messages,
             length,
-            {
-                "etag": f'"{model.revision}"',
-                "x-weightserve-revision": model.revision,
-                "x-weightserve-tensors": str(len(planned)),
-            },
+            headers,
             lambda: slot.__exit__(None, None, None),
         )
 
-    @app.get("/v1/models/{model:path}/stream", **ARROW_ROUTE)
+    @get_and_head(app, "/v1/models/{model:model_id}/-/stream", **ARROW_ROUTE)
     def stream_get(
         http: Request,
         model: str,
@@ -425,7 +556,7 @@ def create_app(state: ServiceState) -> FastAPI:
         resume_offset: int = 0,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         revision: str | None = None,
-    ) -> ArrowStreamResponse:
+    ) -> Response:
         """Tensor data as an Arrow IPC stream: by name list or by prefix."""
         request = TensorRequest(
             names=tuple(name) if name else None,
@@ -438,10 +569,8 @@ def create_app(state: ServiceState) -> FastAPI:
         )
         return start_stream(http, model, request)
 
-    @app.post("/v1/models/{model:path}/stream", **ARROW_ROUTE)
-    def stream_post(
-        http: Request, model: str, body: Annotated[StreamBody, Body()]
-    ) -> ArrowStreamResponse:
+    @app.post("/v1/models/{model:model_id}/-/stream", **ARROW_ROUTE)
+    def stream_post(http: Request, model: str, body: Annotated[StreamBody, Body()]) -> Response:
         """The same stream, with the request in a JSON body (long name lists)."""
         request = TensorRequest(
             names=tuple(body.names) if body.names is not None else None,
@@ -454,7 +583,7 @@ def create_app(state: ServiceState) -> FastAPI:
         )
         return start_stream(http, model, request)
 
-    @app.get("/v1/models/{model:path}/tensors/{name}", **ARROW_ROUTE)
+    @get_and_head(app, "/v1/models/{model:model_id}/-/tensors/{name:path}", **ARROW_ROUTE)
     def one_tensor(
         http: Request,
         model: str,
@@ -462,12 +591,99 @@ def create_app(state: ServiceState) -> FastAPI:
         shard: str | None = None,
         axis: int = 0,
         revision: str | None = None,
-    ) -> ArrowStreamResponse:
-        """One tensor as an Arrow IPC stream."""
+    ) -> Response:
+        """One tensor as an Arrow IPC stream (the name may hold `/`; percent-encode `%`, `?`,
+        `#` and spaces)."""
         request = TensorRequest(names=(name,), shard=parse_shard(shard, axis), revision=revision)
         return start_stream(http, model, request)
 
-    @app.get("/v1/models/{model:path}", tags=["models"])
+
+    # The layout before the reserved `-` part, registered after the routes above and before
+    # the model's own route. A path ending in /stream or holding /tensors/ may be a model id
+    # (`edge/stream`) or hold a tensor name, so the catalog says which reading names a model
+    # the caller may read; with none, the route's own reading gives the usual error.
+    def legacy(http: Request, path: str, fallback: Target, **stream_query: Any) -> Response:
+        caller = access(http)
+
+        def known(model_id: str) -> bool:
+            return caller.may_read(model_id) and (
+                model_id in catalog.models or model_id in catalog.problems
+            )
+
+        target = resolve_legacy(path, known) or fallback
+        if target.kind == "model":
+            return get_model(target.model, http)
+        if target.kind == "tensor":
+            return one_tensor(
+                http,
+                target.model,
+                target.tensor or "",
+                stream_query.get("shard"),
+                stream_query.get("axis", 0),
+                stream_query.get("revision"),
+            )
+        return stream_get(http, target.model, **stream_query)
+
+    @get_and_head(app, "/v1/models/{model:path}/stream", deprecated=True, **ARROW_ROUTE)
+    def legacy_stream_get(
+        http: Request,
+        model: str,
+        name: Annotated[list[str] | None, Query()] = None,
+        prefix: str | None = None,
+        shard: str | None = None,
+        axis: int = 0,
+        resume_tensor: str | None = None,
+        resume_offset: int = 0,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        revision: str | None = None,
+    ) -> Response:
+        """Use `/v1/models/{model}/-/stream`: this form is answered only where the path names
+        one model (`/v1/models/edge/stream` is model `edge/stream` when that exists)."""
+        return legacy(
+            http,
+            f"{model}/stream",
+            Target("stream", model),
+            name=name,
+            prefix=prefix,
+            shard=shard,
+            axis=axis,
+            resume_tensor=resume_tensor,
+            resume_offset=resume_offset,
+            chunk_bytes=chunk_bytes,
+            revision=revision,
+        )
+
+    # Any path, as for the model's route below: a malformed id gets its named error, not 405.
+    @app.post("/v1/models/{model:path}/stream", deprecated=True, **ARROW_ROUTE)
+    def legacy_stream_post(
+        http: Request, model: str, body: Annotated[StreamBody, Body()]
+    ) -> Response:
+        """Use `POST /v1/models/{model}/-/stream` (the same request)."""
+        return stream_post(http, model, body)
+
+    @get_and_head(
+        app, "/v1/models/{model:path}/tensors/{name:path}", deprecated=True, **ARROW_ROUTE
+    )
+    def legacy_tensor(
+        http: Request,
+        model: str,
+        name: str,
+        shard: str | None = None,
+        axis: int = 0,
+        revision: str | None = None,
+    ) -> Response:
+        """Use `/v1/models/{model}/-/tensors/{name}`: this form is answered only where the
+        path names one model and tensor."""
+        return legacy(
+            http,
+            f"{model}/tensors/{name}",
+            Target("tensor", model, name),
+            shard=shard,
+            axis=axis,
+            revision=revision,
+        )
+
+    @get_and_head(app, "/v1/models/{model:path}", tags=["models"])
     def get_model(model: str, request: Request) -> Response:
         """Format, revision, metadata and the tensor index (in MAX's items() order)."""
         m = state.readable_model(access(request), model)

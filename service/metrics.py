@@ -1,6 +1,7 @@
 """Prometheus metrics of the data plane: bytes, tensors, requests, latency, open streams.
 
 Each server gets its own registry, so several servers can run in one process (tests).
+Every metric and label is listed in docs/protocol.md ("Metrics"); keep the two in step.
 """
 
 from __future__ import annotations
@@ -13,13 +14,19 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "weightserve_requests_total",
-            "Requests by transport, operation and outcome",
+            "Requests by transport, operation (the call) and the status code the client got",
             ["transport", "operation", "code"],
+            registry=self.registry,
+        )
+        self.errors = Counter(
+            "weightserve_errors_total",
+            "Failed requests, and streams cut after they started, by error class",
+            ["transport", "operation", "error"],
             registry=self.registry,
         )
         self.latency = Histogram(
             "weightserve_request_seconds",
-            "Time to answer a request (whole stream for data)",
+            "Time to answer a request that succeeded (the whole stream for data)",
             ["transport", "operation"],
             registry=self.registry,
             buckets=(
@@ -75,3 +82,53 @@ class Metrics:
             "Times a model was refused (once per version of its files: not per rescan)",
             registry=self.registry,
         )
+        # One recorder per transport: a request resolves no label there (see CallRecorder).
+        self.http = CallRecorder(self, "http")
+        self.grpc = CallRecorder(self, "grpc")
+        self.flight = CallRecorder(self, "flight")
+
+
+class CallRecorder:
+    """Counts one transport's requests as they end: ``weightserve_requests_total`` by call
+    (``operation``) and status code, the latency of those that succeeded, and
+    ``weightserve_errors_total`` for the others.
+
+    Label children are looked up once per (operation, code) and kept: ``labels()`` takes a
+    lock and checks its values on every call, which each small request would pay again.
+    Operations and codes are fixed small sets, so the dicts stay small.
+    """
+
+    def __init__(self, metrics: Metrics, transport: str) -> None:
+        self._metrics = metrics
+        self._transport = transport
+        self._requests: dict[tuple[str, str], Counter] = {}
+        self._errors: dict[tuple[str, str], Counter] = {}
+        self._latency: dict[str, Histogram] = {}
+
+    def succeeded(self, operation: str, code: str, seconds: float) -> None:
+        self._count(operation, code)
+        latency = self._latency.get(operation)
+        if latency is None:
+            latency = self._metrics.latency.labels(self._transport, operation)
+            self._latency[operation] = latency
+        latency.observe(seconds)
+
+    def failed(self, operation: str, code: str, error: str) -> None:
+        """A request answered with an error, or a stream cut after it started (``code`` is
+        then the status already sent). ``error`` is our error class name, ``Cancelled`` (the
+        client went away), ``IdleTimeout`` (it read nothing for too long) or ``Internal``."""
+        self._count(operation, code)
+        key = (operation, error)
+        errors = self._errors.get(key)
+        if errors is None:
+            errors = self._metrics.errors.labels(self._transport, operation, error)
+            self._errors[key] = errors
+        errors.inc()
+
+    def _count(self, operation: str, code: str) -> None:
+        key = (operation, code)
+        requests = self._requests.get(key)
+        if requests is None:
+            requests = self._metrics.requests.labels(self._transport, operation, code)
+            self._requests[key] = requests
+        requests.inc()

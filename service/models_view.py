@@ -30,9 +30,15 @@ def model_summary(model: Model) -> dict[str, Any]:
     }
 
 
+def model_files(model: Model) -> list[dict[str, Any]]:
+    """The model's files: name relative to the model (as the revision names them) and size."""
+    return [{"name": name, "size": size} for name, size in model.file_names()]
+
+
 def model_info(model: Model) -> dict[str, Any]:
     return {
         **model_summary(model),
+        "files": model_files(model),
         "alignment": model.contents.alignment,
         "metadata": model.metadata,
         "tensors": [tensor_info(e) for e in model.tensors.values()],

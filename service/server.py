@@ -8,6 +8,7 @@ turns false, new streams are refused, open streams get ``grace`` seconds to fini
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import socket
 import ssl
@@ -59,16 +60,151 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+class StartupError(RuntimeError):
+    """The server cannot start as configured. ``setting`` names the ServerConfig field to
+    change (the command line turns it into its flag and environment variable); the message
+    says what is wrong and what would work."""
+
+    def __init__(self, setting: str, message: str) -> None:
+        super().__init__(message)
+        self.setting = setting
+
+
+def _listen_error(listener: str, setting: str, host: str, port: int, e: OSError) -> StartupError:
+    if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL:
+        return StartupError(
+            "host",
+            f"cannot listen on {host!r}: not an address of this machine ({e.strerror or e}); "
+            "use 127.0.0.1, 0.0.0.0 (every IPv4 address) or :: (every IPv6 address)",
+        )
+    where = f"the {listener} endpoint could not listen on {_url_host(host)}:{port}"
+    if e.errno == errno.EADDRINUSE:
+        return StartupError(
+            setting,
+            f"{where}: the port is already in use (another weightserve?); stop what holds it "
+            "or choose another port (0: any free port)",
+        )
+    if e.errno == errno.EACCES:
+        return StartupError(
+            setting, f"{where}: permission denied (ports below 1024 need privileges)"
+        )
+    return StartupError(setting, f"{where}: {e.strerror or e}")
+
+
+def _check_port_free(listener: str, setting: str, host: str, port: int) -> None:
+    """Fail with a clear StartupError before a gRPC library tries ``port``: grpc-core says
+    only "failed to bind" (and logs to stderr on its own). Port 0 checks the host alone."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise _listen_error(listener, setting, host, port, e) from None
+
+
+def check_listeners(config: ServerConfig) -> None:
+    """Fail now, before the catalog is scanned, when the host is not one of this machine's
+    addresses or a listener's port is taken. ``start`` checks again: a port can be taken in
+    between."""
+    _check_ports_distinct(config)
+    _check_port_free("HTTP", "http_port", config.host, config.http_port)
+    _check_port_free("gRPC", "grpc_port", config.host, config.grpc_port)
+    if config.flight_port is not None:
+        _check_port_free("Arrow Flight", "flight_port", config.host, config.flight_port)
+
+
+def _check_ports_distinct(config: ServerConfig) -> None:
+    listeners = [("HTTP", "http_port", config.http_port), ("gRPC", "grpc_port", config.grpc_port)]
+    if config.flight_port is not None:
+        listeners.append(("Arrow Flight", "flight_port", config.flight_port))
+    taken: dict[int, str] = {}
+    for name, setting, port in listeners:
+        if port and port in taken:
+            raise StartupError(
+                setting,
+                f"the {name} and {taken[port]} endpoints are both given port {port}; each "
+                "needs its own",
+            )
+        taken[port] = name
+
+
+def _read_pem(setting: str, what: str, path: str, marker: bytes) -> None:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise StartupError(setting, f"cannot read the {what} {path}: {e.strerror or e}") from None
+    if marker not in data:
+        raise StartupError(
+            setting, f"{path} is not a PEM {what} (no '{marker.decode()}' line); give a PEM file"
+        )
+
+
+def _check_tls(config: ServerConfig) -> None:
+    """Every TLS file readable, PEM, and the key that of the certificate, before any port is
+    bound: otherwise each transport fails later in its own words (Flight: "port in use?")."""
+    cert, key, ca = config.tls_cert, config.tls_key, config.tls_client_ca
+    if bool(cert) != bool(key):
+        given, missing = ("certificate", "private key") if cert else ("private key", "certificate")
+        raise StartupError(
+            "tls_key" if cert else "tls_cert",
+            f"TLS needs both a certificate and its private key; the {given} is given, "
+            f"the {missing} is not",
+        )
+    if ca and not cert:
+        raise StartupError(
+            "tls_client_ca", "mutual TLS needs the server's own certificate and key too"
+        )
+    if not cert or not key:
+        return
+    _read_pem("tls_cert", "certificate", cert, b"-----BEGIN CERTIFICATE-----")
+    _read_pem("tls_key", "private key", key, b"PRIVATE KEY-----")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        # A password callback that gives none: an encrypted key fails instead of prompting.
+        context.load_cert_chain(cert, key, password=lambda: b"")
+    except ssl.SSLError as e:
+        raise StartupError(
+            "tls_key",
+            f"the private key {key} does not fit the certificate {cert}, is encrypted, or is "
+            f"malformed ({e.reason or e}); give the certificate's unencrypted PEM key",
+        ) from None
+    if ca:
+        _read_pem("tls_client_ca", "CA certificate", ca, b"-----BEGIN CERTIFICATE-----")
+        try:
+            context.load_verify_locations(cafile=ca)
+        except ssl.SSLError as e:
+            raise StartupError(
+                "tls_client_ca", f"{ca} holds no usable CA certificate ({e.reason or e})"
+            ) from None
+
+
+def _token_store(path: str) -> TokenStore:
+    try:
+        return TokenStore(path)
+    except OSError as e:
+        raise StartupError(
+            "token_file", f"cannot read the token file {path}: {e.strerror or e}"
+        ) from None
+    except ValueError as e:  # the file holds no token
+        raise StartupError(
+            "token_file",
+            f"{e}; write one bearer token per line, each optionally followed by the model ids "
+            "it may read",
+        ) from None
+
+
 class WeightServer:
     def __init__(self, config: ServerConfig, catalog: Catalog | None = None) -> None:
         self.config = config
+        # Settings first: a mistake there is reported before the root is scanned.
+        _check_tls(config)
+        _check_ports_distinct(config)
+        tokens = _token_store(config.token_file) if config.token_file else None
         self.catalog = catalog or Catalog(
             config.root, digests=DigestStore(config.cache_dir) if config.cache_dir else None
         )
-        tokens = TokenStore(config.token_file) if config.token_file else None
         self.state = ServiceState(self.catalog, config.limits, tokens, config.protect_metrics)
-        if bool(config.tls_cert) != bool(config.tls_key):
-            raise ValueError("TLS needs both a certificate and its key")
         self._http_thread: threading.Thread | None = None
         self._uvicorn: uvicorn.Server | None = None
         self._grpc: grpc.Server | None = None
@@ -118,12 +254,16 @@ class WeightServer:
 
     def _start_flight(self) -> None:
         scheme = "grpc+tls" if self.tls else "grpc+tcp"
-        location = f"{scheme}://{_url_host(self.config.host)}:{self.config.flight_port}"
+        host, port = self.config.host, self.config.flight_port or 0
+        _check_port_free("Arrow Flight", "flight_port", host, port)
+        location = f"{scheme}://{_url_host(host)}:{port}"
         try:
             self._flight = FlightService(self.state, location, **self._flight_tls())
         except pa.ArrowException as e:  # pyarrow says only "Server did not start properly"
-            raise RuntimeError(
-                f"the Arrow Flight endpoint could not listen on {location} (port in use?): {e}"
+            raise StartupError(
+                "flight_port",
+                f"the Arrow Flight endpoint could not listen on {location} (the port taken "
+                f"since it was checked?): {e}",
             ) from e
         self.flight_port = self._flight.port
         self.state.flight_port = self.config.flight_public_port or self.flight_port
@@ -166,7 +306,11 @@ class WeightServer:
             # connection waits for its unsent data; this lets the kernel drop it instead.
             idle_ms = int(self.state.limits.idle_timeout * 1000)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, idle_ms)
-        sock.bind((host, self.config.http_port))
+        try:
+            sock.bind((host, self.config.http_port))
+        except OSError as e:
+            sock.close()
+            raise _listen_error("HTTP", "http_port", host, self.config.http_port, e) from None
         self.http_port = sock.getsockname()[1]
         app = create_app(self.state)
         config = uvicorn.Config(
@@ -202,11 +346,19 @@ class WeightServer:
         if self.config.flight_port is not None:
             # Before gRPC: GetServerInfo must never answer "no Flight" while it starts.
             self._start_flight()  # pyarrow.flight serves on its own threads once constructed
-        self._grpc, self.grpc_port = create_grpc_server(
-            self.state,
-            f"{_url_host(host)}:{self.config.grpc_port}",
-            credentials=self._grpc_credentials(),
-        )
+        _check_port_free("gRPC", "grpc_port", host, self.config.grpc_port)
+        try:
+            self._grpc, self.grpc_port = create_grpc_server(
+                self.state,
+                f"{_url_host(host)}:{self.config.grpc_port}",
+                credentials=self._grpc_credentials(),
+            )
+        except RuntimeError as e:  # grpc: "Failed to bind to address ..."
+            raise StartupError(
+                "grpc_port",
+                f"the gRPC endpoint could not listen on {_url_host(host)}:"
+                f"{self.config.grpc_port}: {e}",
+            ) from e
         self._grpc.start()
         started.wait()
         if not self._uvicorn.started:
@@ -245,10 +397,12 @@ class WeightServer:
                 self.catalog.pending_revisions,
             )
             self._set_grpc_health(serving=False)
-            threading.Thread(
-                target=lambda: warmed.wait() and self._set_grpc_health(not self.state.draining),
-                daemon=True,
-            ).start()
+
+            def serving_when_warm() -> None:
+                warmed.wait()
+                self._set_grpc_health(not self.state.draining)
+
+            threading.Thread(target=serving_when_warm, daemon=True).start()
         if self.config.rescan_seconds > 0:
             threading.Thread(
                 target=self._rescan_loop, name="weightserve-rescan", daemon=True

@@ -21,11 +21,16 @@ class Limits:
     """Bounded by default: a weight server must not be exhausted by one client."""
 
     max_streams: int = 64  # concurrent tensor streams, all transports together
-    max_streams_per_client: int = 16  # per client address, so one client can't take them all
+    # per client (its token when tokens are configured, else its address), so one client
+    # can't take them all
+    max_streams_per_client: int = 16
     max_names: int = 100_000  # tensor names in one request
     max_request_bytes: int = 16 << 20  # request bodies (JSON name lists)
     idle_timeout: float = 60.0  # a stream whose client reads nothing this long is cut
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    # What a client refused a stream slot is told to wait before trying again (Retry-After,
+    # grpc-retry-pushback-ms); clients add jitter and back off further on repeated refusals.
+    retry_after: float = 1.0
 
 
 class ServiceState:
@@ -65,20 +70,32 @@ class ServiceState:
 
     @contextlib.contextmanager
     def stream_slot(self, transport: str, client: str = "") -> Iterator[None]:
-        """Hold one of the limited stream slots for the duration of a stream."""
+        """Hold one of the limited stream slots for the duration of a stream.
+
+        ``client`` is the key of the per-client limit (``Access.client_key``). A refusal is
+        immediate and carries ``retry_after``; there is no wait queue here on purpose: a
+        waiting request would park a handler thread (HTTP's sync routes share one threadpool
+        with the probes and metadata calls, gRPC's pool is sized to the stream limit), so a
+        crowd would starve them. The clients wait instead, with jittered backoff.
+        """
+        hint = self.limits.retry_after
         with self._lock:
             if self.draining:
-                raise ModelUnavailable("the server is shutting down; retry on another replica")
+                raise ModelUnavailable(
+                    "the server is shutting down; retry on another replica", retry_after=hint
+                )
             if self._streams >= self.limits.max_streams:
                 raise ResourceExhausted(
                     f"{self._streams} streams are open, the limit is {self.limits.max_streams}; "
-                    "retry shortly"
+                    f"retry in {hint:g} s",
+                    retry_after=hint,
                 )
             mine = self._per_client.get(client, 0)
             if mine >= self.limits.max_streams_per_client:
                 raise ResourceExhausted(
-                    f"this client has {mine} streams open, the limit per client is "
-                    f"{self.limits.max_streams_per_client}; retry when one finishes"
+                    f"this client ({client or 'unknown'}) has {mine} streams open, the limit per "
+                    f"client is {self.limits.max_streams_per_client}; retry when one finishes",
+                    retry_after=hint,
                 )
             self._streams += 1
             self._per_client[client] = mine + 1

@@ -181,6 +181,19 @@ def _restore_process_environment() -> Iterator[None]:
             os.environ[key] = value  # also calls putenv
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Servers the tests start (in process or as ``weightserve serve``) keep file digests and
+    the demo under the session's temporary directory, never in the user's cache."""
+    before = os.environ.get("WEIGHTSERVE_CACHE_DIR")
+    os.environ["WEIGHTSERVE_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if before is None:
+        os.environ.pop("WEIGHTSERVE_CACHE_DIR", None)
+    else:
+        os.environ["WEIGHTSERVE_CACHE_DIR"] = before
+
+
 @pytest.fixture
 def child_env() -> dict[str, str]:
     """``env=`` for subprocesses that run ``sys.executable`` (see child_environment)."""

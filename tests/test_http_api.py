@@ -6,8 +6,6 @@ normalisation), so traversal attempts reach the server exactly as an attacker wo
 
 from __future__ import annotations
 
-import http.client
-import json
 import re
 import time
 from pathlib import Path
@@ -16,28 +14,7 @@ import pyarrow as pa
 import pytest
 
 from tests import fixtures_safetensors
-
-ARROW = "application/vnd.apache.arrow.stream"
-
-
-class Reply:
-    def __init__(self, resp: http.client.HTTPResponse) -> None:
-        self.status = resp.status
-        self.headers = {k.lower(): v for k, v in resp.getheaders()}
-        self.body = resp.read()
-
-    def json(self):
-        assert self.headers["content-type"].startswith("application/json"), self.headers
-        return json.loads(self.body)
-
-    def error(self) -> tuple[str, str]:
-        err = self.json()["error"]
-        assert set(err) == {"type", "message"}
-        return err["type"], err["message"]
-
-    def table(self) -> pa.Table:
-        assert self.headers["content-type"] == ARROW
-        return pa.ipc.open_stream(self.body).read_all()
+from tests._util import ARROW, Reply, http_request
 
 
 @pytest.fixture(scope="module")
@@ -45,17 +22,7 @@ def api(server):
     def request(
         path: str, method: str = "GET", body: dict | None = None, headers: dict | None = None
     ) -> Reply:
-        conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=30)
-        hdrs = dict(headers or {})
-        data = None
-        if body is not None:
-            data = json.dumps(body).encode()
-            hdrs["content-type"] = "application/json"
-        try:
-            conn.request(method, path, body=data, headers=hdrs)
-            return Reply(conn.getresponse())
-        finally:
-            conn.close()
+        return http_request(server.http_port, path, method, body, headers)
 
     return request
 
@@ -390,3 +357,12 @@ def test_docs_and_openapi(api) -> None:
     ):
         assert path in paths, path
     assert set(paths["/v1/models/{model}/stream"]) == {"get", "post"}
+
+
+def test_model_info_lists_files_with_sizes(api, model_root) -> None:
+    info = api("/v1/models/org/sharded").json()
+    _, files = model_root.models["org/sharded"]
+    sizes = {f.name: f.stat().st_size for f in files}
+    listed = {f["name"]: f["size"] for f in info["files"]}
+    assert {k: v for k, v in listed.items() if k in sizes} == sizes
+    assert set(listed) - set(sizes) == {"model.safetensors.index.json"}

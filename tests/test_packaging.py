@@ -181,7 +181,9 @@ def test_fresh_venv_client_talks_to_a_server(installed: Installed, tmp_path: Pat
     assert fetched.returncode == 0, fetched.stderr
     got = json.loads(fetched.stdout)
     assert got == {name: array.tobytes().hex() for name, array in expected.items()}
-    unreachable = run([installed.weightserve, "ls", server.http_url], cwd=installed.work)
+    unreachable = run(
+        [installed.weightserve, "ls", "--retry-seconds", "0", server.http_url], cwd=installed.work
+    )
     assert unreachable.returncode == 1
     assert "ServerUnreachable" in unreachable.stderr and "Traceback" not in unreachable.stderr
 

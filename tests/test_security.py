@@ -714,7 +714,8 @@ def test_streams_per_client(limited_server: WeightServer, root: Root) -> None:
         status, data = raw(srv, "GET", "/v1/models/team-a/x/stream?prefix=")
         assert status == 429 and error_type(data) == "ResourceExhausted"
         for transport in URLS:
-            with Client(url(srv, transport), timeout=10) as client:
+            # retry_seconds=0: see the refusal itself (tests/test_admission.py waits it out)
+            with Client(url(srv, transport), timeout=10, retry_seconds=0) as client:
                 model = client.model("team-a/x")  # metadata needs no stream slot
                 assert model.names() == ["b", "w"]
                 with pytest.raises(ResourceExhausted):
@@ -764,7 +765,10 @@ def test_grpc_streams_per_client(limited_server: WeightServer) -> None:
     channel, it = _grpc_stalled(srv)
     try:
         eventually(lambda: srv.state.open_streams == 1, 5, "the stalled gRPC stream holds a slot")
-        with Client(srv.grpc_url, timeout=10) as client, pytest.raises(ResourceExhausted):
+        with (
+            Client(srv.grpc_url, timeout=10, retry_seconds=0) as client,
+            pytest.raises(ResourceExhausted),
+        ):
             client.model("team-a/x").fetch(prefix="")
         assert raw(srv, "GET", "/v1/models/team-a/x/stream?prefix=")[0] == 429
     finally:

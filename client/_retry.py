@@ -1,0 +1,145 @@
+"""When the client tries again, and for how long: jittered exponential backoff that honours the
+server's hint, bounded by time rather than by a count of tries.
+
+A refusal that says it is temporary (``retry_after`` set: a stream limit reached, a server
+shutting down), a server that cannot be reached and a stream that broke are retried; every
+other error is final. The budget (``retry_seconds``; ``WEIGHTSERVE_RETRY_SECONDS``; 60 s by
+default) is how long one outage may last: long enough for a pod to restart, and it starts
+again once data flows.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import os
+import random
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from weightserve.client.errors import (
+    DataCorruption,
+    ModelUnavailable,
+    ResourceExhausted,
+    ServerUnreachable,
+    TransportError,
+    WeightserveError,
+)
+
+log = logging.getLogger("weightserve.client")
+
+RETRY_ENV = "WEIGHTSERVE_RETRY_SECONDS"
+DEFAULT_RETRY_SECONDS = 60.0
+FIRST_WAIT = 0.25  # seconds before the first retry, doubled on each further one...
+LONGEST_WAIT = 5.0  # ...up to this (a server's own hint may ask for longer)
+
+T = TypeVar("T")
+# Told before each wait: a few words on why (e.g. "server busy") and the seconds it waits.
+OnWait = Callable[[str, float], None]
+
+
+def retry_seconds_from(value: float | str | None) -> float:
+    """The retry budget: ``value`` if given, else ``WEIGHTSERVE_RETRY_SECONDS``, else 60 s."""
+    source = "retry_seconds"
+    if value is None:
+        value = os.environ.get(RETRY_ENV) or DEFAULT_RETRY_SECONDS
+        source = RETRY_ENV
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not seconds >= 0 or math.isinf(seconds):  # also refuses NaN
+        raise ValueError(
+            f"{source} must be a number of seconds >= 0 (0: never retry), got {value!r}"
+        )
+    return seconds
+
+
+def retry_reason(exc: BaseException, stream: bool = True) -> str | None:
+    """Why ``exc`` is worth another try, in a few words; None when it is final.
+
+    A broken stream (``stream``) resumes; a metadata call is tried again only on a
+    temporary refusal or a refused connection, since any other failure of a small request
+    would fail the same way again.
+    """
+    if isinstance(exc, ResourceExhausted) and exc.retry_after is not None:
+        return "server busy"
+    if isinstance(exc, ModelUnavailable) and exc.retry_after is not None:
+        return "server shutting down"
+    if isinstance(exc, ServerUnreachable):
+        return "server unreachable"
+    if stream and isinstance(exc, (TransportError, DataCorruption)):
+        return "stream broke"
+    return None
+
+
+class Backoff:
+    """The waits of one outage: each retry waits about twice as long as the one before (from
+    ``FIRST_WAIT`` up to ``LONGEST_WAIT``), at least what the server asked for, with random
+    jitter so a crowd of refused clients does not come back in step; no more retries once
+    ``budget`` seconds have passed since the first failure. ``reset()`` after progress."""
+
+    def __init__(self, budget: float) -> None:
+        self.budget = budget
+        self.tries = 0
+        self._deadline: float | None = None
+
+    def reset(self) -> None:
+        self.tries = 0
+        self._deadline = None
+
+    def next_wait(self, exc: BaseException) -> float | None:
+        """Seconds to wait before trying again after ``exc`` (a retryable error, see
+        ``retry_reason``), or None: the budget is spent."""
+        now = time.monotonic()
+        if self._deadline is None:
+            self._deadline = now + self.budget
+        left = self._deadline - now
+        if left <= 0:
+            return None
+        ceiling = min(LONGEST_WAIT, FIRST_WAIT * 2**self.tries)
+        wait = random.uniform(ceiling / 2, ceiling)
+        hint = getattr(exc, "retry_after", None)
+        if hint:
+            wait = max(wait, hint * random.uniform(1.0, 1.5))
+        self.tries += 1
+        return min(wait, left)  # the last try comes at the deadline, not after it
+
+    def gave_up(self, exc: WeightserveError) -> WeightserveError:
+        """``exc`` (same class) saying how long it was retried and how to wait longer."""
+        message = (
+            f"{exc} (gave up after retrying for {self.budget:g} s; to wait longer, set "
+            f"retry_seconds or {RETRY_ENV})"
+        )
+        again = copy.copy(exc)  # the same class and attributes (retry_after), a new message
+        again.args = (message,)
+        return again
+
+
+def call_with_retry(
+    call: Callable[[], T], budget: float, what: str, on_wait: OnWait | None = None
+) -> T:
+    """``call()``, tried again on a busy or unreachable server within ``budget`` seconds.
+
+    For metadata calls (model list, model info): they hold no stream, so a refused
+    connection is what there is to wait out (a server restarting).
+    """
+    backoff = Backoff(budget)
+    while True:
+        try:
+            return call()
+        except WeightserveError as e:
+            reason = retry_reason(e, stream=False)
+            if reason is None:
+                raise
+            wait = backoff.next_wait(e)
+            if wait is None:  # the budget is spent
+                if not backoff.tries:
+                    raise
+                raise backoff.gave_up(e) from e
+            log.warning("%s: %s (%s); retrying in %.1f s", what, reason, e, wait)
+            if on_wait is not None:
+                on_wait(reason, wait)
+            time.sleep(wait)

@@ -31,7 +31,7 @@ from weightserve.client.errors import (
     WeightserveError,
     status_for,
 )
-from weightserve.service import models_view
+from weightserve.service import models_view, web_app
 from weightserve.service.auth import Access, authorize
 from weightserve.service.http_docs import add_offline_docs
 from weightserve.service.http_routes import Target, get_and_head, resolve_legacy
@@ -597,6 +597,7 @@ def create_app(state: ServiceState) -> FastAPI:
         request = TensorRequest(names=(name,), shard=parse_shard(shard, axis), revision=revision)
         return start_stream(http, model, request)
 
+    web_app.add_browser_routes(app, state, access)  # the page at / and its stats route
 
     # The layout before the reserved `-` part, registered after the routes above and before
     # the model's own route. A path ending in /stream or holding /tensors/ may be a model id

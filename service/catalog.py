@@ -46,6 +46,7 @@ from weightserve.client.errors import (
 )
 from weightserve.service.readers.base import FormatReader, ModelContents, TensorEntry
 from weightserve.service.revisions import (
+    REVISION_CHARS,
     DigestStore,
     FileChanged,
     FileStamp,
@@ -67,6 +68,20 @@ def default_readers() -> dict[str, FormatReader]:
     from weightserve.service.readers.safetensors import SafetensorsReader
 
     return {"safetensors": SafetensorsReader(), "gguf": GGUFReader(), "pytorch": PytorchReader()}
+
+
+@dataclass(frozen=True)
+class RepoFile:
+    """One file of a model's repository, as the files API lists it."""
+
+    name: str  # relative to the model directory, '/'-separated
+    path: Path
+    size: int
+
+
+# Side files larger than this are not served (weights and their leftovers are exempt): they
+# are configs, tokenizers and templates, not bulk data.
+SIDE_FILE_MAX_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -230,8 +245,12 @@ class Model:
     contents: ModelContents
     stamps: dict[Path, FileStamp]  # the files as indexed
     digests: DigestStore = field(default_factory=DigestStore, repr=False)
+    # The repository's other files (config, tokenizer, README, leftover checkpoints): served
+    # as files, part of the revision, never read as tensors.
+    side_files: list[Path] = field(default_factory=list, repr=False)
     checked_at: float = field(default_factory=time.monotonic, repr=False)
     _revision: str | None = field(default=None, repr=False)
+    _revision_full: str | None = field(default=None, repr=False)
     _revision_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _maps: dict[Path, MappedFile] = field(default_factory=dict, repr=False)
     _maps_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -241,39 +260,65 @@ class Model:
         """The content revision (see service/revisions.py): computed on first use, from
         digests remembered per file version, so only a file never seen before is read."""
         if self._revision is None:
-            with self._revision_lock:
-                if self._revision is None:
-                    self._revision = self._content_revision()
+            self._revision = self._content_revision()
         return self._revision
 
     @property
     def revision_known(self) -> bool:
         return self._revision is not None
 
+    @property
+    def all_files(self) -> list[Path]:
+        """Weights (and their index) first, then side files: every file of the repository."""
+        return [*self.files, *(f for f in self.side_files if f not in self.files)]
+
+    @property
+    def repo_files(self) -> dict[str, RepoFile]:
+        """Every file of the model's repository by its name relative to the model, as
+        indexed: what the files API lists and serves."""
+        return {
+            (name := self._relative_name(f)): RepoFile(name, f, self.stamps[f][2])
+            for f in self.all_files
+        }
+
     def file_names(self) -> list[tuple[str, int]]:
         """(name relative to the model, size as indexed) of each file, in the model's order."""
-        return [(self._relative_name(f), self.stamps[f][2]) for f in self.files]
+        return [(f.name, f.size) for f in self.repo_files.values()]
+
+    def file_digest(self, path: Path) -> str:
+        """xxh3-128 (hex) of one file of this model as indexed (remembered per file version):
+        its ETag. ModelUnavailable if the file changed since it was indexed."""
+        try:
+            return self.digests.digest(path, self.stamps[path])
+        except (FileChanged, FileNotFoundError) as e:
+            self.checked_at = float("-inf")
+            raise ModelUnavailable(
+                f"model {self.id!r}: {path.name} changed since it was indexed ({e}); "
+                "it reloads on its next request"
+            ) from None
+
+    @property
+    def commit(self) -> str:
+        """The revision as a 40-hex commit id (what Hub clients expect); the revision is its
+        first characters."""
+        return self.revision_digest()[:40]
 
     def _relative_name(self, file: Path) -> str:
         base = self.path if self.path.is_dir() else self.path.parent
         return file.relative_to(base).as_posix()
 
+    def revision_digest(self) -> str:
+        """The full content digest (64 hex) behind ``revision`` and ``commit``."""
+        if self._revision_full is None:
+            with self._revision_lock:
+                if self._revision_full is None:
+                    self._revision_full = content_revision(
+                        (f.name, f.size, self.file_digest(f.path)) for f in self.repo_files.values()
+                    )
+        return self._revision_full
+
     def _content_revision(self) -> str:
-        try:
-            return content_revision(
-                (
-                    self._relative_name(f),
-                    self.stamps[f],
-                    self.digests.digest(f, self.stamps[f]),
-                )
-                for f in self.files
-            )
-        except (FileChanged, FileNotFoundError) as e:
-            self.checked_at = float("-inf")  # re-index on the next request
-            raise ModelUnavailable(
-                f"model {self.id!r} changed while its revision was computed ({e}); "
-                "it reloads on its next request"
-            ) from None
+        return self.revision_digest()[:REVISION_CHARS]
 
     @property
     def tensors(self) -> dict[str, TensorEntry]:
@@ -456,8 +501,46 @@ class Catalog:
                 found[model_id] = ("pytorch", directory, pt + extra)
         return found
 
+    def side_files(self, path: Path, files: list[Path], model_dirs: set[Path]) -> list[Path]:
+        """The other files of a directory model's repository: every regular file below it
+        that stays inside the root, not hidden, not below another model's directory, and
+        (unless a checkpoint) at most ``SIDE_FILE_MAX_BYTES``. A file model has none."""
+        if not path.is_dir():
+            return []
+        weights = set(files)
+        found: list[Path] = []
+        for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
+            directory = Path(dirpath)
+            dirnames[:] = sorted(
+                d
+                for d in dirnames
+                if not d.startswith(".") and (directory / d) not in model_dirs
+                and not (directory / d).is_symlink()
+            )  # fmt: skip
+            for name in sorted(filenames):
+                f = directory / name
+                if name.startswith(".") or f in weights or not self._inside_root(f):
+                    continue
+                try:
+                    if not f.is_file():
+                        continue
+                    checkpoint = f.suffix in SAFETENSORS_SUFFIXES + PYTORCH_SUFFIXES + GGUF_SUFFIXES
+                    if not checkpoint and f.stat().st_size > SIDE_FILE_MAX_BYTES:
+                        log.info("%s not served: larger than %d bytes", f, SIDE_FILE_MAX_BYTES)
+                        continue
+                except OSError:
+                    continue
+                found.append(f)
+        return found
+
     def _load(
-        self, model_id: str, fmt: str, path: Path, files: list[Path], stamps: dict[Path, FileStamp]
+        self,
+        model_id: str,
+        fmt: str,
+        path: Path,
+        files: list[Path],
+        side: list[Path],
+        stamps: dict[Path, FileStamp],
     ) -> Model:
         # ``stamps`` were taken before reading: see MappedFile.view.
         return Model(
@@ -468,6 +551,7 @@ class Catalog:
             contents=self.readers[fmt].read(files),
             stamps=stamps,
             digests=self.digests,
+            side_files=side,
         )
 
     def _relative(self, text: str) -> str:
@@ -483,9 +567,12 @@ class Catalog:
             found = self.discover()
             models: dict[str, Model] = {}
             refused: dict[str, tuple[dict[Path, FileStamp], Problem]] = {}
+            model_dirs = {path for _, path, _ in found.values() if path.is_dir()}
             for model_id, (fmt, path, files) in found.items():
+                side: list[Path] = []
                 try:
-                    stamps = current_stamps(files)
+                    side = self.side_files(path, files, model_dirs)
+                    stamps = current_stamps([*files, *side])
                     old = self.models.get(model_id)
                     if old is not None and old.stamps == stamps:
                         models[model_id] = old
@@ -495,7 +582,7 @@ class Catalog:
                         refused[model_id] = known
                         self.problems[model_id] = known[1]
                         continue
-                    models[model_id] = self._load(model_id, fmt, path, files, stamps)
+                    models[model_id] = self._load(model_id, fmt, path, files, side, stamps)
                 except (CheckpointError, OSError) as e:
                     if isinstance(e, CheckpointError):
                         problem = Problem(model_id, self._relative(e.file), self._relative(str(e)))
@@ -504,7 +591,7 @@ class Catalog:
                         problem = Problem(model_id, self._relative(where), self._relative(str(e)))
                     self.problems[model_id] = problem
                     with contextlib.suppress(OSError):  # files vanished: looked at next time
-                        refused[model_id] = (current_stamps(files), problem)
+                        refused[model_id] = (current_stamps([*files, *side]), problem)
                     log.warning("model %s refused: %s", model_id, problem.reason)
                     if self.on_refused is not None:
                         self.on_refused(problem)
@@ -544,7 +631,7 @@ class Catalog:
             return model
         model.checked_at = now
         try:
-            unchanged = current_stamps(model.files) == model.stamps
+            unchanged = current_stamps(model.all_files) == model.stamps
         except OSError:
             unchanged = False
         if unchanged:

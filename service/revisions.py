@@ -149,12 +149,11 @@ class DigestStore:
         return digest
 
 
-def content_revision(
-    files: Iterable[tuple[str, FileStamp, str]],
-) -> str:
-    """The revision of a model from (name relative to the model, stamp, content digest) of
-    each file: names, sizes and bytes count; paths, inodes and times do not."""
+def content_revision(files: Iterable[tuple[str, int, str]]) -> str:
+    """The full content digest (64 hex) of a model from (name relative to the model, size,
+    content digest) of each file: names, sizes and bytes count; paths, inodes and times do
+    not. The revision is its first ``REVISION_CHARS`` characters."""
     h = hashlib.sha256()
-    for name, stamp, digest in sorted(files):
-        h.update(f"{name}\0{stamp[2]}\0{digest}\n".encode())
-    return h.hexdigest()[:REVISION_CHARS]
+    for name, size, digest in sorted(files):
+        h.update(f"{name}\0{size}\0{digest}\n".encode())
+    return h.hexdigest()

@@ -17,19 +17,29 @@ from typing import Any
 from weightserve.client import errors
 from weightserve.client._client import Client, FetchOptions, RemoteModel
 from weightserve.client._load import WeightsFormat, load_weights, weights_format
-from weightserve.client._models import ModelInfo, ModelProblem, ModelSummary, TensorInfo
+from weightserve.client._models import (
+    ModelInfo,
+    ModelProblem,
+    ModelSummary,
+    RemoteFile,
+    TensorInfo,
+)
+from weightserve.client._pull import ConversionRefused, DestinationError
 from weightserve.client._transport import TLSOptions
 from weightserve.client._weights import RandomWeights, RemoteWeights, WeightsClosed
 
 __all__ = [
     "Client",
+    "ConversionRefused",
     "DType",
+    "DestinationError",
     "FetchOptions",
     "ModelInfo",
     "ModelProblem",
     "ModelSummary",
     "QuantizationEncoding",
     "RandomWeights",
+    "RemoteFile",
     "RemoteModel",
     "RemoteWeights",
     "TLSOptions",

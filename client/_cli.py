@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -89,20 +91,36 @@ def build_parser() -> argparse.ArgumentParser:
 
     pull = sub.add_parser(
         "pull",
-        help="download a model (or a prefix) into a safetensors file",
-        description="Stream a model into OUT/model.safetensors with a progress bar.",
+        help="download a model's original files (or its tensors as one safetensors file)",
+        description="Write the model's files (weights, index, config, tokenizer...) into OUT, "
+        "byte-identical and verified against the server's digests, with a progress bar. An "
+        "interrupted pull goes on where it stopped when run again. --to safetensors instead "
+        "writes its tensors (or a prefix of them) into OUT/model.safetensors.",
     )
     pull.add_argument("url", help="model URL")
-    pull.add_argument("--prefix", default="", help="only tensors whose name starts so")
     pull.add_argument(
         "--out", default=None, help="output directory (default: the model's last path part)"
     )
+    pull.add_argument(
+        "--force", action="store_true", help="overwrite files in OUT that differ from the model's"
+    )
+    pull.add_argument(
+        "--to",
+        choices=["safetensors"],
+        default=None,
+        help="convert: the tensors as one safetensors file, the source's metadata kept "
+        "(safetensors and PyTorch models; GGUF is refused)",
+    )
+    pull.add_argument("--prefix", default="", help="with --to: only tensors whose name starts so")
     pull.add_argument("--token", default=None, help=token_help)
     pull.add_argument(
         "--retry-seconds", type=_retry_seconds, default=retry_default, help=retry_help
     )
     pull.add_argument(
-        "--parallel", type=positive_int, default=2, help="concurrent streams (default 2)"
+        "--parallel",
+        type=positive_int,
+        default=2,
+        help="with --to: concurrent streams (default 2)",
     )
     pull.add_argument("--quiet", action="store_true", help="no progress bar")
     pull.set_defaults(func=_pull)
@@ -150,10 +168,7 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 def _pull(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     from weightserve.client._client import Client, FetchOptions
-    from weightserve.client._pull import pull_to_safetensors
     from weightserve.client._url import parse_url
 
     _, model_id = parse_url(args.url)
@@ -163,45 +178,85 @@ def _pull(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.prefix and args.to is None:
+        args.command_parser.error(
+            "--prefix selects tensors: it needs --to safetensors (a plain pull writes files)"
+        )
     out_dir = Path(args.out) if args.out else Path(model_id.rstrip("/").split("/")[-1])
     with Client(args.url, token=args.token, retry_seconds=args.retry_seconds) as client:
         model = client.model(model_id, FetchOptions(parallel=args.parallel))
-        names = model.names(args.prefix)
-        if not names:
+        if args.to == "safetensors":
+            return _pull_converted(args, model, out_dir)
+        from weightserve.client._pull import FilePull
+
+        pull = FilePull(model, out_dir, force=args.force).plan()
+        try:
+            with _progress(args, model_id, pull.total, pull.already) as (received, show_wait):
+                pull.run(on_bytes=received, on_wait=show_wait)
+        except KeyboardInterrupt:
             print(
-                f"weightserve pull: model {model_id!r} has no tensor whose name starts with "
-                f"{args.prefix!r}",
+                "weightserve pull: interrupted; run the same command again to go on where it "
+                "stopped",
                 file=sys.stderr,
             )
-            return 1
-        total = sum(model.tensors[n].nbytes for n in names)
-        with tqdm(
-            total=total,
-            unit="B",
-            unit_scale=True,
-            unit_divisor=1024,
-            desc=model_id,
-            disable=args.quiet or None,
+            return 130
+    print(out_dir)
+    return 0
+
+
+def _pull_converted(args: argparse.Namespace, model: Any, out_dir: Path) -> int:
+    from weightserve.client._pull import pull_to_safetensors, source_metadata
+
+    source_metadata(model)  # a format that does not convert fails before anything else
+    names = model.names(args.prefix)
+    if not names:
+        print(
+            f"weightserve pull: model {model.id!r} has no tensor whose name starts with "
+            f"{args.prefix!r}",
             file=sys.stderr,
-        ) as bar:
-
-            def show_wait(reason: str, seconds: float) -> None:
-                bar.set_postfix_str(f"{reason}, retrying in {seconds:.1f} s")
-
-            def received(n: int) -> None:
-                if getattr(bar, "postfix", None):  # data flows again: the wait is over
-                    bar.set_postfix_str("", refresh=False)
-                bar.update(n)
-
-            path = pull_to_safetensors(
-                model,
-                out_dir / "model.safetensors",
-                args.prefix,
-                on_bytes=received,
-                on_wait=show_wait,
-            )
+        )
+        return 1
+    total = sum(model.tensors[n].nbytes for n in names)
+    with _progress(args, model.id, total) as (received, show_wait):
+        path = pull_to_safetensors(
+            model,
+            out_dir / "model.safetensors",
+            args.prefix,
+            on_bytes=received,
+            on_wait=show_wait,
+            force=args.force,
+        )
     print(path)
     return 0
+
+
+@contextlib.contextmanager
+def _progress(
+    args: argparse.Namespace, what: str, total: int, initial: int = 0
+) -> Iterator[tuple[Callable[[int], None], Callable[[str, float], None]]]:
+    """A byte progress bar on stderr (none with --quiet): ``(on_bytes, on_wait)``."""
+    from tqdm import tqdm
+
+    with tqdm(
+        total=total,
+        initial=initial,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc=what,
+        disable=args.quiet or None,
+        file=sys.stderr,
+    ) as bar:
+
+        def show_wait(reason: str, seconds: float) -> None:
+            bar.set_postfix_str(f"{reason}, retrying in {seconds:.1f} s")
+
+        def received(n: int) -> None:
+            if getattr(bar, "postfix", None):  # data flows again: the wait is over
+                bar.set_postfix_str("", refresh=False)
+            bar.update(n)
+
+        yield received, show_wait
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,16 +6,24 @@ round trip per tensor. Arrays handed out are views of the buffers the data was r
 
 from __future__ import annotations
 
+import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from weightserve.client._dtypes import numpy_dtype, wire_dtype
-from weightserve.client._models import ModelInfo, ModelProblem, ModelSummary, TensorInfo
+from weightserve.client._models import (
+    ModelInfo,
+    ModelProblem,
+    ModelSummary,
+    RemoteFile,
+    TensorInfo,
+)
 from weightserve.client._receive import ReceivedTensor, arena_allocator, receive
 from weightserve.client._retry import OnWait, call_with_retry, retry_seconds_from
 from weightserve.client._schema import ChunkHeader
@@ -27,6 +35,7 @@ from weightserve.client._transport import (
     make_transport,
 )
 from weightserve.client._url import ServerAddress, parse_url
+from weightserve.client._window import DEFAULT_WINDOW_BYTES, iter_received
 from weightserve.client.errors import InvalidRequest, TensorNotFound
 
 # Loads below this many bytes use one stream. On the 2-core bench machine a second stream
@@ -147,17 +156,7 @@ class RemoteModel:
         ``on_wait(reason, seconds)`` hears of each wait for a busy or unreachable server
         (default: the client's ``on_wait``).
         """
-        if names is None:
-            wanted = self.names(prefix or "")
-        else:
-            wanted = list(names)
-            for n in wanted:
-                if n not in self.info.tensors:
-                    from difflib import get_close_matches
-
-                    close = get_close_matches(n, list(self.info.tensors), n=1)
-                    hint = f" Did you mean {close[0]!r}?" if close else ""
-                    raise TensorNotFound(f"No weight named {n!r} in model {self.id!r}.{hint}")
+        wanted = self._wanted(names, prefix)
         if not wanted:
             return {}
         with self.client.transport.receiving(self._bytes(wanted)):
@@ -169,6 +168,121 @@ class RemoteModel:
             info = TensorInfo(name, h.dtype, h.shape, h.logical_shape, h.encoding, h.total_bytes)
             out[name] = as_array(r, info)
         return out
+
+    def iter_tensors(
+        self,
+        names: Sequence[str] | None = None,
+        *,
+        prefix: str | None = None,
+        window_bytes: int = DEFAULT_WINDOW_BYTES,
+        shard: tuple[int, int] | None = None,
+        axis: int = 0,
+        on_bytes: Callable[[int], None] | None = None,
+        allocate: Callable[[ChunkHeader], np.ndarray] | None = None,
+        on_wait: OnWait | None = None,
+    ) -> Generator[tuple[str, np.ndarray], None, None]:
+        """``(name, array)`` of each tensor as it arrives, in stream order, with memory
+        bounded by ``window_bytes`` (default 256 MiB): for loading layer by layer into an
+        engine (``model.load_weights(remote.iter_tensors())``) without the whole model in
+        memory first.
+
+        The stream runs ahead of the consumer by at most ``window_bytes`` of tensors; a
+        tensor larger than that is still delivered whole, alone. An array is the iterator's
+        until the consumer asks for the next one; then the iterator lets it go (copy it, or
+        keep a reference, to keep it; kept arrays are outside the window). ``allocate``
+        gives the buffer for each tensor, as in ``fetch``: e.g. pinned host memory to copy
+        to a GPU from. Names, ``prefix``, ``shard`` and ``axis`` are as in ``fetch``;
+        stopping early (``break``) closes the stream.
+        """
+        wanted = self._wanted(names, prefix)  # checked now, not at the first next()
+        if shard is not None and not 0 <= shard[0] < shard[1]:
+            raise InvalidRequest(f"shard {shard[0]}/{shard[1]}: need 0 <= index < count")
+        if window_bytes < 1:
+            raise ValueError(f"window_bytes must be at least 1, got {window_bytes}")
+        return self._iterate(wanted, window_bytes, shard, axis, on_bytes, allocate, on_wait)
+
+    def _iterate(
+        self,
+        wanted: list[str],
+        window_bytes: int,
+        shard: tuple[int, int] | None,
+        axis: int,
+        on_bytes: Callable[[int], None] | None,
+        allocate: Callable[[ChunkHeader], np.ndarray] | None,
+        on_wait: OnWait | None,
+    ) -> Generator[tuple[str, np.ndarray], None, None]:
+        if not wanted:
+            return
+        received = iter_received(
+            self,
+            wanted,
+            window_bytes=window_bytes,
+            shard=shard,
+            axis=axis,
+            retry_seconds=self._retry_seconds(),
+            on_bytes=on_bytes,
+            allocate=allocate,
+            on_wait=on_wait,
+        )
+        try:
+            for h, buffer in received:
+                info = TensorInfo(
+                    h.name, h.dtype, h.shape, h.logical_shape, h.encoding, h.total_bytes
+                )
+                yield h.name, as_array(buffer, info)
+                del buffer  # the iterator holds no view once the consumer moves on
+        finally:
+            received.close()
+
+    def files(self) -> list[RemoteFile]:
+        """Every file of the model's repository (weights, index, config, tokenizer...):
+        name relative to the model directory, size and content digest (xxh3-128 hex)."""
+        listing = self.client._with_retry(
+            lambda: self.client.transport.list_files(self.id),
+            f"{self.client.address.url} files of {self.id!r}",
+        )
+        return [RemoteFile.from_json(f) for f in listing["files"]]
+
+    def download(
+        self,
+        dest: str | os.PathLike[str],
+        *,
+        force: bool = False,
+        on_bytes: Callable[[int], None] | None = None,
+        on_wait: OnWait | None = None,
+    ) -> Path:
+        """Write the model's original files under ``dest`` (created if missing), each
+        byte-identical to the server's, verified against its digest and renamed into place
+        only when whole; returns ``dest``.
+
+        An interrupted download goes on where it stopped on the next call (``NAME.partial``
+        keeps what arrived); an identical file already in place is kept; a different one is
+        refused with ``DestinationError`` unless ``force``. ``on_bytes(n)`` hears of the bytes
+        transferred.
+        """
+        from weightserve.client._pull import download_files
+
+        return download_files(self, Path(dest), force=force, on_bytes=on_bytes, on_wait=on_wait)
+
+    def _wanted(self, names: Sequence[str] | None, prefix: str | None) -> list[str]:
+        """The tensors asked for: ``names`` (each checked to exist), else those under
+        ``prefix`` (``None``: every tensor)."""
+        if names is None:
+            return self.names(prefix or "")
+        wanted = list(names)
+        for n in wanted:
+            if n not in self.info.tensors:
+                from difflib import get_close_matches
+
+                close = get_close_matches(n, list(self.info.tensors), n=1)
+                hint = f" Did you mean {close[0]!r}?" if close else ""
+                raise TensorNotFound(f"No weight named {n!r} in model {self.id!r}.{hint}")
+        return wanted
+
+    def _retry_seconds(self) -> float:
+        if self.options.retry_seconds is not None:
+            return retry_seconds_from(self.options.retry_seconds)
+        return self.client.retry_seconds
 
     def _part_bound(self, name: str, shard: tuple[int, int] | None, axis: int) -> int:
         """Bytes of the tensor's part in a shard, or a close upper bound of them."""
@@ -211,9 +325,7 @@ class RemoteModel:
         if shard is not None and not 0 <= shard[0] < shard[1]:
             raise InvalidRequest(f"shard {shard[0]}/{shard[1]}: need 0 <= index < count")
         groups = self._groups(names)
-        retry_seconds = self.client.retry_seconds
-        if self.options.retry_seconds is not None:
-            retry_seconds = retry_seconds_from(self.options.retry_seconds)
+        retry_seconds = self._retry_seconds()
         progress_lock = threading.Lock()
 
         def counted(n: int) -> None:

@@ -33,6 +33,19 @@ class TensorInfo:
 
 
 @dataclass(frozen=True)
+class RemoteFile:
+    """One file of a model's repository as the server lists it (``/-/files``)."""
+
+    name: str  # relative to the model directory, "/" between parts
+    size: int
+    etag: str  # xxh3-128 (hex) of the whole file
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> RemoteFile:
+        return cls(str(d["name"]), int(d["size"]), str(d["etag"]).strip('"'))
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     id: str
     format: str  # "safetensors" | "gguf" | "pytorch"

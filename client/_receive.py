@@ -81,6 +81,7 @@ def receive(
     on_bytes: Callable[[int], None] | None = None,
     allocate: Callable[[ChunkHeader], np.ndarray] | None = None,
     on_wait: OnWait | None = None,
+    on_tensor: Callable[[ReceivedTensor], None] | None = None,
 ) -> dict[str, ReceivedTensor]:
     """Fetch ``expected`` tensors (in stream order) with resume on breaks.
 
@@ -90,8 +91,11 @@ def receive(
     A busy server, one that cannot be reached and a broken stream are tried again with
     backoff (client/_retry.py) while no data flows for up to ``retry_seconds``, and at most
     ``retries`` times in all when given; ``on_wait`` hears of each wait.
+    ``on_tensor`` is handed each tensor as soon as it is complete and verified; the result
+    then keeps none of them, so their buffers live only as long as the callee keeps them.
     """
     done: dict[str, ReceivedTensor] = {}
+    handed_over: set[str] = set()  # complete tensors given to on_tensor and not kept
     partial: ReceivedTensor | None = None  # the tensor being received; kept across resumes
 
     def destination(header: ChunkHeader) -> memoryview:
@@ -130,9 +134,16 @@ def receive(
                     on_bytes(header.nbytes)
                 if partial.complete:
                     partial.header = replace_header(header)
-                    done[header.name] = partial
-                    partial = None
-            missing = [n for n in expected if n not in done]
+                    if on_tensor is None:
+                        done[header.name] = partial
+                        partial = None
+                    else:
+                        handed_over.add(header.name)
+                        complete, partial = partial, None
+                        del chunk  # hold no view of a handed-over buffer
+                        on_tensor(complete)
+                        del complete
+            missing = [n for n in expected if n not in done and n not in handed_over]
             if missing:
                 raise TransportError(
                     f"stream ended without {len(missing)} tensors, e.g. {missing[0]!r}"
@@ -151,7 +162,7 @@ def receive(
                 if not backoff.tries:
                     raise
                 raise backoff.gave_up(e) from e
-            remaining = [n for n in expected if n not in done]
+            remaining = [n for n in expected if n not in done and n not in handed_over]
             if partial is not None and partial.header.name in remaining:
                 request = replace(
                     params, resume_tensor=partial.header.name, resume_offset=partial.received

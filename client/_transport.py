@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
+from urllib.parse import urlencode
 
 from weightserve.client._arrow_reader import ArrowChunkReader
 from weightserve.client._malloc import steady_heap
@@ -76,6 +77,17 @@ class ByteSource(Protocol):
     def close(self) -> None: ...
 
 
+class FileSource(ByteSource, Protocol):
+    """One file's bytes (``Transport.open_file``): ``readinto`` returns 0 at the end of the
+    range asked for. What the server said about the file comes with it."""
+
+    size: int  # of the whole file
+    etag: str  # the file's content digest (xxh3-128, hex), as ``list_files`` lists it
+    revision: str  # the model's revision the bytes belong to
+    offset: int  # first byte of the range
+    length: int  # bytes this source delivers
+
+
 class ChunkReader(Protocol):
     """One tensor stream, chunk by chunk (``ArrowChunkReader``, ``FlightChunkReader``)."""
 
@@ -93,6 +105,15 @@ class Transport(Protocol):
     def model_info(self, model: str) -> dict[str, Any]: ...
     def open_stream(self, model: str, params: StreamParams) -> ByteSource: ...
     def open_chunks(self, model: str, params: StreamParams) -> ChunkReader: ...
+    def list_files(self, model: str) -> dict[str, Any]: ...
+    def open_file(
+        self,
+        model: str,
+        name: str,
+        offset: int = 0,
+        length: int | None = None,
+        revision: str | None = None,
+    ) -> FileSource: ...
     def receiving(self, nbytes: int) -> AbstractContextManager[None]: ...
     def close(self) -> None: ...
 
@@ -158,9 +179,15 @@ class HttpTransport:
         conn.close()
 
     def _request(
-        self, method: str, path: str, body: dict | None = None
+        self,
+        method: str,
+        path: str,
+        body: dict | None = None,
+        extra_headers: dict[str, str] | None = None,
+        ok: tuple[int, ...] = (200,),
     ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         headers = {"accept": "application/json, application/vnd.apache.arrow.stream"}
+        headers.update(extra_headers or {})
         if self.token:
             headers["authorization"] = f"Bearer {self.token}"
         data = None
@@ -208,7 +235,7 @@ class HttpTransport:
             except http.client.HTTPException as e:
                 conn.close()
                 raise _broken_exchange(self.address, e) from e
-        if resp.status != 200:
+        if resp.status not in ok:
             raw = resp.read()
             conn.close()
             raise _http_error(
@@ -254,6 +281,54 @@ class HttpTransport:
     def open_chunks(self, model: str, params: StreamParams) -> ChunkReader:
         return ArrowChunkReader(self.open_stream(model, params))
 
+    def list_files(self, model: str) -> dict[str, Any]:
+        """``{id, revision, commit, files: [{name, size, etag}]}``: the model's repository."""
+        return self._json(http_model_path(model, "files"))
+
+    def open_file(
+        self,
+        model: str,
+        name: str,
+        offset: int = 0,
+        length: int | None = None,
+        revision: str | None = None,
+    ) -> FileSource:
+        """The bytes of one file of the model from ``offset`` (``length`` bytes, None: to
+        the end), through an HTTP Range request; ``revision`` fails the request with
+        RevisionMismatch once the model is at another one."""
+        if offset < 0 or (length is not None and length < 0):
+            raise ValueError(f"offset ({offset}) and length ({length}) must be >= 0")
+        path = http_model_path(model, "files", name)
+        if revision:
+            path += "?" + urlencode({"revision": revision})
+        headers = {}
+        if offset or length is not None:
+            last = "" if length is None else str(offset + length - 1)
+            headers["range"] = f"bytes={offset}-{last}"
+        if length == 0:  # no Range says "no bytes": ask for the headers alone
+            conn, resp = self._request("HEAD", path, ok=(200,))
+            resp.read()
+            self.release(conn, resp)
+            return _HttpFileSource(self, conn, resp, offset, 0, empty=True)
+        conn, resp = self._request("GET", path, extra_headers=headers, ok=(200, 206, 416))
+        if resp.status == 416:
+            # Asking from the very end of a file is a finished download, not an error.
+            raw = resp.read()
+            conn.close()
+            size = (resp.getheader("content-range") or "").rpartition("/")[2]
+            if size.isdigit() and int(size) == offset:
+                return _HttpFileSource(self, conn, resp, offset, 0, empty=True)
+            raise _http_error(resp.status, raw, f"GET {self.address.url}{path}")
+        if resp.status == 200 and offset:
+            # The server ignored the range (it may: RFC 9110); never hand out wrong bytes.
+            resp.close()
+            conn.close()
+            raise TransportError(
+                f"GET {self.address.url}{path}: asked for bytes from {offset}, the server "
+                "answered with the whole file"
+            )
+        return _HttpFileSource(self, conn, resp, offset, int(resp.getheader("content-length", 0)))
+
     def receiving(self, nbytes: int) -> AbstractContextManager[None]:
         """Around a load of ``nbytes``: nothing to prepare, data lands in place."""
         return contextlib.nullcontext()
@@ -293,6 +368,35 @@ class _HttpSource:
         else:
             self.resp.close()
             self.conn.close()
+
+
+class _HttpFileSource(_HttpSource):
+    """A file's bytes from a 200 or 206 answer, with what its headers say about the file."""
+
+    def __init__(
+        self,
+        transport: HttpTransport,
+        conn: http.client.HTTPConnection,
+        resp: http.client.HTTPResponse,
+        offset: int,
+        length: int,
+        empty: bool = False,
+    ) -> None:
+        super().__init__(transport, conn, resp)
+        self.offset, self.length, self.empty = offset, length, empty
+        self.closed = empty  # the answer was read already (and its connection released)
+        self.etag = (resp.getheader("etag") or "").removeprefix("W/").strip('"')
+        self.revision = resp.getheader("x-weightserve-revision") or ""
+        total = (resp.getheader("content-range") or "").rpartition("/")[2]
+        if total.isdigit():
+            self.size = int(total)
+        elif resp.status == 200 and resp.getheader("content-length", "").isdigit():
+            self.size = int(resp.getheader("content-length", "0"))
+        else:
+            self.size = offset
+
+    def readinto(self, view: memoryview) -> int:
+        return 0 if self.empty else super().readinto(view)
 
 
 def _retry_after_seconds(value: str | None) -> float | None:
@@ -418,6 +522,16 @@ class GrpcTransport:
             request_serializer=pb.TensorRequest.SerializeToString,
             response_deserializer=_arrow_data_payload,
         )
+        self._list_files = self.channel.unary_unary(
+            service + "ListFiles",
+            request_serializer=pb.GetModelRequest.SerializeToString,
+            response_deserializer=pb.FileList.FromString,
+        )
+        self._read_file = self.channel.unary_stream(
+            service + "ReadFile",
+            request_serializer=pb.FileRequest.SerializeToString,
+            response_deserializer=_arrow_data_payload,  # FileChunk has ArrowData's layout
+        )
 
     def _metadata(self) -> list[tuple[str, str]]:
         return [("authorization", f"Bearer {self.token}")] if self.token else []
@@ -499,13 +613,15 @@ class GrpcTransport:
             )
         return True
 
-    def list_models(self) -> dict[str, Any]:
+    def _unary(self, method: Any, request: Any) -> Any:
+        """One unary call with the client's token and timeout; errors as weightserve errors."""
         try:
-            resp = self._list(
-                self._pb.ListModelsRequest(), timeout=self.timeout, metadata=self._metadata()
-            )
+            return method(request, timeout=self.timeout, metadata=self._metadata())
         except self._grpc.RpcError as e:
             raise self._translate(e) from None
+
+    def list_models(self) -> dict[str, Any]:
+        resp = self._unary(self._list, self._pb.ListModelsRequest())
         return {
             "models": [
                 {
@@ -523,14 +639,7 @@ class GrpcTransport:
         }
 
     def model_info(self, model: str) -> dict[str, Any]:
-        try:
-            m = self._get(
-                self._pb.GetModelRequest(model=model),
-                timeout=self.timeout,
-                metadata=self._metadata(),
-            )
-        except self._grpc.RpcError as e:
-            raise self._translate(e) from None
+        m = self._unary(self._get, self._pb.GetModelRequest(model=model))
         return {
             "id": m.id,
             "format": m.format,
@@ -587,6 +696,52 @@ class GrpcTransport:
                     self._flight = None
                 pool.close()
         return ArrowChunkReader(self.open_stream(model, params))
+
+    def list_files(self, model: str) -> dict[str, Any]:
+        """``{id, revision, commit, files: [{name, size, etag}]}``: the model's repository."""
+        listing = self._unary(self._list_files, self._pb.GetModelRequest(model=model))
+        return {
+            "id": listing.id,
+            "revision": listing.revision,
+            "commit": listing.commit,
+            "files": [{"name": f.name, "size": f.size, "etag": f.etag} for f in listing.files],
+        }
+
+    def open_file(
+        self,
+        model: str,
+        name: str,
+        offset: int = 0,
+        length: int | None = None,
+        revision: str | None = None,
+    ) -> FileSource:
+        """The bytes of one file of the model from ``offset`` (``length`` bytes, None: to
+        the end), through ReadFile; ``revision`` fails the call with RevisionMismatch once
+        the model is at another one."""
+        if offset < 0 or (length is not None and length < 0):
+            raise ValueError(f"offset ({offset}) and length ({length}) must be >= 0")
+        request = self._pb.FileRequest(
+            model=model, name=name, offset=offset, length=length or 0, revision=revision or ""
+        )
+        call = self._read_file(request, metadata=self._metadata())
+        try:
+            headers = dict(call.initial_metadata() or ())
+        except self._grpc.RpcError as e:
+            raise self._translate(e) from None
+        if not headers:  # the call failed before the server sent its metadata
+            try:
+                next(iter(call), None)
+            except self._grpc.RpcError as e:
+                raise self._translate(e) from None
+            raise TransportError(f"{self.address.url}: ReadFile ended without an answer")
+        source = _GrpcFileSource(call, self, length == 0)
+        source.size = int(headers.get("x-file-size", 0))
+        source.etag = headers.get("etag", "")
+        source.revision = headers.get("x-weightserve-revision", "")
+        source.offset = offset
+        end = source.size if length is None else min(source.size, offset + length)
+        source.length = max(0, end - offset)
+        return source
 
     def receiving(self, nbytes: int) -> AbstractContextManager[None]:
         """Around a load of ``nbytes``: large ones keep glibc's heap steady, since gRPC
@@ -706,6 +861,25 @@ class _GrpcSource:
 
     def close(self) -> None:
         self.call.cancel()
+
+
+class _GrpcFileSource(_GrpcSource):
+    """A file's bytes from ReadFile, with what its initial metadata says about the file."""
+
+    size = 0
+    etag = ""
+    revision = ""
+    offset = 0
+    length = 0
+
+    def __init__(self, call: Any, transport: GrpcTransport, empty: bool) -> None:
+        super().__init__(call, transport)
+        self.empty = empty
+        if empty:  # length 0 asked for the metadata alone; "0" on the wire means "to the end"
+            call.cancel()
+
+    def readinto(self, view: memoryview) -> int:
+        return 0 if self.empty else super().readinto(view)
 
 
 def make_transport(

@@ -32,6 +32,7 @@ from weightserve.client._models import TensorInfo
 from weightserve.client._receive import aligned_empty
 from weightserve.client._transport import DEFAULT_READ_TIMEOUT, TLSOptions
 from weightserve.client._url import parse_url
+from weightserve.client._window import DEFAULT_WINDOW_BYTES
 from weightserve.client.errors import TensorNotFound, WeightserveError
 
 __all__ = ["RandomWeights", "RemoteWeights", "WeightsClosed"]
@@ -412,6 +413,48 @@ class RemoteWeights:
             self._key(n, p, strip_prefix): to_torch(a, index[n].dtype, index[n].logical_shape)
             for n, a in arrays.items()
         }
+
+    def iter_torch(
+        self,
+        prefix: str | None = None,
+        *,
+        window_bytes: int = DEFAULT_WINDOW_BYTES,
+        strip_prefix: bool = False,
+    ) -> Iterator[tuple[str, Any]]:
+        """``(name, torch.Tensor)`` of every tensor under ``prefix`` (default: this cursor's
+        name) as it arrives, memory bounded by ``window_bytes``: the iterable engines'
+        ``load_weights(weights)`` takes (vLLM, SGLang), so a model loads layer by layer
+        without being held whole. Each tensor is a zero-copy view of its received buffer,
+        valid until it is dropped; it is not kept here (``data()`` fetches it again)."""
+        p = self._prefix if prefix is None else prefix
+        index = self._state.index
+        arrays = self._state.model.iter_tensors(self._names(p), window_bytes=window_bytes)
+        try:
+            for name, array in arrays:
+                info = index[name]
+                tensor = to_torch(array, info.dtype, info.logical_shape)
+                del array  # no view kept while the consumer moves on
+                yield self._key(name, p, strip_prefix), tensor
+                del tensor
+        finally:
+            arrays.close()  # stopping early closes the stream at once
+
+    def iter_numpy(
+        self,
+        prefix: str | None = None,
+        *,
+        window_bytes: int = DEFAULT_WINDOW_BYTES,
+        strip_prefix: bool = False,
+    ) -> Iterator[tuple[str, np.ndarray]]:
+        """As ``iter_torch``, with NumPy arrays (served dtype and shape)."""
+        p = self._prefix if prefix is None else prefix
+        arrays = self._state.model.iter_tensors(self._names(p), window_bytes=window_bytes)
+        try:
+            for name, array in arrays:
+                yield self._key(name, p, strip_prefix), array
+                del array
+        finally:
+            arrays.close()
 
 
 def _open(

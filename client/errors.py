@@ -10,8 +10,10 @@ the client as the same class.
     │                            defines one subclass per rule)
     ├── NotFound
     │   ├── ModelNotFound
-    │   └── TensorNotFound       also a KeyError, as MAX raises for missing weights
+    │   ├── TensorNotFound       also a KeyError, as MAX raises for missing weights
+    │   └── FileNotFound         a file name the model's repository does not hold
     ├── InvalidRequest           a malformed request: bad slice, bad name, bad offset
+    │   └── RangeNotSatisfiable  a byte range that starts past the end of a file
     ├── Unauthenticated          no valid token
     ├── PermissionDenied         the token may not read this model
     ├── ResourceExhausted        a limit was reached: streams (temporary, ``retry_after``
@@ -69,8 +71,16 @@ class TensorNotFound(NotFound, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class FileNotFound(NotFound):
+    """A file name that the model's repository does not hold (files API, Hub routes)."""
+
+
 class InvalidRequest(WeightserveError):
     pass
+
+
+class RangeNotSatisfiable(InvalidRequest):
+    """A byte range of a file that starts past its end (HTTP 416)."""
 
 
 class Unauthenticated(WeightserveError):
@@ -124,8 +134,10 @@ class DataCorruption(WeightserveError):
 # row of their nearest listed ancestor. A test checks every class above resolves to a row.
 STATUS_TABLE: dict[type[WeightserveError], tuple[int, str]] = {
     TensorNotFound: (404, "NOT_FOUND"),
+    FileNotFound: (404, "NOT_FOUND"),
     ModelNotFound: (404, "NOT_FOUND"),
     NotFound: (404, "NOT_FOUND"),
+    RangeNotSatisfiable: (416, "OUT_OF_RANGE"),
     InvalidRequest: (400, "INVALID_ARGUMENT"),
     Unauthenticated: (401, "UNAUTHENTICATED"),
     PermissionDenied: (403, "PERMISSION_DENIED"),
@@ -155,7 +167,9 @@ ERROR_CLASSES: dict[str, type[WeightserveError]] = {
         NotFound,
         ModelNotFound,
         TensorNotFound,
+        FileNotFound,
         InvalidRequest,
+        RangeNotSatisfiable,
         Unauthenticated,
         PermissionDenied,
         ResourceExhausted,

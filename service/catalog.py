@@ -4,29 +4,45 @@ Start-up reads headers only (the readers never touch tensor data), so opening a 
 holds hundreds of GiB takes milliseconds. A model that fails validation is recorded in
 ``Catalog.problems`` with the file and the rule it breaks; every other model is served.
 
-How a root is laid out (the model id is the path relative to the root, so ``org/name`` works):
+How a root is laid out: the model id is the path relative to the root, so ``org/name`` works.
+These are the rules; README.md ("Model layouts") states them for users.
 
-- a directory below the root holding ``*.safetensors`` files is one model (all its shards,
-  checked against ``model.safetensors.index.json`` when present);
-- otherwise a directory holding PyTorch checkpoints (``*.bin``, ``*.pt``, ``*.pth``) is one
-  model (checked against ``pytorch_model.bin.index.json`` when present); a directory with
-  both formats is served from its safetensors files, as Hugging Face repositories intend;
-- every ``*.gguf`` file is a model of its own (GGUF is a single-file format);
-- a checkpoint file directly in the root is a model of its own, its id the file name.
+- A directory below the root holding weights is one model. Its weights form sets by format
+  and variant (``model.fp16.safetensors``: variant ``fp16``; ``_weight_sets``); ``DIR`` serves
+  the default set (plain safetensors, else plain PyTorch, else the only set), every other set
+  is ``DIR:VARIANT`` (``:fp16``, ``:pytorch``, ``:pytorch.fp16``), indexed on first request.
+- A shard index (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``, a
+  variant's ``model.safetensors.index.fp16.json``) decides which files form its set: files it
+  does not name (Mistral's ``consolidated.safetensors``) are side files, not weights; a named
+  file that is missing refuses the model.
+- Every ``*.gguf`` file is a model; the parts of a split GGUF (``NAME-00001-of-00003.gguf``)
+  are one model ``NAME.gguf``, served only whole. A checkpoint file directly in the root is a
+  model of its own, its id the file name.
+- The Hugging Face hub cache: ``models--ORG--NAME`` is ``ORG/NAME``, the snapshot ``refs/main``
+  names (without refs, the only one); every snapshot is ``ORG/NAME@COMMIT`` and every other
+  ref ``ORG/NAME@REF``. The snapshot's links into the cache's ``blobs/`` stay inside the root.
+- A symlinked directory inside the root is an alias (its own ids, the same files); ids naming
+  the same files share one Model index and one mapping per file.
 
 Paths never leave the root: symlinks that resolve outside it are skipped and reported, and a
 model directory with a shard (or shard index) that leaves the root is refused as a whole rather
-than served in part. Symlinked files inside the root are served; symlinked directories are not
-walked (a directory symlink that leaves the root is reported).
+than served in part. ``-`` as a path part, and ``@`` and ``:`` in names that form ids, are
+reserved (routes, revisions, variants): such names are reported, never served, so no plain
+directory's id can be read as a revision or a variant.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
+import fcntl
+import json
 import logging
 import mmap
 import os
+import re
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -59,7 +75,70 @@ log = logging.getLogger("weightserve.catalog")
 SAFETENSORS_SUFFIXES = (".safetensors",)
 PYTORCH_SUFFIXES = (".bin", ".pt", ".pth")
 GGUF_SUFFIXES = (".gguf",)
-INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+WEIGHT_SUFFIXES = SAFETENSORS_SUFFIXES + PYTORCH_SUFFIXES
+# A shard index, plain or of a variant: model.safetensors.index.json,
+# diffusion_pytorch_model.safetensors.index.fp16.json, pytorch_model.bin.index.json.
+INDEX_NAME = re.compile(
+    r"[^.]+\.(?P<suffix>safetensors|bin|pt|pth)\.index(?:\.(?P<variant>[A-Za-z0-9_]+))?\.json"
+)
+# A weight file of a variant, as transformers and diffusers name them: model.fp16.safetensors,
+# model.fp16-00001-of-00002.safetensors, pytorch_model.fp16.bin. One dot-free stem, so
+# llama-3.1-8b.safetensors is no variant.
+WEIGHT_NAME = re.compile(
+    r"[^.]+\.(?P<variant>[A-Za-z0-9_]+)(?:-\d+-of-\d+)?\.(?:safetensors|bin|pt|pth)"
+)
+# llama.cpp's split GGUF parts (gguf.GGUFWriter with split_max_*, gguf-split).
+SPLIT_GGUF_NAME = re.compile(r"(?P<name>.+)-(?P<number>\d{5})-of-(?P<count>\d{5})\.gguf")
+SPLIT_GGUF_FORMAT = "{}-{:05d}-of-{:05d}.gguf"
+# Trainer artifacts beside the weights, never a weight set of their own.
+TRAINER_FILES = frozenset({"training_args.bin", "optimizer.pt", "scheduler.pt", "scaler.pt"})
+MAX_INDEX_BYTES = 64 << 20
+# Hub cache ref names served as ORG/NAME@REF; refs with a '/' (pr/1) are reachable by commit.
+REF_NAME = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_.-]*")
+HUB_REPO_DIR = re.compile(r"(?P<type>models|datasets|spaces)--(?P<id>.+)")
+# ORG/NAME@REVISION names a snapshot of the hub cache, ID:VARIANT another weight set of a
+# directory. Both characters are refused in the names that form ids (and '-' as a whole path
+# part, for the routes), so no directory can be mistaken for a revision or a variant.
+REVISION_SEPARATOR = "@"
+VARIANT_SEPARATOR = ":"
+ID_SEPARATORS = (REVISION_SEPARATOR, VARIANT_SEPARATOR)
+OUTSIDE_ROOT = "symlink points outside the model root"
+RESERVED_DIRECTORY = (
+    f"a directory named {RESERVED_PART!r} is not served: that name is reserved in URLs "
+    f"(/v1/models/ID/{RESERVED_PART}/stream); rename it"
+)
+RESERVED_CHARACTER = (
+    f"not served: {REVISION_SEPARATOR!r} and {VARIANT_SEPARATOR!r} are reserved in model ids "
+    f"(ORG/NAME{REVISION_SEPARATOR}REVISION, ID{VARIANT_SEPARATOR}VARIANT); rename it"
+)
+
+
+def _weight_format(path: Path) -> str | None:
+    if path.suffix in SAFETENSORS_SUFFIXES:
+        return "safetensors"
+    return "pytorch" if path.suffix in PYTORCH_SUFFIXES else None
+
+
+def _format_of_suffix(suffix: str) -> str:
+    return "safetensors" if suffix == "safetensors" else "pytorch"
+
+
+def _variant_name(fmt: str, variant: str) -> str:
+    """How ``ID:VARIANT`` names a weight set: ``fp16`` (safetensors), ``pytorch`` or
+    ``pytorch.fp16``."""
+    return ".".join(p for p in ("pytorch" if fmt == "pytorch" else "", variant) if p)
+
+
+def _hub_repo_id(directory_name: str) -> str | None:
+    """``ORG/NAME`` of a hub cache folder (``models--ORG--NAME``, as huggingface_hub's
+    ``repo_folder_name`` writes it), or None for any other name."""
+    match = HUB_REPO_DIR.fullmatch(directory_name)
+    if match is None:
+        return None
+    parts = match["id"].split("--")
+    if any(p in ("", ".", "..", RESERVED_PART) or set(p) & set(ID_SEPARATORS) for p in parts):
+        return None
+    return "/".join(parts)
 
 
 def default_readers() -> dict[str, FormatReader]:
@@ -122,6 +201,33 @@ class _DigestBudget:
 DIGEST_BUDGET = _DigestBudget()
 
 
+_LEASES_REFUSED: set[Path] = set()  # files whose lease the kernel refused, logged once
+
+
+def _take_read_lease(fd: int, path: Path) -> bool:
+    """Take a read lease on ``fd`` (see ``MappedFile.hold``): True if held, False where the
+    platform refuses leases; ModelUnavailable if the file is open for writing right now."""
+    if not hasattr(fcntl, "F_SETLEASE"):
+        return False
+    try:
+        # A lease break signals the lease's owner, SIGIO by default, whose default action
+        # ends the process: send SIGURG instead (ignored by default) and clear the owner.
+        fcntl.fcntl(fd, getattr(fcntl, "F_SETSIG", 10), signal.SIGURG)
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+        fcntl.fcntl(fd, fcntl.F_SETOWN, 0)
+        return True
+    except BlockingIOError:
+        raise ModelUnavailable(
+            f"{path.name} is open for writing (being overwritten in place?); retry once the "
+            "writer is done, and replace files by renaming a new file over them"
+        ) from None
+    except OSError as e:  # EACCES/EPERM: not the owner, no CAP_LEASE; EINVAL: no leases here
+        if path not in _LEASES_REFUSED:
+            _LEASES_REFUSED.add(path)
+            log.info("no read lease on %s (%s): in-place truncation is not guarded", path, e)
+        return False
+
+
 class MappedFile:
     """One read-only mmap of one file, shared by every request.
 
@@ -139,6 +245,8 @@ class MappedFile:
         self.size = stamp[2] if stamp is not None else path.stat().st_size
         self._mapped_stamp: FileStamp | None = None  # the file as mapped, checked per chunk
         self._mapped_nlink = 0
+        self._holds = 0  # streams reading this mapping now (see hold)
+        self._leased = False
         self._digests: dict[tuple[int, int], int] = {}
         self._digest_lock = threading.Lock()
 
@@ -205,6 +313,38 @@ class MappedFile:
                     raise
             return self._view
 
+    def hold(self) -> None:
+        """A stream starts reading this mapping: while any does, hold a read lease on the file.
+
+        A truncation under a mapping makes the next read of a removed page SIGBUS, which kills
+        the process (every stream, every model). With the lease, the kernel makes a writer's
+        ``open`` (``cp`` over the file, ``truncate``) wait until we release it, and tells us a
+        writer waits (``F_GETLEASE``, checked with each chunk in ``ensure_unchanged``): the
+        streams of this file are cut at their next chunk, the last one releases the lease,
+        and only then does the writer proceed. Leases need the file's owner or CAP_LEASE and
+        a local file system; where they are refused, streams go unprotected (checked by
+        ``fstat`` only) and this is logged once.
+        """
+        with self._lock:
+            if self._holds == 0 and self._file is not None:
+                self._leased = _take_read_lease(self._file.fileno(), self.path)
+            self._holds += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._holds -= 1
+            if self._holds == 0 and self._leased:
+                self._leased = False
+                if self._file is not None:
+                    with contextlib.suppress(OSError):
+                        fcntl.fcntl(self._file.fileno(), fcntl.F_SETLEASE, fcntl.F_UNLCK)
+
+    def _lease_broken(self, fd: int) -> bool:
+        """A writer waits for our lease. Under the lock: the last stream may be releasing
+        it right now, which is not a writer."""
+        with self._lock:
+            return self._leased and fcntl.fcntl(fd, fcntl.F_GETLEASE) != fcntl.F_RDLCK
+
     def _only_relinked(self, st: os.stat_result, now: FileStamp) -> bool:
         """A rename over the file, a delete or a new hard link changes its ctime (the link
         count changed) but not one byte: streams of the old version read on."""
@@ -221,7 +361,14 @@ class MappedFile:
         """
         if self._file is None:
             return
-        st = os.fstat(self._file.fileno())
+        fd = self._file.fileno()
+        if self._lease_broken(fd):
+            raise ModelUnavailable(
+                f"{self.path.name} is being overwritten in place; the stream is cut before "
+                "its bytes change; the model reloads on its next request (replace files by "
+                "renaming a new file over them)"
+            )
+        st = os.fstat(fd)
         now = file_stamp(st)
         if now[2] < end:
             raise ModelUnavailable(
@@ -364,6 +511,21 @@ class Model:
             self.checked_at = float("-inf")  # recheck the files on the next request
             raise
 
+    @contextlib.contextmanager
+    def holding(self, files: Iterable[Path]) -> Iterator[None]:
+        """Read these (mapped) files inside: each is held (``MappedFile.hold``) until the end."""
+        held: list[MappedFile] = []
+        try:
+            for f in dict.fromkeys(files):
+                mapped = self.mapped(f)
+                mapped.view()
+                mapped.hold()
+                held.append(mapped)
+            yield
+        finally:
+            for mapped in held:
+                mapped.release()
+
     def raw_view(self, entry: TensorEntry) -> memoryview:
         """The bytes of a contiguous tensor as a view of the shared mmap (no copy)."""
         if not entry.contiguous:
@@ -425,6 +587,10 @@ class Catalog:
         # a file changes, so a hostile 256 MiB pickle is walked once, not every rescan.
         self._refused: dict[str, tuple[dict[Path, FileStamp], Problem]] = {}
         self.on_refused: Callable[[Problem], None] | None = None  # metrics: a new refusal
+        # Other weight sets of a directory (``ID:VARIANT``): indexed on their first request.
+        self.variants: dict[str, tuple[str, Path, list[Path]]] = {}
+        self._found_variants: dict[str, tuple[str, Path, list[Path]]] = {}
+        self._model_dirs: set[Path] = set()
         self._lock = threading.Lock()
         self.scan()
 
@@ -438,68 +604,289 @@ class Catalog:
             return False
 
     def discover(self) -> dict[str, tuple[str, Path, list[Path]]]:
-        """model id -> (format, path, files), from the directory layout alone."""
+        """model id -> (format, path, files), from the directory layout alone: the models
+        served at once. A directory's other weight sets go to ``self.variants`` (served on
+        request); refusals found on the way go to ``self.problems``."""
         found: dict[str, tuple[str, Path, list[Path]]] = {}
-        outside = "symlink points outside the model root"
-        reserved = (
-            f"a directory named {RESERVED_PART!r} is not served: that name is reserved in URLs "
-            f"(/v1/models/ID/{RESERVED_PART}/stream); rename it"
-        )
-        for dirpath, dirnames, filenames in os.walk(self.root, followlinks=False):
-            directory = Path(dirpath)
-            at_root = directory == self.root
-            model_id = None if at_root else directory.relative_to(self.root).as_posix()
-            # Symlinked directories are never walked; one that leaves the root is reported.
-            kept = []
-            for name in sorted(d for d in dirnames if not d.startswith(".")):
-                sub = directory / name
-                if name == RESERVED_PART:  # no model id may have this part (validate_model_id)
-                    rel = sub.relative_to(self.root).as_posix()
-                    self.problems[rel] = Problem(rel, rel, reserved)
-                elif sub.is_symlink() and not self._inside_root(sub):
-                    rel = sub.relative_to(self.root).as_posix()
-                    self.problems[rel] = Problem(rel, rel, outside)
-                else:
-                    kept.append(name)
-            dirnames[:] = kept
-            files = []
-            escaped_shard = None
-            for name in sorted(filenames):
-                p = directory / name
-                if name.startswith("."):
-                    continue
-                if not self._inside_root(p):
-                    rel = p.relative_to(self.root).as_posix()
-                    if at_root or p.suffix in GGUF_SUFFIXES:  # a model of its own
-                        self.problems[rel] = Problem(rel, rel, outside)
-                    elif p.suffix in SAFETENSORS_SUFFIXES + PYTORCH_SUFFIXES or name in INDEX_FILES:
-                        escaped_shard = escaped_shard or rel  # never serve a model in part
-                    continue
+        self._found_variants = {}
+        hub_repo = _hub_repo_id(self.root.name)
+        if hub_repo is not None and (self.root / "snapshots").is_dir():
+            self._discover_hub_repo(self.root, hub_repo, found, (self.root,))
+        else:
+            self._discover_tree(self.root, "", found, (self.root,))
+        self.variants = self._found_variants  # swapped whole: ``get`` reads it unlocked
+        return found
+
+    def _refuse(self, key: str, file: str, reason: str) -> None:
+        self.problems.setdefault(key, Problem(key, file, reason))
+
+    def _add(
+        self,
+        found: dict[str, tuple[str, Path, list[Path]]],
+        model_id: str,
+        entry: tuple[str, Path, list[Path]],
+    ) -> None:
+        """One id, one model: a second layout giving a taken id is refused, named by its path."""
+        taken = found.get(model_id, self._found_variants.get(model_id))
+        if taken is None:
+            found[model_id] = entry
+        elif taken != entry:
+            where = self._relative(str(entry[1]))
+            self._refuse(
+                where,
+                where,
+                f"its model id {model_id!r} is taken by {self._relative(str(taken[1]))}; "
+                "rename one of them",
+            )
+
+    def _discover_tree(
+        self,
+        directory: Path,
+        id_prefix: str,
+        found: dict[str, tuple[str, Path, list[Path]]],
+        visiting: tuple[Path, ...],
+    ) -> None:
+        """The models in ``directory`` (a real directory inside the root) and below it;
+        ``id_prefix`` is its id ('' for the root), ``visiting`` the directories walked down
+        to it (a symlink back to one of them is a loop)."""
+        at_root = id_prefix == ""
+        try:
+            entries = sorted(os.scandir(directory), key=lambda e: e.name)
+        except OSError as e:
+            log.info("%s not searched: %s", directory, e)
+            return
+        files: list[Path] = []
+        escaped_shard = None
+        for entry in entries:
+            name = entry.name
+            if name.startswith("."):
+                continue
+            p = directory / name
+            rel = f"{id_prefix}/{name}" if id_prefix else name
+            is_link = entry.is_symlink()
+            if is_link and not self._inside_root(p):
+                if p.is_dir() or at_root or p.suffix in GGUF_SUFFIXES:  # a model of its own
+                    self._refuse(rel, rel, OUTSIDE_ROOT)
+                elif p.suffix in WEIGHT_SUFFIXES or INDEX_NAME.fullmatch(name):
+                    escaped_shard = escaped_shard or rel  # never serve a model in part
+                continue
+            try:
+                is_dir = p.is_dir()
+            except OSError:
+                continue
+            if not is_dir:
                 if p.is_file():
                     files.append(p)
-            if model_id is not None and escaped_shard is not None:
-                self.problems[model_id] = Problem(model_id, escaped_shard, outside)
-            for f in files:
-                if f.suffix in GGUF_SUFFIXES:
-                    found[f.relative_to(self.root).as_posix()] = ("gguf", f, [f])
-            st = [f for f in files if f.suffix in SAFETENSORS_SUFFIXES]
-            pt = [f for f in files if f.suffix in PYTORCH_SUFFIXES]
-            if at_root:
-                for f in st:
-                    found[f.name] = ("safetensors", f, [f])
-                for f in pt:
-                    found[f.name] = ("pytorch", f, [f])
                 continue
-            index = {f.name: f for f in files if f.name in INDEX_FILES}
-            if model_id is None or model_id in self.problems:
-                pass
-            elif st:
-                extra = [index[INDEX_FILES[0]]] if INDEX_FILES[0] in index else []
-                found[model_id] = ("safetensors", directory, st + extra)
-            elif pt:
-                extra = [index[INDEX_FILES[1]]] if INDEX_FILES[1] in index else []
-                found[model_id] = ("pytorch", directory, pt + extra)
-        return found
+            if name == RESERVED_PART:  # no model id may have this part (validate_model_id)
+                self._refuse(rel, rel, RESERVED_DIRECTORY)
+                continue
+            if any(c in name for c in ID_SEPARATORS):
+                self._refuse(rel, rel, RESERVED_CHARACTER)
+                continue
+            real = p.resolve() if is_link else p
+            if real in visiting:
+                self._refuse(rel, rel, "symlink loop: it points to a directory above it")
+                continue
+            hub_repo = _hub_repo_id(name)
+            if hub_repo is not None and (real / "snapshots").is_dir():
+                if name.startswith("models--"):  # datasets and spaces hold no models
+                    repo_id = rel if is_link else f"{id_prefix}/{hub_repo}".lstrip("/")
+                    self._discover_hub_repo(real, repo_id, found, (*visiting, real))
+                continue
+            # A symlinked directory inside the root is an alias: its own ids, same content.
+            self._discover_tree(real, rel, found, (*visiting, real))
+
+        self._discover_gguf(files, id_prefix, found)
+        if at_root:
+            for f in files:
+                fmt = _weight_format(f)
+                if fmt is None:
+                    continue
+                if any(c in f.name for c in ID_SEPARATORS):
+                    self._refuse(f.name, f.name, RESERVED_CHARACTER)
+                else:
+                    self._add(found, f.name, (fmt, f, [f]))
+            return
+        if escaped_shard is not None:
+            self._refuse(id_prefix, escaped_shard, OUTSIDE_ROOT)
+            return
+        sets, default = self._weight_sets(id_prefix, files)
+        for key, set_files in sets.items():
+            if key == default:
+                self._add(found, id_prefix, (key[0], directory, set_files))
+            else:
+                variant_id = id_prefix + VARIANT_SEPARATOR + _variant_name(*key)
+                self._add(self._found_variants, variant_id, (key[0], directory, set_files))
+
+    def _discover_gguf(
+        self, files: list[Path], id_prefix: str, found: dict[str, tuple[str, Path, list[Path]]]
+    ) -> None:
+        """Every ``.gguf`` file is a model; the parts of a split GGUF (``NAME-00001-of-00003.gguf``
+        ...) are one model, ``NAME.gguf``, served only when every part is there."""
+        splits: dict[tuple[str, int], dict[int, Path]] = {}
+        for f in files:
+            if f.suffix not in GGUF_SUFFIXES:
+                continue
+            part = SPLIT_GGUF_NAME.fullmatch(f.name)
+            if part is not None:
+                key = (part["name"], int(part["count"]))
+                splits.setdefault(key, {})[int(part["number"])] = f
+            else:
+                self._add_file_model(found, id_prefix, f.name, ("gguf", f, [f]))
+        for (name, count), parts in splits.items():
+            model_name = name + ".gguf"
+            missing = [n for n in range(1, count + 1) if n not in parts]
+            if missing or count == 0:
+                model_id = f"{id_prefix}/{model_name}".lstrip("/")
+                shown = ", ".join(SPLIT_GGUF_FORMAT.format(name, n, count) for n in missing[:3])
+                self._refuse(
+                    model_id,
+                    self._relative(str(next(iter(parts.values())))),
+                    f"split GGUF {model_name} has {len(parts)} of its {count} parts; missing "
+                    f"{shown}{' ...' if len(missing) > 3 else ''} (a split model is served "
+                    "only whole)",
+                )
+                continue
+            ordered = [parts[n] for n in sorted(parts)]
+            self._add_file_model(found, id_prefix, model_name, ("gguf", ordered[0], ordered))
+
+    def _add_file_model(
+        self,
+        found: dict[str, tuple[str, Path, list[Path]]],
+        id_prefix: str,
+        name: str,
+        entry: tuple[str, Path, list[Path]],
+    ) -> None:
+        model_id = f"{id_prefix}/{name}".lstrip("/")
+        if any(c in name for c in ID_SEPARATORS):
+            self._refuse(model_id, self._relative(str(entry[1])), RESERVED_CHARACTER)
+        else:
+            self._add(found, model_id, entry)
+
+    def _weight_sets(
+        self, model_id: str, files: list[Path]
+    ) -> tuple[dict[tuple[str, str], list[Path]], tuple[str, str] | None]:
+        """A directory's weight sets, (format, variant) -> files, and the default one.
+
+        A set is the format's files of one variant (``model.fp16.safetensors``,
+        ``model.fp16-00001-of-00002.safetensors``: variant ``fp16``; '' for none) with its
+        shard index (``model.safetensors.index.json``, ``model.safetensors.index.fp16.json``).
+        With an index, the index decides: files it does not name are not weights (a leftover
+        ``consolidated.safetensors``), and a file it names that is missing refuses the set.
+        The default is the plain safetensors set, else the plain PyTorch set, else the only
+        set there is.
+        """
+        sets: dict[tuple[str, str], list[Path]] = {}
+        indexes: dict[tuple[str, str], list[Path]] = {}
+        for f in files:
+            index = INDEX_NAME.fullmatch(f.name)
+            fmt = _weight_format(f)
+            if index is not None:
+                key = (_format_of_suffix(index["suffix"]), index["variant"] or "")
+                indexes.setdefault(key, []).append(f)
+            elif (
+                fmt is not None
+                and f.name not in TRAINER_FILES
+                and not f.name.startswith("rng_state")
+            ):
+                weight = WEIGHT_NAME.fullmatch(f.name)
+                sets.setdefault((fmt, (weight and weight["variant"]) or ""), []).append(f)
+        chosen: dict[tuple[str, str], list[Path]] = {}
+        refused: dict[tuple[str, str], tuple[str, str]] = {}  # key -> (file, reason)
+        for key in sorted(sets.keys() | indexes.keys()):
+            weights, key_indexes = sets.get(key, []), indexes.get(key, [])
+            if len(key_indexes) == 1:
+                named = self._index_shard_names(key_indexes[0])
+                if named is not None:
+                    same_format = {f.name: f for f in files if _weight_format(f) == key[0]}
+                    missing = sorted(named - same_format.keys())
+                    if missing:
+                        refused[key] = (
+                            self._relative(str(key_indexes[0])),
+                            f"{key_indexes[0].name} names {', '.join(missing[:3])}"
+                            f"{' ...' if len(missing) > 3 else ''}, not in the directory "
+                            "(an incomplete copy? a model is served only whole)",
+                        )
+                        continue
+                    weights = [same_format[n] for n in sorted(named)]
+            if weights:
+                chosen[key] = weights + key_indexes
+        candidates = chosen.keys() | refused.keys()
+        default = next(
+            (k for k in (("safetensors", ""), ("pytorch", "")) if k in candidates),
+            next(iter(candidates)) if len(candidates) == 1 else None,
+        )
+        for key, (file, reason) in refused.items():
+            suffix = "" if key == default else VARIANT_SEPARATOR + _variant_name(*key)
+            self._refuse(model_id + suffix, file, reason)
+        return chosen, default
+
+    def _index_shard_names(self, index: Path) -> set[str] | None:
+        """The file names an index's ``weight_map`` names, or None when it is not a readable
+        index (then the reader refuses it with the rule it breaks)."""
+        try:
+            if index.stat().st_size > MAX_INDEX_BYTES:
+                return None
+            weight_map = json.loads(index.read_bytes()).get("weight_map")
+        except (OSError, ValueError, AttributeError, RecursionError):
+            return None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) and v == Path(v).name and v not in ("", ".", "..")
+            for v in weight_map.values()
+        ):
+            return None
+        return set(weight_map.values())
+
+    def _discover_hub_repo(
+        self,
+        repo_dir: Path,
+        repo_id: str,
+        found: dict[str, tuple[str, Path, list[Path]]],
+        visiting: tuple[Path, ...],
+    ) -> None:
+        """A repository of the Hugging Face hub cache (``models--ORG--NAME``): ``ORG/NAME`` is
+        the snapshot ``refs/main`` names (without refs, the only snapshot), ``ORG/NAME@REV``
+        every snapshot by its commit and every other ref by its name."""
+        refs_dir = repo_dir / "refs"
+        refs: dict[str, str] = {}
+        try:
+            snapshots = {
+                d.name: d.resolve()
+                for d in sorted((repo_dir / "snapshots").iterdir())
+                if not d.name.startswith(".") and d.is_dir() and self._inside_root(d)
+            }
+            for ref in sorted(refs_dir.rglob("*")) if refs_dir.is_dir() else []:
+                name = ref.relative_to(refs_dir).as_posix()
+                if ref.is_file() and REF_NAME.fullmatch(name) and ref.stat().st_size <= 256:
+                    refs[name] = ref.read_text(errors="replace").strip()
+        except OSError as e:
+            self._refuse(repo_id, self._relative(str(repo_dir)), self._relative(str(e)))
+            return
+        main = refs.get("main")
+        if main is not None and main not in snapshots:
+            self._refuse(
+                repo_id,
+                self._relative(str(refs_dir / "main")),
+                f"refs/main names commit {main[:40]!r}, which has no snapshot (an interrupted "
+                "download?); download it again",
+            )
+            main = None
+        elif main is None and "main" not in refs and len(snapshots) == 1:
+            main = next(iter(snapshots))
+        ids = {} if main is None else {repo_id: main}
+        ids.update({f"{repo_id}{REVISION_SEPARATOR}{c}": c for c in snapshots})
+        ids.update(
+            {
+                f"{repo_id}{REVISION_SEPARATOR}{ref}": commit
+                for ref, commit in refs.items()
+                if ref != "main" and commit in snapshots
+            }
+        )
+        for model_id, commit in ids.items():
+            snapshot = snapshots[commit]
+            if snapshot not in visiting:
+                self._discover_tree(snapshot, model_id, found, (*visiting, snapshot))
 
     def side_files(self, path: Path, files: list[Path], model_dirs: set[Path]) -> list[Path]:
         """The other files of a directory model's repository: every regular file below it
@@ -560,41 +947,26 @@ class Catalog:
 
     def scan(self) -> None:
         """(Re)discover models. Unchanged models keep their index and mappings; unchanged
-        refused models keep their refusal without being parsed again."""
+        refused models keep their refusal without being parsed again. Ids that name the same
+        files (aliases, hub refs) share one Model's index and mappings."""
         started = time.perf_counter()
         with self._lock:
             self.problems = {}
             found = self.discover()
             models: dict[str, Model] = {}
             refused: dict[str, tuple[dict[Path, FileStamp], Problem]] = {}
-            model_dirs = {path for _, path, _ in found.values() if path.is_dir()}
-            for model_id, (fmt, path, files) in found.items():
-                side: list[Path] = []
-                try:
-                    side = self.side_files(path, files, model_dirs)
-                    stamps = current_stamps([*files, *side])
-                    old = self.models.get(model_id)
-                    if old is not None and old.stamps == stamps:
-                        models[model_id] = old
-                        continue
-                    known = self._refused.get(model_id)
-                    if known is not None and known[0] == stamps:
-                        refused[model_id] = known
-                        self.problems[model_id] = known[1]
-                        continue
-                    models[model_id] = self._load(model_id, fmt, path, files, side, stamps)
-                except (CheckpointError, OSError) as e:
-                    if isinstance(e, CheckpointError):
-                        problem = Problem(model_id, self._relative(e.file), self._relative(str(e)))
-                    else:
-                        where = str(e.filename or path)
-                        problem = Problem(model_id, self._relative(where), self._relative(str(e)))
-                    self.problems[model_id] = problem
-                    with contextlib.suppress(OSError):  # files vanished: looked at next time
-                        refused[model_id] = (current_stamps([*files, *side]), problem)
-                    log.warning("model %s refused: %s", model_id, problem.reason)
-                    if self.on_refused is not None:
-                        self.on_refused(problem)
+            self._model_dirs = {
+                path for _, path, _ in [*found.values(), *self.variants.values()] if path.is_dir()
+            }
+            # Variants are read on request (``get``); the ones asked for are kept up to date.
+            asked = {
+                model_id: entry
+                for model_id, entry in self.variants.items()
+                if model_id in self.models or model_id in self._refused
+            }
+            loaded: dict[tuple[str, Path, tuple[Path, ...]], Model] = {}
+            for model_id, entry in [*found.items(), *asked.items()]:
+                self._admit(model_id, entry, models, refused, loaded)
             self.models = models
             self._refused = refused
         log.info(
@@ -603,6 +975,57 @@ class Catalog:
             len(self.problems),
             time.perf_counter() - started,
         )
+
+    def _admit(
+        self,
+        model_id: str,
+        entry: tuple[str, Path, list[Path]],
+        models: dict[str, Model],
+        refused: dict[str, tuple[dict[Path, FileStamp], Problem]],
+        loaded: dict[tuple[str, Path, tuple[Path, ...]], Model],
+    ) -> None:
+        """Index one discovered model into ``models``, or record why it is refused."""
+        fmt, path, files = entry
+        key = (fmt, path, tuple(files))
+        side: list[Path] = []
+        try:
+            side = self.side_files(path, files, self._model_dirs)
+            stamps = current_stamps([*files, *side])
+            old = self.models.get(model_id)
+            if old is not None and old.stamps == stamps:
+                loaded.setdefault(key, old)
+                models[model_id] = old
+                return
+            known = self._refused.get(model_id)
+            if known is not None and known[0] == stamps:
+                refused[model_id] = known
+                self.problems[model_id] = known[1]
+                return
+            same = loaded.get(key)
+            if same is not None and same.stamps == stamps:
+                models[model_id] = dataclasses.replace(same, id=model_id)
+                return
+            models[model_id] = loaded[key] = self._load(model_id, fmt, path, files, side, stamps)
+        except (CheckpointError, OSError) as e:
+            if isinstance(e, CheckpointError):
+                problem = Problem(model_id, self._relative(e.file), self._relative(str(e)))
+            else:
+                where = str(e.filename or path)
+                problem = Problem(model_id, self._relative(where), self._relative(str(e)))
+            self.problems[model_id] = problem
+            with contextlib.suppress(OSError):  # files vanished: looked at next time
+                refused[model_id] = (current_stamps([*files, *side]), problem)
+            log.warning("model %s refused: %s", model_id, problem.reason)
+            if self.on_refused is not None:
+                self.on_refused(problem)
+
+    def _load_variant(self, model_id: str) -> Model | None:
+        """A directory's other weight set (``ID:VARIANT``), indexed on its first request."""
+        with self._lock:
+            if model_id not in self.models and model_id in self.variants:
+                loaded = {(m.format, m.path, tuple(m.files)): m for m in self.models.values()}
+                self._admit(model_id, self.variants[model_id], self.models, self._refused, loaded)
+            return self.models.get(model_id)
 
     def warm_revisions(self) -> None:
         """Compute every model's revision now (in the background after a scan), so the first
@@ -650,6 +1073,10 @@ class Catalog:
         model = self.models.get(model_id)
         if model is not None:
             return self._fresh(model)
+        if model_id in self.variants and model_id not in self.problems:
+            model = self._load_variant(model_id)
+            if model is not None:
+                return model
         problem = self.problems.get(model_id)
         if problem is not None:
             raise ModelUnavailable(f"model {model_id!r} is refused: {problem.reason}")

@@ -66,6 +66,10 @@ class IndexMismatch(CheckpointError):
     rule = "shard index disagrees with the shards"
 
 
+class SplitMismatch(CheckpointError):
+    rule = "split GGUF parts disagree"
+
+
 class ForbiddenPickleGlobal(CheckpointError):
     rule = "pickle asks for a forbidden global"
 

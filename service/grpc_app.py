@@ -25,7 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from weightserve.client._proto.weightserve.v1 import weightserve_pb2 as pb
 from weightserve.client._schema import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
 from weightserve.client.errors import InvalidRequest, WeightserveError, status_for
-from weightserve.service import models_view
+from weightserve.service import files, models_view
 from weightserve.service.arrow_writer import END_OF_STREAM
 from weightserve.service.auth import Access, authorize
 from weightserve.service.state import ServiceState
@@ -237,6 +237,87 @@ class WeightService:
     def GetServerInfo(self, request: pb.GetServerInfoRequest, context: grpc.ServicerContext) -> Any:
         return pb.ServerInfo(version=server_version(), flight_port=self.state.flight_port)
 
+    @_unary_call("model_info")
+    def ListFiles(self, request: pb.GetModelRequest, context: grpc.ServicerContext) -> Any:
+        listing = files.file_list(self.state.readable_model(self._access(context), request.model))
+        return pb.FileList(
+            id=listing["id"],
+            revision=listing["revision"],
+            commit=listing["commit"],
+            files=[pb.FileInfo(**f) for f in listing["files"]],
+        )
+
+    def ReadFile(self, request: pb.FileRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """A file's bytes as FileChunk messages; the same slot, idle cut and metrics as
+        StreamTensors (operation ``file``)."""
+        state = self.state
+        calls = state.metrics.grpc
+        started = time.perf_counter()
+        try:
+            access = self._access(context)
+            model = state.readable_model(access, request.model)
+            files.check_revision(model, request.revision)
+            file = files.repo_file(model, request.name)
+            byte_range = files.file_range(model, file, request.offset, request.length or None)
+            etag = model.file_digest(file.path)
+            files.pin_file(model, file)
+            client = access.client_key(peer_host(context.peer()))
+            slot = state.reading_slot(model, {file.path}, "grpc", client)
+            slot.__enter__()
+        except WeightserveError as e:
+            calls.failed("file", status_for(e)[1], type(e).__name__)
+            _abort(context, e)
+        context.send_initial_metadata(
+            (
+                ("etag", etag),
+                ("x-file-size", str(file.size)),
+                ("x-weightserve-revision", model.revision),
+            )
+        )
+        sent = 0
+        outcome = ("CANCELLED", "Cancelled")  # unless it finishes or breaks
+        progress = self.idle.watch(context)
+        try:
+            for chunk in files.file_chunks(model, file, byte_range):
+                if not context.is_active():
+                    return
+                message = encode_arrow_data((chunk,))  # FileChunk has ArrowData's layout
+                sent += len(chunk)
+                progress[0] = time.monotonic()
+                yield message
+                progress[0] = time.monotonic()
+            outcome = ("OK", "")
+        except WeightserveError as e:  # e.g. a file truncated while being served
+            log.warning("gRPC file %s of model %s broke: %s", file.name, model.id, e)
+            outcome = (status_for(e)[1], type(e).__name__)
+            _abort(context, e)
+        except Exception:
+            outcome = ("UNKNOWN", "Internal")
+            raise
+        finally:
+            slot.__exit__(None, None, None)
+            self._stream_ended("file", model.id, progress, sent, outcome, started)
+
+    def _stream_ended(
+        self,
+        operation: str,
+        model_id: str,
+        progress: list[float],
+        sent: int,
+        outcome: tuple[str, str],
+        started: float,
+    ) -> None:
+        """The bookkeeping of a server-streaming call's end: idle watch, bytes, metrics."""
+        self.idle.forget(progress)
+        self.state.metrics.bytes_served.labels("grpc", model_id).inc(sent)
+        code, error = outcome
+        if code == "OK":
+            self.state.metrics.grpc.succeeded(operation, code, time.perf_counter() - started)
+        else:
+            if error == "Cancelled" and time.monotonic() - progress[0] > self.idle.timeout:
+                error = "IdleTimeout"  # _IdleCutter cancelled it
+            self.state.metrics.grpc.failed(operation, code, error)
+
     def StreamTensors(
         self, request: pb.TensorRequest, context: grpc.ServicerContext
     ) -> Iterator[bytes]:
@@ -280,16 +361,8 @@ class WeightService:
             outcome = ("UNKNOWN", "Internal")
             raise
         finally:
-            self.idle.forget(progress)
             slot.__exit__(None, None, None)
-            state.metrics.bytes_served.labels("grpc", model.id).inc(sent)
-            code, error = outcome
-            if code == "OK":
-                calls.succeeded("stream", code, time.perf_counter() - started)
-            else:
-                if error == "Cancelled" and time.monotonic() - progress[0] > self.idle.timeout:
-                    error = "IdleTimeout"  # _IdleCutter cancelled it
-                calls.failed("stream", code, error)
+            self._stream_ended("stream", model.id, progress, sent, outcome, started)
 
 
 def create_grpc_server(
@@ -322,6 +395,16 @@ def create_grpc_server(
             service.GetServerInfo,
             request_deserializer=pb.GetServerInfoRequest.FromString,
             response_serializer=pb.ServerInfo.SerializeToString,
+        ),
+        "ListFiles": grpc.unary_unary_rpc_method_handler(
+            service.ListFiles,
+            request_deserializer=pb.GetModelRequest.FromString,
+            response_serializer=pb.FileList.SerializeToString,
+        ),
+        "ReadFile": grpc.unary_stream_rpc_method_handler(
+            service.ReadFile,
+            request_deserializer=pb.FileRequest.FromString,
+            response_serializer=lambda b: b,  # already encoded FileChunk
         ),
         "StreamTensors": grpc.unary_stream_rpc_method_handler(
             service.StreamTensors,

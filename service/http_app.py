@@ -86,8 +86,17 @@ class ArrowStreamResponse(Response):
         length: int,
         headers: dict[str, str],
         release: Any,
+        status_code: int = 200,
+        media_type: str | None = None,
     ) -> None:
-        super().__init__(content=None, headers={**headers, "content-length": str(length)})
+        # The files API sends a file's bytes (or a 206 range of them) the same way, as
+        # messages ``(b"", data)``: the data part is what the bytes-served metric counts.
+        super().__init__(
+            content=None,
+            status_code=status_code,
+            headers={**headers, "content-length": str(length)},
+            media_type=media_type or self.media_type,
+        )
         self.state = state
         self.model_id = model_id
         self.messages = messages
@@ -105,7 +114,8 @@ class ArrowStreamResponse(Response):
         idle = _IdleCut(self.state.limits.idle_timeout)
         writer: _SocketWriter | None = None
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            start = {"type": "http.response.start", "status": self.status_code}
+            await send({**start, "headers": self.raw_headers})
             writer = await _SocketWriter.attach(send, self.state.limits.idle_timeout)
             if writer is not None:
                 idle.close()  # the writer enforces the idle timeout itself
@@ -345,8 +355,12 @@ def route_operation(path: str) -> str:
     """The ``operation`` label of a route template: a fixed set, never a model id."""
     if path == "/v1/models":
         return "list_models"
+    if "/-/files/" in path or "/resolve/" in path:  # a file's bytes, Hub routes included
+        return "file"
     if path.startswith("/v1/models/"):
         return "stream" if path.endswith("/stream") or "/tensors/" in path else "model_info"
+    if path.startswith("/api/"):  # the Hub-compatible model info and file listings
+        return "model_info"
     fixed = {"/healthz": "health", "/readyz": "ready", "/metrics": "metrics"}
     if path in fixed:
         return fixed[path]
@@ -598,6 +612,10 @@ def create_app(state: ServiceState) -> FastAPI:
         return start_stream(http, model, request)
 
     web_app.add_browser_routes(app, state, access)  # the page at / and its stats route
+    # Imported here: these modules build on ArrowStreamResponse above.
+    from weightserve.service import http_files
+
+    http_files.add_file_routes(app, state, access)
 
     # The layout before the reserved `-` part, registered after the routes above and before
     # the model's own route. A path ending in /stream or holding /tensors/ may be a model id
@@ -694,4 +712,9 @@ def create_app(state: ServiceState) -> FastAPI:
             return Response(status_code=304, headers=headers)
         return JSONResponse(models_view.model_info(m), headers=headers)
 
+    # Last: the Hub's layout (/api/models/..., /{repo}/resolve/...) takes only what no route
+    # above answers.
+    from weightserve.service import hub_routes
+
+    hub_routes.add_hub_routes(app, state, access)
     return app

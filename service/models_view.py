@@ -56,4 +56,6 @@ def model_list(
             for p in catalog.problems.values()
             if may_read(p.model)
         ],
+        # Other weight sets of a model (ID:fp16, ID:pytorch, ...): indexed on first request.
+        "variants": sorted(v for v in catalog.variants if may_read(v)),
     }

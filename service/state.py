@@ -126,9 +126,16 @@ class ServiceState:
         become statuses, not broken streams), then take a stream slot, which the caller
         releases (``slot.__exit__``) when the stream ends."""
         planned = plan_stream(model, request, self.limits.max_names)
-        slot = self.stream_slot(transport, client)
+        slot = self.reading_slot(model, {p.entry.file for p in planned}, transport, client)
         slot.__enter__()
         return planned, slot
+
+    @contextlib.contextmanager
+    def reading_slot(self, model: Model, files: set, transport: str, client: str) -> Iterator[None]:
+        """A stream slot, and the files the stream reads held (read-leased, see
+        ``MappedFile.hold``) while it runs: every transfer that reads mapped bytes takes one."""
+        with self.stream_slot(transport, client), model.holding(files):
+            yield
 
     def wait_for_streams(self, timeout: float) -> bool:
         """Block until every open stream ended (True) or the timeout passed (False)."""

@@ -96,7 +96,10 @@ def add_browser_routes(
 
 
 def compute_stats(model: Model, entry: TensorEntry, bins: int) -> TensorStats:
-    values, kind, count = _sample(model, entry)
+    model.pin([entry.file])
+    with model.holding([entry.file]):  # no truncation under the sampled pages (SIGBUS)
+        values, kind, count = _sample(model, entry)
+        model.mapped(entry.file).ensure_unchanged()
     finite_mask = np.isfinite(values)
     finite = values[finite_mask]
     nan_count = int(np.isnan(values).sum())

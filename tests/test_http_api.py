@@ -41,7 +41,8 @@ def test_list_models_and_problems(api, model_root, reference) -> None:
     r = api("/v1/models")
     assert r.status == 200
     listing = r.json()
-    assert set(listing) == {"models", "problems"}
+    assert set(listing) == {"models", "problems", "variants"}
+    assert listing["variants"] == []  # no other weight sets in this root
     models = {m["id"]: m for m in listing["models"]}
     assert set(models) == set(model_root.models)
     for model_id, (fmt, _) in model_root.models.items():

@@ -1,4 +1,5 @@
-"""GGUF reader: index one ``.gguf`` file (llama.cpp's format, v2 and v3) without touching its data.
+"""GGUF reader: index one ``.gguf`` file (llama.cpp's format, v2 and v3), or the parts of a split
+GGUF as one model, without touching their data.
 
 The header is parsed here with plain, bounded file reads rather than ``gguf.GGUFReader``: that
 reader memory-maps the whole file, builds NumPy views of every tensor and accepts counts and
@@ -169,12 +170,16 @@ class GGUFReader:
         self.max_header_bytes = max_header_bytes
 
     def read(self, files: Sequence[Path]) -> ModelContents:
-        if len(files) != 1:
-            raise ValueError(f"a GGUF model is one .gguf file; got {len(files)} files")
-        path = Path(files[0])
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size  # of the file we hold open, not a later one
-            return self._read(_HeaderCursor(f, path, size, self.max_header_bytes))
+        """One ``.gguf`` file, or the parts of a split GGUF in order (part 1 first)."""
+        if not files:
+            raise ValueError("a GGUF model needs at least one .gguf file")
+        parts = []
+        for file in files:
+            path = Path(file)
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size  # of the file we hold open, not a later one
+                parts.append(self._read(_HeaderCursor(f, path, size, self.max_header_bytes)))
+        return parts[0] if len(parts) == 1 else _join_split([Path(f) for f in files], parts)
 
     def _read(self, c: _HeaderCursor) -> ModelContents:
         path = c.path
@@ -344,6 +349,47 @@ class GGUFReader:
             logical_shape=logical,
             encoding=encoding,
         )
+
+
+def _join_split(paths: list[Path], parts: list[ModelContents]) -> ModelContents:
+    """The parts of a split GGUF (llama.cpp's ``split.no``/``split.count``/``split.tensors.count``
+    keys, written by ``gguf.GGUFWriter`` and ``gguf-split``) as one model: tensors in part
+    order, the metadata of part 1 (the other parts carry only the split keys). Parts without
+    split keys (written one by one) are taken in the order given."""
+    count = len(parts)
+    tensors: dict[str, TensorEntry] = {}
+    for number, (path, part) in enumerate(zip(paths, parts, strict=True)):
+        said_count = part.metadata.get(Keys.Split.LLM_KV_SPLIT_COUNT)
+        if said_count is not None and said_count != count:
+            raise errors.SplitMismatch(
+                path, f"split.count is {said_count}, but the model has {count} parts"
+            )
+        said_number = part.metadata.get(Keys.Split.LLM_KV_SPLIT_NO)
+        if said_number is not None and said_number != number:
+            raise errors.SplitMismatch(
+                path,
+                f"split.no is {said_number}, but its file name makes it part {number + 1} of "
+                f"{count} (split.no {number})",
+            )
+        for name, entry in part.tensors.items():
+            if name in tensors:
+                raise errors.DuplicateTensor(
+                    path, f"also in part {tensors[name].file.name}", tensor=name
+                )
+            tensors[name] = entry
+    first = parts[0].metadata
+    said_total = first.get(Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT)
+    if said_total is not None and said_total != len(tensors):
+        raise errors.SplitMismatch(
+            paths[0], f"split.tensors.count is {said_total}, but the parts hold {len(tensors)}"
+        )
+    return ModelContents(
+        format=parts[0].format,
+        tensors=tensors,
+        metadata=first,
+        # Each part aligns its own data; the smallest alignment holds for every tensor.
+        alignment=min(p.alignment for p in parts),
+    )
 
 
 def _check_no_overlap(path: Path, entries: Any) -> None:

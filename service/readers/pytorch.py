@@ -62,7 +62,8 @@ MAX_PICKLE_BYTES = 256 << 20  # data.pkl is headers only; 100k tensors need a fe
 MAX_INDEX_BYTES = 64 << 20
 _MAX_DEPTH = 64
 _CHECKPOINT_SUFFIXES = {".bin", ".pt", ".pth"}
-_INDEX_SUFFIXES = (".bin.index.json", ".pt.index.json", ".pth.index.json")
+# The index of a variant (pytorch_model.bin.index.fp16.json) names that variant's shards.
+_VARIANT_INDEX = re.compile(r"\.(?:bin|pt|pth)\.index(?:\.[A-Za-z0-9_]+)?\.json$")
 # Files the Hugging Face Trainer writes next to weights; they are not state dicts.
 _NOT_WEIGHTS = {"training_args.bin", "optimizer.pt", "scheduler.pt", "scaler.pt"}
 _LEGACY_MAGIC = b"\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
@@ -496,7 +497,7 @@ class PytorchReader:
 
     def read(self, files: Sequence[Path]) -> ModelContents:
         paths = [Path(f) for f in files]
-        indexes = [p for p in paths if p.name.endswith(_INDEX_SUFFIXES)]
+        indexes = [p for p in paths if _VARIANT_INDEX.search(p.name)]
         if len(indexes) > 1:
             raise IndexMismatch(indexes[0], f"several shard indexes: {[p.name for p in indexes]}")
         weight_map: dict[str, str] | None = None

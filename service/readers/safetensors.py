@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,6 +34,8 @@ from weightserve.service.readers.base import ModelContents, TensorEntry
 MAX_HEADER_BYTES = 100_000_000
 SHARD_SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
+# The index of a variant (model.safetensors.index.fp16.json) names that variant's shards.
+VARIANT_INDEX = re.compile(r"\.safetensors\.index(?:\.[A-Za-z0-9_]+)?\.json$")
 METADATA_KEY = "__metadata__"
 # The reference reader computes numel x bits in 64-bit integers; a shape beyond that cannot
 # come from a real writer, and capping it keeps the product of a crafted shape cheap.
@@ -80,7 +83,7 @@ class SafetensorsReader:
     def read(self, files: Sequence[Path]) -> ModelContents:
         paths = [Path(f) for f in files]
         shards = sorted((p for p in paths if p.name.endswith(SHARD_SUFFIX)), key=str)
-        indexes = sorted((p for p in paths if p.name.endswith(INDEX_SUFFIX)), key=str)
+        indexes = sorted((p for p in paths if VARIANT_INDEX.search(p.name)), key=str)
         if not shards:
             raise ValueError(f"no {SHARD_SUFFIX} file among {[str(p) for p in paths]}")
         tensors: dict[str, TensorEntry] = {}

@@ -6,6 +6,48 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class FileList(_message.Message):
+    __slots__ = ("id", "revision", "commit", "files")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    revision: str
+    commit: str
+    files: _containers.RepeatedCompositeFieldContainer[FileInfo]
+    def __init__(self, id: _Optional[str] = ..., revision: _Optional[str] = ..., commit: _Optional[str] = ..., files: _Optional[_Iterable[_Union[FileInfo, _Mapping]]] = ...) -> None: ...
+
+class FileInfo(_message.Message):
+    __slots__ = ("name", "size", "etag")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    ETAG_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    etag: str
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., etag: _Optional[str] = ...) -> None: ...
+
+class FileRequest(_message.Message):
+    __slots__ = ("model", "name", "offset", "length", "revision")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    name: str
+    offset: int
+    length: int
+    revision: str
+    def __init__(self, model: _Optional[str] = ..., name: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., revision: _Optional[str] = ...) -> None: ...
+
+class FileChunk(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

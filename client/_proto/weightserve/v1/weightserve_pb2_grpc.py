@@ -55,6 +55,16 @@ class WeightServiceStub:
                 request_serializer=weightserve_dot_v1_dot_weightserve__pb2.GetServerInfoRequest.SerializeToString,
                 response_deserializer=weightserve_dot_v1_dot_weightserve__pb2.ServerInfo.FromString,
                 _registered_method=True)
+        self.ListFiles = channel.unary_unary(
+                '/weightserve.v1.WeightService/ListFiles',
+                request_serializer=weightserve_dot_v1_dot_weightserve__pb2.GetModelRequest.SerializeToString,
+                response_deserializer=weightserve_dot_v1_dot_weightserve__pb2.FileList.FromString,
+                _registered_method=True)
+        self.ReadFile = channel.unary_stream(
+                '/weightserve.v1.WeightService/ReadFile',
+                request_serializer=weightserve_dot_v1_dot_weightserve__pb2.FileRequest.SerializeToString,
+                response_deserializer=weightserve_dot_v1_dot_weightserve__pb2.FileChunk.FromString,
+                _registered_method=True)
 
 
 class WeightServiceServicer:
@@ -89,6 +99,23 @@ class WeightServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListFiles(self, request, context):
+        """Every file of the model's repository: weights, their index and the side files engines
+        read (config.json, tokenizer files, ...), with sizes and content digests.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadFile(self, request, context):
+        """One file's bytes, exactly as in the model's directory, from `offset` for `length` bytes.
+        Server-streaming; the initial metadata carries "etag" (the file's digest), "x-file-size"
+        and "x-weightserve-revision" before the first chunk.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +138,16 @@ def add_WeightServiceServicer_to_server(servicer, server):
                     servicer.GetServerInfo,
                     request_deserializer=weightserve_dot_v1_dot_weightserve__pb2.GetServerInfoRequest.FromString,
                     response_serializer=weightserve_dot_v1_dot_weightserve__pb2.ServerInfo.SerializeToString,
+            ),
+            'ListFiles': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListFiles,
+                    request_deserializer=weightserve_dot_v1_dot_weightserve__pb2.GetModelRequest.FromString,
+                    response_serializer=weightserve_dot_v1_dot_weightserve__pb2.FileList.SerializeToString,
+            ),
+            'ReadFile': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadFile,
+                    request_deserializer=weightserve_dot_v1_dot_weightserve__pb2.FileRequest.FromString,
+                    response_serializer=weightserve_dot_v1_dot_weightserve__pb2.FileChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +258,60 @@ class WeightService:
             '/weightserve.v1.WeightService/GetServerInfo',
             weightserve_dot_v1_dot_weightserve__pb2.GetServerInfoRequest.SerializeToString,
             weightserve_dot_v1_dot_weightserve__pb2.ServerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListFiles(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightserve.v1.WeightService/ListFiles',
+            weightserve_dot_v1_dot_weightserve__pb2.GetModelRequest.SerializeToString,
+            weightserve_dot_v1_dot_weightserve__pb2.FileList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadFile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/weightserve.v1.WeightService/ReadFile',
+            weightserve_dot_v1_dot_weightserve__pb2.FileRequest.SerializeToString,
+            weightserve_dot_v1_dot_weightserve__pb2.FileChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -18,8 +18,12 @@ the client as the same class.
     ├── PermissionDenied         the token may not read this model
     ├── ResourceExhausted        a limit was reached: streams (temporary, ``retry_after``
     │                            set) or request size (final)
+    │   └── CacheTooSmall        a model larger than the whole node cache (final)
     ├── ModelUnavailable         the model exists but cannot be served now (failed checks,
     │                            file changed underneath, server shutting down)
+    │   ├── OriginUnavailable    the origin a node cache fills from cannot be reached or
+    │   │                        keeps failing (after bounded retries)
+    │   └── OriginChanged        an origin's object changed or vanished while being fetched
     ├── RevisionMismatch         the model changed since the revision the request names
     ├── TransportError           the server could not be reached, or the stream broke
     │   └── ServerUnreachable
@@ -100,6 +104,11 @@ class ResourceExhausted(WeightserveError):
         self.retry_after = retry_after
 
 
+class CacheTooSmall(ResourceExhausted):
+    """A model larger than the whole node cache (``--cache-size``): final, the message names
+    both sizes; a larger cache or another server is the way out."""
+
+
 class ModelUnavailable(WeightserveError):
     """The model cannot be served now; with ``retry_after`` (a server shutting down) the client
     waits and tries again, which reaches another replica or the restarted server."""
@@ -107,6 +116,17 @@ class ModelUnavailable(WeightserveError):
     def __init__(self, message: str, *, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class OriginUnavailable(ModelUnavailable):
+    """The origin a node cache fills from (object storage, an upstream weightserve) could not
+    be reached or kept failing, after bounded retries; models already cached are still
+    served. The message names the origin and the cause."""
+
+
+class OriginChanged(ModelUnavailable):
+    """An origin's object changed (or vanished) while it was being fetched: list the origin
+    again and fetch the new version."""
 
 
 class RevisionMismatch(WeightserveError):
@@ -141,6 +161,8 @@ STATUS_TABLE: dict[type[WeightserveError], tuple[int, str]] = {
     InvalidRequest: (400, "INVALID_ARGUMENT"),
     Unauthenticated: (401, "UNAUTHENTICATED"),
     PermissionDenied: (403, "PERMISSION_DENIED"),
+    # 507 Insufficient Storage: waiting (429's promise) cannot make the model fit.
+    CacheTooSmall: (507, "RESOURCE_EXHAUSTED"),
     ResourceExhausted: (429, "RESOURCE_EXHAUSTED"),
     CheckpointError: (422, "FAILED_PRECONDITION"),
     ModelUnavailable: (503, "UNAVAILABLE"),
@@ -173,7 +195,10 @@ ERROR_CLASSES: dict[str, type[WeightserveError]] = {
         Unauthenticated,
         PermissionDenied,
         ResourceExhausted,
+        CacheTooSmall,
         ModelUnavailable,
+        OriginUnavailable,
+        OriginChanged,
         RevisionMismatch,
         TransportError,
         ServerUnreachable,

@@ -1,0 +1,83 @@
+"""A loopback TCP proxy that counts the bytes its upstream sends, to show what a read costs the
+origin (e.g. "the second read of a cached model costs no origin bytes"). Same shape as
+CuttingProxy in tests/test_faults.py, without the cut.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from collections.abc import Callable
+
+
+class ByteCountingProxy:
+    """Passes every connection to ``127.0.0.1:upstream_port``; ``bytes_from_upstream`` and
+    ``connections`` count what went through. ``reset()`` starts the counts again."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.bytes_from_upstream = 0
+        self.bytes_to_upstream = 0
+        self.connections = 0
+        self._lock = threading.Lock()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self._stop = threading.Event()
+        self._socks: list[socket.socket] = []
+        self._start(self._accept)
+
+    def __enter__(self) -> ByteCountingProxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.bytes_from_upstream = self.bytes_to_upstream = self.connections = 0
+
+    def _start(self, target: Callable, *args: object) -> None:
+        threading.Thread(target=target, args=args, daemon=True).start()
+
+    def _accept(self) -> None:
+        self.listener.settimeout(0.2)
+        while not self._stop.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            except OSError:  # upstream down: the client sees the connection closed
+                client.close()
+                continue
+            with self._lock:
+                self.connections += 1
+                self._socks += [client, upstream]
+            self._start(self._pump, client, upstream, False)
+            self._start(self._pump, upstream, client, True)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, from_upstream: bool) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(256 << 10):
+                with self._lock:
+                    if from_upstream:
+                        self.bytes_from_upstream += len(data)
+                    else:
+                        self.bytes_to_upstream += len(data)
+                dst.sendall(data)
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._stop.set()
+        self.listener.close()
+        with self._lock:
+            socks, self._socks = self._socks, []
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.close()

@@ -10,4 +10,8 @@ Modules: ``checkpoint`` (the cached test checkpoint), ``procs`` (server and work
 processes), ``worker`` (one measured client), ``ceilings``, ``webserver``, ``server`` and
 ``weightserve_loads`` (the contenders), ``report`` (stats, goals, table), ``run`` (the
 orchestration), ``profile`` (py-spy profiles of the whole-model loads).
+
+``python -m bench.fill`` measures cold fills of the node cache from a loopback S3 server
+(``s3``: SeaweedFS) against ``pyarrow.fs.copy_files`` of the same objects
+(``bench/results/fill-latest.json``).
 """

@@ -102,6 +102,8 @@ class Server:
                 "0",
                 "--grpc-port",
                 "0",
+                "--flight-port",  # any free port too: a fixed one collides with other servers
+                "0",
                 "--grace",
                 "5",
                 "--log-level",

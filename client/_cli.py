@@ -146,10 +146,16 @@ def _ls(args: argparse.Namespace) -> int:
     with Client(args.url, token=args.token, retry_seconds=args.retry_seconds) as client:
         if model_id is None:
             models, problems = client.list_models()
-            print(f"{'MODEL':40} {'FORMAT':12} {'TENSORS':>8} {'SIZE':>10}  REVISION")
+            # A node cache tells each model's state (remote, filling, cached); a server's own
+            # root has nothing to tell, and its listing keeps the columns it always had.
+            with_state = any(m.state != "local" for m in models)
+            state_head = f"{'STATE':8} " if with_state else ""
+            print(f"{'MODEL':40} {'FORMAT':12} {'TENSORS':>8} {'SIZE':>10}  {state_head}REVISION")
             for m in models:
+                state = f"{m.state:8} " if with_state else ""
                 print(
-                    f"{m.id:40} {m.format:12} {m.tensor_count:>8} {_size(m.total_bytes):>10}  {m.revision}"
+                    f"{m.id:40} {m.format or '-':12} {m.tensor_count:>8} "
+                    f"{_size(m.total_bytes):>10}  {state}{m.revision}"
                 )
             for p in problems:
                 print(f"refused {p.model}: {p.reason}")

@@ -10,7 +10,7 @@ import os
 import threading
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,8 @@ from weightserve.client._transport import (
 from weightserve.client._url import ServerAddress, parse_url
 from weightserve.client._window import DEFAULT_WINDOW_BYTES, iter_received
 from weightserve.client.errors import InvalidRequest, TensorNotFound
+
+_SUMMARY_FIELDS = frozenset(f.name for f in fields(ModelSummary))
 
 # Loads below this many bytes use one stream. On the 2-core bench machine a second stream
 # never helped HTTP (2 GiB: 0.47 s on one, 0.52 s on two) and helped gRPC by 4 %, while it
@@ -104,7 +106,11 @@ class Client:
     def list_models(self) -> tuple[list[ModelSummary], list[ModelProblem]]:
         listing = self._with_retry(self.transport.list_models, f"{self.address.url} models")
         return (
-            [ModelSummary(**m) for m in listing["models"]],
+            # Fields a newer server adds are left out: this client does not know them.
+            [
+                ModelSummary(**{k: v for k, v in m.items() if k in _SUMMARY_FIELDS})
+                for m in listing["models"]
+            ],
             [ModelProblem(**p) for p in listing["problems"]],
         )
 

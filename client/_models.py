@@ -78,6 +78,9 @@ class ModelSummary:
     revision: str
     tensor_count: int
     total_bytes: int
+    # A node cache's models: "cached", "filling" or "remote" (listed by its origin, filled on
+    # first use; revision "" and tensor_count 0 until then). "local": a server's own root.
+    state: str = "local"
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from typing import TypeVar
 
 from weightserve.client.errors import (
     DataCorruption,
+    ModelFilling,
     ModelUnavailable,
     ResourceExhausted,
     ServerUnreachable,
@@ -66,8 +67,10 @@ def retry_reason(exc: BaseException, stream: bool = True) -> str | None:
     """
     if isinstance(exc, ResourceExhausted) and exc.retry_after is not None:
         return "server busy"
+    if isinstance(exc, ModelFilling):
+        return "model being copied into the server's cache"
     if isinstance(exc, ModelUnavailable) and exc.retry_after is not None:
-        return "server shutting down"
+        return "model reloading or server shutting down"
     if isinstance(exc, ServerUnreachable):
         return "server unreachable"
     if stream and isinstance(exc, (TransportError, DataCorruption)):
@@ -94,7 +97,9 @@ class Backoff:
         """Seconds to wait before trying again after ``exc`` (a retryable error, see
         ``retry_reason``), or None: the budget is spent."""
         now = time.monotonic()
-        if self._deadline is None:
+        if self._deadline is None or isinstance(exc, ModelFilling):
+            # A fill in progress is not an outage: the budget starts again from each answer
+            # (the server's fill itself ends, with the model or OriginUnavailable).
             self._deadline = now + self.budget
         left = self._deadline - now
         if left <= 0:

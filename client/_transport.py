@@ -630,6 +630,7 @@ class GrpcTransport:
                     "revision": m.revision,
                     "tensor_count": m.tensor_count,
                     "total_bytes": m.total_bytes,
+                    "state": m.state or "local",
                 }
                 for m in resp.models
             ],

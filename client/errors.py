@@ -21,6 +21,8 @@ the client as the same class.
     │   └── CacheTooSmall        a model larger than the whole node cache (final)
     ├── ModelUnavailable         the model exists but cannot be served now (failed checks,
     │                            file changed underneath, server shutting down)
+    │   ├── ModelFilling         a node cache is copying the model from its origin now;
+    │   │                        the client waits as long as the server says so
     │   ├── OriginUnavailable    the origin a node cache fills from cannot be reached or
     │   │                        keeps failing (after bounded retries)
     │   └── OriginChanged        an origin's object changed or vanished while being fetched
@@ -118,6 +120,12 @@ class ModelUnavailable(WeightserveError):
         self.retry_after = retry_after
 
 
+class ModelFilling(ModelUnavailable):
+    """A node cache is copying the model from its origin (the message says how far). Always
+    temporary: the client waits without spending its retry budget, since each such answer
+    is news of a fill that ends, with the model or with OriginUnavailable."""
+
+
 class OriginUnavailable(ModelUnavailable):
     """The origin a node cache fills from (object storage, an upstream weightserve) could not
     be reached or kept failing, after bounded retries; models already cached are still
@@ -197,6 +205,7 @@ ERROR_CLASSES: dict[str, type[WeightserveError]] = {
         ResourceExhausted,
         CacheTooSmall,
         ModelUnavailable,
+        ModelFilling,
         OriginUnavailable,
         OriginChanged,
         RevisionMismatch,

@@ -158,6 +158,9 @@ class RepoFile:
     size: int
 
 
+# The hint given with "changed since it was indexed": the next request re-indexes the model.
+RELOAD_RETRY_AFTER = 0.5
+
 # Side files larger than this are not served (weights and their leftovers are exempt): they
 # are configs, tokenizers and templates, not bulk data.
 SIDE_FILE_MAX_BYTES = 256 << 20
@@ -297,7 +300,8 @@ class MappedFile:
                         # file, so serving these bytes under the old revision would mix two.
                         raise ModelUnavailable(
                             f"{self.path.name} changed since it was indexed; the model reloads "
-                            "on its next request"
+                            "on its next request",
+                            retry_after=RELOAD_RETRY_AFTER,  # clients retry by themselves
                         )
                     self.size = found[2]
                     self._mapped_stamp, self._mapped_nlink = found, st.st_nlink
@@ -1065,6 +1069,12 @@ class Catalog:
         problem = self.problems.get(model.id)
         reason = problem.reason if problem else "its files are gone"
         raise ModelUnavailable(f"model {model.id!r} changed on disk and is refused: {reason}")
+
+    @contextlib.contextmanager
+    def using(self, model_id: str) -> Iterator[None]:
+        """Hold the model while a stream reads it: nothing to do for a local root (a catalog
+        over a node cache keeps the model from eviction)."""
+        yield
 
     def get(self, model_id: str, may_read: Callable[[str], bool] | None = None) -> Model:
         """The model, or ModelNotFound. ``may_read`` limits the "did you mean" suggestion

@@ -24,6 +24,9 @@ from weightserve.client._arg_types import (
     switch,
 )
 from weightserve.service.catalog import GGUF_SUFFIXES, PYTORCH_SUFFIXES, SAFETENSORS_SUFFIXES
+from weightserve.service.node_cache import parse_size
+from weightserve.service.origin_catalog import OriginCatalog
+from weightserve.service.origins import DEFAULT_CONCURRENCY, DEFAULT_PART_BYTES
 from weightserve.service.state import Limits
 
 if TYPE_CHECKING:
@@ -46,6 +49,8 @@ class Setting:
     help: str
     value: Callable[[str], object] | None = None  # None: a switch, on when the flag is given
     shown_default: str | None = None  # how --help and the README show the default
+    # Given any number of times (the variable: comma-separated); the value is a tuple.
+    repeat: bool = False
 
     @property
     def dest(self) -> str:
@@ -67,8 +72,23 @@ class Setting:
         return str(self.default)
 
 
+def byte_size(text: str) -> int:
+    """A number of bytes, optionally with a unit: 500GiB, 64MiB, 2TB."""
+    try:
+        value = parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return value
+
+
 SETTINGS: tuple[Setting, ...] = (
-    Setting("root", "WEIGHTSERVE_ROOT", None, "model root directory", str,
+    Setting("root", "WEIGHTSERVE_ROOT", None,
+            "model root directory, or an origin to fill the node cache from: "
+            "s3://BUCKET/PREFIX or gs://BUCKET/PREFIX (pyarrow.fs URI with its query options, "
+            "e.g. ?endpoint_override=HOST:PORT&scheme=http), http(s)://HOST:PORT of another "
+            "weightserve, file:///DIR", str,
             "none: give ROOT or --demo"),
     Setting("--demo", "WEIGHTSERVE_DEMO", False,
             "write a small demonstration model into the cache directory (--cache-dir) "
@@ -114,6 +134,30 @@ SETTINGS: tuple[Setting, ...] = (
             "where file content digests (file-digests.sqlite) are kept across restarts, so "
             "revisions cost no reads after the first, and where --demo writes", str,
             "$XDG_CACHE_HOME/weightserve, else ~/.cache/weightserve"),
+    Setting("--cache-size", "WEIGHTSERVE_CACHE_SIZE", None,
+            "with an origin ROOT: the most bytes the node cache (CACHE_DIR/node-cache) holds, "
+            "e.g. 500GiB; least recently used models are evicted", byte_size,
+            "nine tenths of the free disk space at start"),
+    Setting("--fill-concurrency", "WEIGHTSERVE_FILL_CONCURRENCY", DEFAULT_CONCURRENCY,
+            "with an origin ROOT: ranged reads in flight per file while a model is filled",
+            positive_int),
+    Setting("--fill-part-size", "WEIGHTSERVE_FILL_PART_SIZE", DEFAULT_PART_BYTES,
+            "with an origin ROOT: bytes per ranged read while a model is filled", byte_size,
+            "16MiB"),
+    Setting("--pin", "WEIGHTSERVE_PIN", (),
+            "with an origin ROOT: a model filled at start and never evicted; repeatable "
+            "(the variable: comma-separated ids)", non_empty, "none", repeat=True),
+    Setting("--origin-token", "WEIGHTSERVE_ORIGIN_TOKEN", None,
+            "with an http(s):// origin: the bearer token for the upstream weightserve "
+            "(WEIGHTSERVE_TOKEN is not used for it)", str, "none"),
+    Setting("--origin-ca", "WEIGHTSERVE_ORIGIN_CA", None,
+            "with an https:// origin: trust this CA (PEM) for the upstream weightserve",
+            str, "the system's CAs"),
+    Setting("--origin-cert", "WEIGHTSERVE_ORIGIN_CERT", None,
+            "with an https:// origin that requires mutual TLS: this client certificate (PEM)",
+            str, "none"),
+    Setting("--origin-key", "WEIGHTSERVE_ORIGIN_KEY", None,
+            "the unencrypted PEM private key of --origin-cert", str, "none"),
     Setting("--require-models", "WEIGHTSERVE_REQUIRE_MODELS", False,
             "refuse to start when the root holds no servable model (otherwise: a warning)"),
     Setting("--log-level", "WEIGHTSERVE_LOG_LEVEL", "info",
@@ -147,6 +191,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument("root", nargs="?", default=None, metavar="ROOT", help=help_text)
         elif s.value is None:
             parser.add_argument(s.flag, action="store_true", default=None, help=help_text)
+        elif s.repeat:
+            parser.add_argument(
+                s.flag, type=s.value, action="append", default=None, metavar="MODEL", help=help_text
+            )
         else:
             metavar = _METAVARS.get(s.value, s.dest.split("_")[-1].upper())
             parser.add_argument(s.flag, type=s.value, default=None, metavar=metavar, help=help_text)
@@ -163,6 +211,10 @@ def apply_environment(args: argparse.Namespace, environ: Mapping[str, str] = os.
             setattr(args, s.dest, s.default)
             continue
         try:
+            if s.repeat:
+                items = [item.strip() for item in raw.split(",") if item.strip()]
+                setattr(args, s.dest, tuple((s.value or str)(item) for item in items))
+                continue
             setattr(args, s.dest, (s.value or switch)(raw))
         except argparse.ArgumentTypeError as e:
             raise ConfigError(f"{s.env}={raw!r} (the variable of {s.flag}): {e}") from None
@@ -203,7 +255,14 @@ def run_serve(args: argparse.Namespace) -> int:
         setting = SETTINGS_BY_DEST.get(e.setting)
         return _cannot_start(f"{setting.label}: {e}" if setting else str(e))
     catalog = server.catalog
-    print(f"weightserve: {len(catalog.models)} models from {catalog.root}", flush=True)
+    if isinstance(catalog, OriginCatalog):
+        print(
+            f"weightserve: {len(catalog.remote)} models from {catalog.description}, "
+            f"{len(catalog.models)} cached in {catalog.root}",
+            flush=True,
+        )
+    else:
+        print(f"weightserve: {len(catalog.models)} models from {catalog.root}", flush=True)
     for problem in catalog.problems.values():
         print(f"  refused {problem.model}: {problem.reason}", flush=True)
     print(f"  HTTP  {server.http_url}/v1/models   (OpenAPI: {server.http_url}/docs)", flush=True)
@@ -234,9 +293,11 @@ def _configured_server(args: argparse.Namespace) -> WeightServer:
         StartupError,
         WeightServer,
         check_listeners,
+        is_origin_uri,
     )
 
     cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    root: Path | None
     if args.demo:
         target = Path(args.root) if args.root else cache_dir / "demo-root"
         try:
@@ -247,21 +308,25 @@ def _configured_server(args: argparse.Namespace) -> WeightServer:
                 f"cannot write the demonstration model into {target}: {e.strerror or e}; "
                 "point --cache-dir (WEIGHTSERVE_CACHE_DIR) at a writable directory",
             ) from None
+    elif args.root and is_origin_uri(args.root):
+        root = None
     elif args.root:
         root = Path(args.root)
     else:
         raise StartupError("root", "give a model root directory, or --demo")
-    if not root.is_dir():
+    if root is None:
+        pass  # an origin: opened (and its URI checked) with the node cache
+    elif not root.is_dir():
         raise StartupError(
             "root",
             f"model root {root} is not a directory: give the directory that holds the models",
         )
-    if not os.access(root, os.R_OK | os.X_OK):
+    elif not os.access(root, os.R_OK | os.X_OK):
         raise StartupError(
             "root", f"model root {root} is not readable by this process (uid {os.getuid()})"
         )
     config = ServerConfig(
-        root=str(root),
+        root=args.root if root is None else str(root),
         host=args.host,
         http_port=args.http_port,
         grpc_port=args.grpc_port,
@@ -281,10 +346,25 @@ def _configured_server(args: argparse.Namespace) -> WeightServer:
         rescan_seconds=args.rescan,
         watch=not args.no_watch,
         cache_dir=str(cache_dir),
+        cache_size=args.cache_size,
+        fill_concurrency=args.fill_concurrency,
+        fill_part_size=args.fill_part_size,
+        pins=tuple(args.pin),
+        origin_token=args.origin_token,
+        origin_tls=(args.origin_ca, args.origin_cert, args.origin_key),
     )
     check_listeners(config)  # before the scan: a taken port is the only line on stderr
     server = WeightServer(config)
     catalog = server.catalog
+    if isinstance(catalog, OriginCatalog):
+        if catalog.origin_error is not None:
+            log.warning(
+                "%s; cached models are served, the others once it can be listed",
+                catalog.origin_error,
+            )
+        elif not catalog.remote:
+            log.warning("the origin %s holds no model: %s", catalog.description, _models_wanted())
+        return server
     if not catalog.models:
         refused = f"; refused: {', '.join(sorted(catalog.problems))}" if catalog.problems else ""
         problem = f"no models found under {catalog.root}: {_models_wanted()}{refused}"

@@ -6,7 +6,15 @@ Every metric and label is listed in docs/protocol.md ("Metrics"); keep the two i
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from weightserve.service.node_cache import CacheStats
 
 
 class Metrics:
@@ -86,6 +94,53 @@ class Metrics:
         self.http = CallRecorder(self, "http")
         self.grpc = CallRecorder(self, "grpc")
         self.flight = CallRecorder(self, "flight")
+
+
+# The node cache's counters (service/node_cache.py CacheStats): (metric, kind, help, field).
+NODE_CACHE_METRICS = (
+    ("weightserve_origin_requests_total", "counter", "Listings and files fetched from the origin",
+     None),
+    ("weightserve_origin_failures_total", "counter", "Origin listings and fetches that failed",
+     "origin_failures"),
+    ("weightserve_origin_bytes_total", "counter", "Bytes fetched from the origin",
+     "origin_bytes"),
+    ("weightserve_cache_fills_total", "counter", "Models filled (or refreshed) from the origin",
+     "fills"),
+    ("weightserve_cache_fill_failures_total", "counter", "Fills that failed", "fill_failures"),
+    ("weightserve_cache_fill_seconds_total", "counter", "Time spent filling models",
+     "fill_seconds"),
+    ("weightserve_cache_hits_total", "counter", "Requests that found their model cached",
+     "hits"),
+    ("weightserve_cache_misses_total", "counter", "Requests that filled or waited for a fill",
+     "misses"),
+    ("weightserve_cache_evictions_total", "counter", "Models evicted to make room",
+     "evictions"),
+    ("weightserve_cache_evicted_bytes_total", "counter", "Bytes of the models evicted",
+     "evicted_bytes"),
+    ("weightserve_cache_bytes", "gauge", "Bytes the node cache holds (and reserves for fills)",
+     "bytes_used"),
+    ("weightserve_cache_models", "gauge", "Models held whole in the node cache",
+     "models_cached"),
+)  # fmt: skip
+
+
+class NodeCacheCollector(Collector):
+    """The node cache's counters, read from one consistent ``snapshot()`` per scrape."""
+
+    def __init__(self, snapshot: Callable[[], CacheStats]) -> None:
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.snapshot()
+        for name, kind, text, field in NODE_CACHE_METRICS:
+            if field is None:  # requests: listings and files together
+                value: float = stats.origin_listings + stats.origin_fetches
+            else:
+                value = getattr(stats, field)
+            if kind == "counter":
+                yield CounterMetricFamily(name.removesuffix("_total"), text, value=value)
+            else:
+                yield GaugeMetricFamily(name, text, value=value)
 
 
 class CallRecorder:

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from weightserve.service.catalog import Catalog, Model
+from weightserve.service.origin_catalog import OriginCatalog
 from weightserve.service.readers.base import TensorEntry
 
 
@@ -48,9 +49,16 @@ def model_info(model: Model) -> dict[str, Any]:
 def model_list(
     catalog: Catalog, may_read: Callable[[str], bool] = lambda _: True
 ) -> dict[str, Any]:
-    """Models (and refused models) the caller may read; the others are not even named."""
+    """Models (and refused models) the caller may read; the others are not even named.
+    Over a node cache, each model has a ``state`` (``cached``, ``filling``, ``remote``) and
+    the origin's models not cached yet are listed too."""
+    summaries = [model_summary(m) for m in catalog.models.values() if may_read(m.id)]
+    if isinstance(catalog, OriginCatalog):
+        for summary in summaries:
+            summary["state"] = "cached"
+        summaries += catalog.remote_summaries(may_read)
     return {
-        "models": [model_summary(m) for m in catalog.models.values() if may_read(m.id)],
+        "models": summaries,
         "problems": [
             {"model": p.model, "file": p.file, "reason": p.reason}
             for p in catalog.problems.values()

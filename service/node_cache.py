@@ -40,6 +40,7 @@ from weightserve.client.errors import (
     ResourceExhausted,
     WeightserveError,
 )
+from weightserve.service.catalog import SPLIT_GGUF_NAME
 
 if TYPE_CHECKING:
     from weightserve.service.origins import Origin, OriginFile
@@ -136,7 +137,7 @@ class NodeCache:
 
     A model is the set of origin files the caller names for an id: the id is the model's path
     below the origin's prefix, and each file is the id itself (a single-file model) or lies
-    under ``ID/``. Models are filled whole on first use, evicted whole, least recently used
+    under ``ID/`` (the parts of a split GGUF lie beside it). Models are filled whole on first use, evicted whole, least recently used
     first; never while in use (``using``), being filled, or pinned.
     """
 
@@ -584,17 +585,29 @@ class NodeCache:
                     self._remove_data(path.relative_to(self.data_dir).as_posix())
 
 
+def _belongs(model_id: str, name: str) -> bool:
+    """Whether the file ``name`` is part of the model: the id itself, a file under ``ID/``,
+    or, for a split GGUF ``DIR/NAME.gguf``, one of its parts ``DIR/NAME-00001-of-00003.gguf``
+    beside it (where a local root has them too)."""
+    if name == model_id or name.startswith(model_id + "/"):
+        return True
+    directory, _, base = model_id.rpartition("/")
+    part_directory, _, part_name = name.rpartition("/")
+    part = SPLIT_GGUF_NAME.fullmatch(part_name)
+    return part is not None and part_directory == directory and part["name"] + ".gguf" == base
+
+
 def _model_files(model_id: str, listing: list[OriginFile]) -> list[OriginFile]:
-    return [f for f in listing if f.name == model_id or f.name.startswith(model_id + "/")]
+    return [f for f in listing if _belongs(model_id, f.name)]
 
 
 def _check_files(model_id: str, files: list[OriginFile]) -> None:
     for file in files:
         _checked_name(file.name, "file name")
-        if file.name != model_id and not file.name.startswith(model_id + "/"):
+        if not _belongs(model_id, file.name):
             raise ValueError(
                 f"file {file.name!r} is not part of model {model_id!r}: a model's files are "
-                f"{model_id!r} itself or lie under {model_id + '/'!r}"
+                f"{model_id!r} itself, lie under {model_id + '/'!r}, or are its split GGUF parts"
             )
 
 

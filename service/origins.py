@@ -42,6 +42,7 @@ from weightserve.client.errors import (
     Unauthenticated,
     WeightserveError,
 )
+from weightserve.service.catalog import SPLIT_GGUF_NAME
 
 log = logging.getLogger("weightserve.service")
 
@@ -354,7 +355,8 @@ class UpstreamOrigin:
         self.description = f"weightserve at {address.url}"
         self.retry = retry
         self.transport = HttpTransport(address, token=token, tls=tls, timeout=timeout)
-        self._models: set[str] = set()
+        # Origin file name -> (model id, file name) on the upstream, from the last listing.
+        self._sources: dict[str, tuple[str, str]] = {}
         self._models_lock = threading.Lock()
 
     def _attempt(self, what: str, action: Callable[[], T]) -> T:
@@ -394,36 +396,49 @@ class UpstreamOrigin:
     def list_files(self) -> list[OriginFile]:
         listing = self._attempt("list its models", self.transport.list_models)
         ids = sorted(m["id"] for m in listing.get("models", []))
-        with self._models_lock:
-            self._models = set(ids)
 
-        def files_of(model: str) -> list[OriginFile]:
+        def files_of(model: str) -> list[tuple[OriginFile, str, str]]:
             try:
                 files = self._attempt(
                     f"list the files of {model}", lambda: self.transport.list_files(model)
                 )
             except NotFound:
                 return []  # removed since it was listed
+            names = [f["name"] for f in files["files"]]
+            # A file model (``dir/x.gguf``, split parts ``dir/x-00001-of-00002.gguf`` ...) lists
+            # its files relative to its directory: they go beside the id, as in the upstream's
+            # root, so the node gives the model the same id.
+            directory = _file_model_directory(model, names)
             return [
-                OriginFile(f"{model}/{f['name']}", f["size"], f["etag"]) for f in files["files"]
+                (
+                    OriginFile(
+                        f"{directory}{f['name']}"
+                        if directory is not None
+                        else f"{model}/{f['name']}",
+                        f["size"],
+                        f["etag"],
+                    ),
+                    model,
+                    f["name"],
+                )
+                for f in files["files"]
             ]
 
         with concurrent.futures.ThreadPoolExecutor(LIST_CONCURRENCY) as pool:
             found = [f for files in pool.map(files_of, ids) for f in files]
-        return sorted(found, key=lambda f: f.name)
+        with self._models_lock:
+            self._sources = {file.name: (model, name) for file, model, name in found}
+        return sorted((file for file, _, _ in found), key=lambda f: f.name)
 
     def _split(self, name: str) -> tuple[str, str]:
-        """(model id, file name) of an origin file name; ids may contain '/' themselves."""
+        """(model id, file name on the upstream) of an origin file name, as last listed."""
         for refresh in (False, True):
             if refresh:
-                listing = self._attempt("list its models", self.transport.list_models)
-                with self._models_lock:
-                    self._models = {m["id"] for m in listing.get("models", [])}
+                self.list_files()
             with self._models_lock:
-                owners = [m for m in self._models if name.startswith(m + "/")]
-            if owners:
-                model = max(owners, key=len)
-                return model, name[len(model) + 1 :]
+                source = self._sources.get(name)
+            if source is not None:
+                return source
         raise OriginChanged(
             f"origin {self.description} holds no model that {name} belongs to any more; "
             "list it again"
@@ -487,6 +502,20 @@ class UpstreamOrigin:
 
     def close(self) -> None:
         self.transport.close()
+
+
+def _file_model_directory(model: str, names: list[str]) -> str | None:
+    """``DIR/`` (or ``""`` at the top) when ``model`` is a file model of the upstream: its
+    files are the id's last part itself or that GGUF's split parts, named without a folder.
+    None for a directory model, whose files go under ``model/``."""
+    directory, _, base = model.rpartition("/")
+    if not names or any("/" in n for n in names):
+        return None
+    for name in names:
+        part = SPLIT_GGUF_NAME.fullmatch(name)
+        if name != base and (part is None or part["name"] + ".gguf" != base):
+            return None
+    return directory + "/" if directory else ""
 
 
 # ------------------------------------------------------------------------- parallel parts

@@ -20,11 +20,21 @@ import grpc
 import pyarrow as pa
 import uvicorn
 
+from weightserve.client._transport import TLSOptions
+from weightserve.client.errors import ModelUnavailable, WeightserveError
 from weightserve.service.auth import TokenStore
 from weightserve.service.catalog import Catalog
 from weightserve.service.flight_app import FlightService
 from weightserve.service.grpc_app import SERVICE_NAME, create_grpc_server
 from weightserve.service.http_app import create_app
+from weightserve.service.node_cache import NodeCache
+from weightserve.service.origin_catalog import OriginCatalog, default_cache_size
+from weightserve.service.origins import (
+    DEFAULT_CONCURRENCY,
+    DEFAULT_PART_BYTES,
+    OriginFile,
+    open_origin,
+)
 from weightserve.service.revisions import DigestStore
 from weightserve.service.state import Limits, ServiceState
 
@@ -54,6 +64,20 @@ class ServerConfig:
     # Where file content digests are remembered across restarts (file-digests.sqlite); None:
     # in memory only, so each start reads every file once to compute revisions.
     cache_dir: str | None = None
+    # When ``root`` is an origin URI (s3://, gs://, file://, http(s)://): the node cache in
+    # CACHE_DIR/node-cache (see docs/origins.md). None: a fraction of the free disk space.
+    cache_size: int | None = None
+    fill_concurrency: int = DEFAULT_CONCURRENCY
+    fill_part_size: int = DEFAULT_PART_BYTES
+    pins: tuple[str, ...] = ()  # models filled at start and never evicted
+    origin_token: str | None = None  # bearer token for an upstream weightserve
+    # (CA, client certificate, key) PEM files for an https:// upstream; None: system CAs
+    origin_tls: tuple[str | None, str | None, str | None] | None = None
+
+
+def is_origin_uri(root: str) -> bool:
+    """Whether ROOT names an origin (``SCHEME://...``) rather than a local directory."""
+    return "://" in root
 
 
 def _url_host(host: str) -> str:
@@ -194,6 +218,50 @@ def _token_store(path: str) -> TokenStore:
         ) from None
 
 
+def _origin_catalog(config: ServerConfig, digests: DigestStore | None) -> OriginCatalog:
+    """The catalog of an origin through the node cache in CACHE_DIR/node-cache; the pinned
+    models are filled before it returns."""
+    from weightserve.service.demo import default_cache_dir
+
+    try:
+        ca, cert, key = config.origin_tls or (None, None, None)
+        tls = TLSOptions(ca, cert, key) if ca or cert or key else None
+        origin = open_origin(config.root, token=config.origin_token, tls=tls)
+    except ValueError as e:
+        raise StartupError("root", str(e)) from None
+    cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
+    directory = cache_dir / "node-cache"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        size = config.cache_size or default_cache_size(directory)
+        cache = NodeCache(
+            origin,
+            directory,
+            size,
+            concurrency=config.fill_concurrency,
+            part_bytes=config.fill_part_size,
+            pins=config.pins,
+        )
+    except OSError as e:
+        raise StartupError(
+            "cache_dir", f"cannot use {directory} as the node cache: {e.strerror or e}"
+        ) from None
+    except ModelUnavailable as e:  # the directory is another server's
+        raise StartupError("cache_dir", str(e)) from None
+    catalog = OriginCatalog(cache, digests=digests)
+    try:
+        cache.warm(None if catalog.origin_error else _listing(catalog))
+    except WeightserveError as e:
+        cache.close()
+        raise StartupError("pin", f"cannot fill the pinned models: {e}") from None
+    catalog.scan()
+    return catalog
+
+
+def _listing(catalog: OriginCatalog) -> list[OriginFile]:
+    return [f for model in catalog.remote.values() for f in model.files]
+
+
 class WeightServer:
     def __init__(self, config: ServerConfig, catalog: Catalog | None = None) -> None:
         self.config = config
@@ -201,8 +269,11 @@ class WeightServer:
         _check_tls(config)
         _check_ports_distinct(config)
         tokens = _token_store(config.token_file) if config.token_file else None
-        self.catalog = catalog or Catalog(
-            config.root, digests=DigestStore(config.cache_dir) if config.cache_dir else None
+        digests = DigestStore(config.cache_dir) if config.cache_dir else None
+        self.catalog = catalog or (
+            _origin_catalog(config, digests)
+            if is_origin_uri(config.root)
+            else Catalog(config.root, digests=digests)
         )
         self.state = ServiceState(self.catalog, config.limits, tokens, config.protect_metrics)
         self._http_thread: threading.Thread | None = None
@@ -407,7 +478,9 @@ class WeightServer:
             threading.Thread(
                 target=self._rescan_loop, name="weightserve-rescan", daemon=True
             ).start()
-        if self.config.watch:
+        # A node cache's directory changes only by its own fills and evictions, which index
+        # the cache themselves; the origin is relisted by the periodic rescan.
+        if self.config.watch and not isinstance(self.catalog, OriginCatalog):
             threading.Thread(target=self._watch_loop, name="weightserve-watch", daemon=True).start()
 
     def _set_grpc_health(self, serving: bool) -> None:
@@ -488,6 +561,8 @@ class WeightServer:
                 self._uvicorn.force_exit = True
         if self._http_thread is not None:
             self._http_thread.join(timeout=grace + 5)
+        if isinstance(self.catalog, OriginCatalog):
+            self.catalog.cache.close()  # a restarted server may take the directory over
 
     def __enter__(self) -> WeightServer:
         return self.start()

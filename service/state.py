@@ -12,7 +12,8 @@ from weightserve.client._schema import DEFAULT_CHUNK_BYTES
 from weightserve.client.errors import ModelUnavailable, ResourceExhausted
 from weightserve.service.auth import Access, TokenStore
 from weightserve.service.catalog import Catalog, Model
-from weightserve.service.metrics import Metrics
+from weightserve.service.metrics import Metrics, NodeCacheCollector
+from weightserve.service.origin_catalog import OriginCatalog
 from weightserve.service.streaming import PlannedTensor, TensorRequest, plan_stream
 
 
@@ -54,6 +55,8 @@ class ServiceState:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         catalog.on_refused = self.on_refused
+        if isinstance(catalog, OriginCatalog):
+            self.metrics.registry.register(NodeCacheCollector(catalog.cache.snapshot))
         self.metrics.model_refusals.inc(len(catalog.problems))  # those of the first scan
         self.refresh_gauges()
 
@@ -133,8 +136,13 @@ class ServiceState:
     @contextlib.contextmanager
     def reading_slot(self, model: Model, files: set, transport: str, client: str) -> Iterator[None]:
         """A stream slot, and the files the stream reads held (read-leased, see
-        ``MappedFile.hold``) while it runs: every transfer that reads mapped bytes takes one."""
-        with self.stream_slot(transport, client), model.holding(files):
+        ``MappedFile.hold``) while it runs: every transfer that reads mapped bytes takes one.
+        A node cache keeps the model from eviction meanwhile (``Catalog.using``)."""
+        with (
+            self.stream_slot(transport, client),
+            self.catalog.using(model.id),
+            model.holding(files),
+        ):
             yield
 
     def wait_for_streams(self, timeout: float) -> bool:

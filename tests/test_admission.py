@@ -297,7 +297,7 @@ def test_draining_server_is_waited_for(busy_server: WeightServer, root: Root) ->
         finally:
             srv.state.draining = False
     assert_arrays(got, root.arrays["crowd"])
-    assert "server shutting down" in waits
+    assert "model reloading or server shutting down" in waits
 
 
 # ----------------------------------------------------------------------------- per-client keys

@@ -97,3 +97,41 @@ def test_bench_quick(tmp_path: Path) -> None:
     for g in goals:
         assert {"goal", "target", "measured", "met"} <= set(g)
         assert g["measured"] >= 0
+
+
+FILL_CONTENDERS = {
+    "copy_files",
+    "copy_files_chunk16MiB",
+    "fill_c8_p16MiB",
+    "fill_c4_p32MiB",
+    "fill_c16_p8MiB",
+}
+
+
+@pytest.mark.slow
+def test_bench_fill_quick(tmp_path: Path) -> None:
+    """``python -m bench.fill --quick``: SeaweedFS on loopback, the ceiling and every fill
+    setting run, bytes checked, JSON written."""
+    out = tmp_path / "fill.json"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env["AWS_EC2_METADATA_DISABLED"] = "true"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.fill", "--quick", "--out", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "ratio" in proc.stdout
+
+    results = json.loads(out.read_text())
+    assert {"machine", "config", "checkpoint", "contenders"} <= set(results)
+    contenders = results["contenders"]
+    assert set(contenders) == FILL_CONTENDERS
+    assert contenders["copy_files"]["ratio_to_ceiling"] == 1.0
+    for key, c in contenders.items():
+        assert c["bytes"] == results["checkpoint"]["file_bytes"] > 0, key
+        assert c["median_s"] > 0 and c["gbps"] > 0 and c["ratio_to_ceiling"] > 0, key

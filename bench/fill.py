@@ -267,11 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         c["ratio_to_ceiling"] = ceiling["median_s"] / c["median_s"]
     write_json(args.out, results)
     print(table(results))
-    try:
-        shown = args.out.resolve().relative_to(REPO)
-    except ValueError:
-        shown = args.out
-    print(f"\nJSON: {shown}")
+    report.print_saved(args.out, REPO)
     return 0
 
 

@@ -7,6 +7,7 @@ import platform
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 MiB = 1 << 20
@@ -196,3 +197,12 @@ def table(results: dict[str, Any]) -> str:
             + (f"  -- {g['missed_by']}" if g["missed_by"] else "")
         )
     return "\n".join(lines)
+
+
+def print_saved(path: Path, repo: Path) -> None:
+    """Say where the JSON results went, relative to the repository when inside it."""
+    try:
+        shown = path.resolve().relative_to(repo)
+    except ValueError:
+        shown = path
+    print(f"\nJSON: {shown}")

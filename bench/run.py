@@ -316,11 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     ratios_and_goals(results, ck)
     write_json(args.out, results)
     print(report.table(results))
-    try:
-        shown = args.out.resolve().relative_to(REPO)
-    except ValueError:
-        shown = args.out
-    print(f"\nJSON: {shown}")
+    report.print_saved(args.out, REPO)
     return 0
 
 

@@ -302,11 +302,7 @@ class FilePull:
                         reason = retry_reason(e)
                         if reason is None:
                             raise
-                        delay = backoff.next_wait(e)
-                        if delay is None:  # the budget is spent
-                            if not backoff.tries:
-                                raise
-                            raise backoff.gave_up(e) from e
+                        delay = backoff.wait_or_raise(e)
                         if on_wait is not None:
                             on_wait(reason, delay)
                         time.sleep(delay)

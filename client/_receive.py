@@ -157,11 +157,7 @@ def receive(
             reason = retry_reason(e)
             if reason is None or (retries is not None and attempt > retries):
                 raise
-            delay = backoff.next_wait(e)
-            if delay is None:  # the budget is spent
-                if not backoff.tries:
-                    raise
-                raise backoff.gave_up(e) from e
+            delay = backoff.wait_or_raise(e)
             remaining = [n for n in expected if n not in done and n not in handed_over]
             if partial is not None and partial.header.name in remaining:
                 request = replace(

@@ -112,6 +112,16 @@ class Backoff:
         self.tries += 1
         return min(wait, left)  # the last try comes at the deadline, not after it
 
+    def wait_or_raise(self, exc: WeightserveError) -> float:
+        """``next_wait(exc)``, or, once the budget is spent, raise: ``exc`` itself if it was
+        never retried, else ``gave_up(exc)``. Call it while handling ``exc``."""
+        wait = self.next_wait(exc)
+        if wait is not None:
+            return wait
+        if not self.tries:
+            raise exc
+        raise self.gave_up(exc) from exc
+
     def gave_up(self, exc: WeightserveError) -> WeightserveError:
         """``exc`` (same class) saying how long it was retried and how to wait longer."""
         message = (
@@ -139,11 +149,7 @@ def call_with_retry(
             reason = retry_reason(e, stream=False)
             if reason is None:
                 raise
-            wait = backoff.next_wait(e)
-            if wait is None:  # the budget is spent
-                if not backoff.tries:
-                    raise
-                raise backoff.gave_up(e) from e
+            wait = backoff.wait_or_raise(e)
             log.warning("%s: %s (%s); retrying in %.1f s", what, reason, e, wait)
             if on_wait is not None:
                 on_wait(reason, wait)

@@ -25,6 +25,16 @@ from bench.weightserve_loads import remote_weights_class
 
 RESULTS = REPO / "bench" / "results" / "latest.json"
 MiB = 1 << 20
+RSS_GROUPS = ("weightserve", "diagnostic", "partial", "ceiling_flight", "same_node")
+# Client memory goal per transport (load only: start-up imports excluded, see rss_over_bytes).
+RSS_GOALS = (
+    ("ws_http_max", "HTTP, MAX path"),
+    ("ws_grpc_max", "gRPC URL, MAX path"),
+    ("ws_flight_fetch", "Arrow Flight, fetch"),
+    ("ws_grpc_fetch_streamtensors", "gRPC StreamTensors, fetch"),
+    ("ws_http_layers", "HTTP, layer by layer"),
+    ("ws_grpc_layers", "Arrow Flight, layer by layer"),
+)
 
 
 @dataclass
@@ -37,7 +47,13 @@ class Contender:
 
 
 def contenders(
-    ck: Checkpoint, raw_port: int, web_port: int, http: str, grpc: str, args: argparse.Namespace
+    ck: Checkpoint,
+    raw_port: int,
+    web_port: int,
+    http: str,
+    grpc: str,
+    args: argparse.Namespace,
+    flight_port: int = 0,
 ) -> list[Contender]:
     path = str(ck.path)
     size = ck.path.stat().st_size
@@ -76,9 +92,19 @@ def contenders(
             base=base, model_id=MODEL_ID)  # fmt: skip
         add(f"ws_{t}_fetch_1stream", "diagnostic", "bench.weightserve_loads:fetch_load",
             base=base, model_id=MODEL_ID, parallel=1)  # fmt: skip
+    # Layer by layer (iter_tensors, each tensor copied into parameters allocated up front).
+    add("ws_http_layers", "weightserve", "bench.weightserve_loads:layers_load",
+        base=http, model_id=MODEL_ID)  # fmt: skip
+    add("ws_grpc_layers", "weightserve", "bench.weightserve_loads:layers_load",
+        base=grpc, model_id=MODEL_ID, flight=True)  # fmt: skip
     # The same gRPC fetch with tensor data on grpcio's StreamTensors, not the Flight endpoint.
     add("ws_grpc_fetch_streamtensors", "diagnostic", "bench.weightserve_loads:fetch_load",
         base=grpc, model_id=MODEL_ID, flight=False)  # fmt: skip
+    # The Flight data path against a minimal zero-copy Flight server (bench/flight_minimal.py).
+    add("flight_minimal", "ceiling_flight", "bench.flight_minimal:fetch",
+        port=flight_port, size=size, connections=2)  # fmt: skip
+    add("ws_flight_fetch", "ceiling_flight", "bench.weightserve_loads:fetch_load",
+        base=grpc, model_id=MODEL_ID, flight=True)  # fmt: skip
     for t, base in (("http", http), ("grpc", grpc)):
         add(f"ws_{t}_prefix", "partial", "bench.weightserve_loads:fetch_load",
             base=base, model_id=MODEL_ID, prefix=ck.prefix)  # fmt: skip
@@ -90,6 +116,19 @@ def contenders(
     for t, base in (("http", http), ("grpc", grpc)):
         add(f"ws_{t}_max_conc4", "concurrent", "bench.weightserve_loads:max_load", n=4,
             sample=True, base=base, model_id=MODEL_ID)  # fmt: skip
+    # The same node: the server's Unix socket, by zero-copy handoff and by an HTTP copy over it.
+    unix = getattr(args, "unix_url", None)
+    if unix:
+        add("ws_node_handoff_max", "same_node", "bench.weightserve_loads:max_load",
+            base=unix, model_id=MODEL_ID)  # fmt: skip
+        add("ws_node_handoff_fetch", "same_node", "bench.weightserve_loads:fetch_load",
+            base=unix, model_id=MODEL_ID)  # fmt: skip
+        add("ws_node_uds_http_fetch", "same_node", "bench.weightserve_loads:fetch_load",
+            base=unix, model_id=MODEL_ID, data_plane="http")  # fmt: skip
+        add("ws_node_handoff_max_conc4", "same_node", "bench.weightserve_loads:max_load", n=4,
+            sample=True, base=unix, model_id=MODEL_ID)  # fmt: skip
+        add("pagecache_read_conc4", "same_node", "bench.ceilings:pagecache_read", n=4,
+            path=path)  # fmt: skip
     names = ck.small_tensors()
     for t, base in (("http", http), ("grpc", grpc)):
         add(f"ws_{t}_small_latency", "small", "bench.weightserve_loads:small_requests",
@@ -107,6 +146,7 @@ def contenders(
 def measure(c: Contender, pids: dict[str, int]) -> dict:
     """One round of one contender, with the CPU its server used meanwhile."""
     server = "raw" if c.key.startswith("raw_") else "ws" if c.key.startswith("ws_") else None
+    server = "flight" if c.key.startswith("flight_") else server
     cpu0 = cpu_seconds(pids[server]) if server else None
     if c.sample_server:
         with MemorySampler(pids["ws"]) as mem:
@@ -157,6 +197,25 @@ def ratios_and_goals(results: dict[str, Any], ck: Checkpoint) -> None:
         if s and conc_raw:
             goals.append(report.goal(f"4 concurrent clients, {t.upper()}: x 4 raw-TCP streams",
                                      s["ratio_to_raw_conc4"], 0.8))  # fmt: skip
+    flight_min, flight_ws = c.get("flight_minimal"), c.get("ws_flight_fetch")
+    if flight_min and flight_ws:
+        flight_ws["ratio_to_flight_minimal"] = flight_ws["gbps"] / flight_min["gbps"]
+        goals.append(report.goal("Flight protocol path: x minimal zero-copy Flight setup",
+                                 flight_ws["ratio_to_flight_minimal"], 0.9))  # fmt: skip
+    page = c.get("pagecache_read")
+    for key in ("ws_node_handoff_max", "ws_node_handoff_fetch", "ws_node_uds_http_fetch"):
+        s = c.get(key)
+        if s and page:
+            s["ratio_to_pagecache_read"] = s["gbps"] / page["gbps"]
+    s, page4 = c.get("ws_node_handoff_max"), None
+    if s and page:
+        goals.append(report.goal("same node, zero-copy handoff, MAX path: x page-cache read",
+                                 s["ratio_to_pagecache_read"], 0.9))  # fmt: skip
+    s, page4 = c.get("ws_node_handoff_max_conc4"), c.get("pagecache_read_conc4")
+    if s and page4:
+        s["ratio_to_pagecache_read_conc4"] = s["gbps"] / page4["gbps"]
+        goals.append(report.goal("4 concurrent clients, same-node handoff: x 4 page-cache reads",
+                                 s["ratio_to_pagecache_read_conc4"], 0.8))  # fmt: skip
     whole_frac = ck.nbytes(ck.prefix) / ck.data_bytes
     for t in ("http", "grpc"):
         whole = c.get(f"ws_{t}_fetch")
@@ -173,14 +232,18 @@ def ratios_and_goals(results: dict[str, Any], ck: Checkpoint) -> None:
             sh["time_fraction_of_whole"] = sh["median_s"] / whole["median_s"]
             goals.append(report.goal(f"1/4 shard, {t.upper()}: time / whole-model time",
                                      sh["time_fraction_of_whole"], 0.35, at_most=True))  # fmt: skip
-    for t in ("http", "grpc"):
-        s = c.get(f"ws_{t}_max")
-        if s:
+    for key, s in c.items():  # every single-client load that keeps what it fetched
+        kept = s["group"] in RSS_GROUPS and not key.endswith("_drain")  # drains keep nothing
+        if key.startswith("ws_") and s["clients"] == 1 and kept:
+            # Whole process: the interpreter and imports (MAX, pyarrow, grpc) count too...
             s["rss_over_bytes"] = s["peak_rss"] - s["bytes"]
-            # Of which the interpreter and imports (MAX included) before the load began:
+            # ...load only: what the load added to the RSS it started from.
             s["load_rss_over_bytes"] = s["peak_rss"] - s["rss_before"] - s["bytes"]
-            goals.append(report.goal(f"client peak RSS - bytes fetched, {t.upper()}",
-                                     s["rss_over_bytes"] / MiB, 200, at_most=True, unit=" MiB"))  # fmt: skip
+    for key, what in RSS_GOALS:
+        s = c.get(key)
+        if s and "load_rss_over_bytes" in s:
+            goals.append(report.goal(f"client peak RSS - RSS before the load - bytes, {what}",
+                                     s["load_rss_over_bytes"] / MiB, 64, at_most=True, unit=" MiB"))  # fmt: skip
     for t in ("http", "grpc"):
         s = c.get(f"ws_{t}_max_conc4")
         if s:
@@ -252,18 +315,21 @@ def main(argv: list[str] | None = None) -> int:
     with (
         hold as page_reporting,
         ServerProcess("bench.ceilings", str(ck.path)) as raw,
+        ServerProcess("bench.flight_minimal", str(ck.path)) as flight_min,
         StaticServer(ck.path.parent.parent) as web,
         ServerProcess("bench.server", str(ck.root)) as ws,
     ):
         # The static server's root is .bench-cache/<tag>: the file is /bench-llama/model.safetensors
         http, grpc, ws_pid = ws.info["http_url"], ws.info["grpc_url"], ws.info["pid"]
         idle = proc_status(ws_pid)
-        todo = contenders(ck, raw.info["port"], web.port, http, grpc, args)
+        args.unix_url = ws.info.get("unix_url")
+        todo = contenders(ck, raw.info["port"], web.port, http, grpc, args, flight_min.info["port"])
         log(f"{len(todo)} contenders x {rounds} rounds; static server: {web.kind}")
         for r in range(rounds):
             for c in todo:
                 t = time.monotonic()
-                c.rounds.append(measure(c, {"ws": ws_pid, "raw": raw.pid}))
+                pids = {"ws": ws_pid, "raw": raw.pid, "flight": flight_min.pid}
+                c.rounds.append(measure(c, pids))
                 log(f"  round {r + 1}/{rounds} {c.key:<30} {time.monotonic() - t:6.2f} s wall")
         after = proc_status(ws_pid)
         web_kind = web.kind

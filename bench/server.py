@@ -2,7 +2,8 @@
 
 A separate process so that no client shares the server's GIL (an in-process server would
 make every client/server pair fight over one interpreter lock and measure that instead).
-Prints ``BENCH-READY {"http_url", "grpc_url", "pid"}`` and serves until stdin closes.
+Prints ``BENCH-READY {"http_url", "grpc_url", "unix_url", "pid"}`` and serves until stdin
+closes. It also listens on a same-node socket in a temporary directory (``unix_url``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import tempfile
 
 from bench.procs import serve_until_stdin_closes
 
@@ -18,13 +20,21 @@ def main(root: str) -> None:
     from weightserve.service.server import ServerConfig, WeightServer
 
     logging.basicConfig(level=logging.WARNING)
-    server = WeightServer(ServerConfig(root, http_port=0, grpc_port=0, flight_port=0)).start()
-    try:
-        serve_until_stdin_closes(
-            {"http_url": server.http_url, "grpc_url": server.grpc_url, "pid": os.getpid()}
-        )
-    finally:
-        server.stop(grace=1.0)
+    with tempfile.TemporaryDirectory(prefix="ws-bench-") as sockets:
+        uds = f"{sockets}/ws.sock"
+        config = ServerConfig(root, http_port=0, grpc_port=0, flight_port=0, uds=uds)
+        server = WeightServer(config).start()
+        try:
+            serve_until_stdin_closes(
+                {
+                    "http_url": server.http_url,
+                    "grpc_url": server.grpc_url,
+                    "unix_url": f"unix://{uds}",
+                    "pid": os.getpid(),
+                }
+            )
+        finally:
+            server.stop(grace=1.0)
 
 
 if __name__ == "__main__":

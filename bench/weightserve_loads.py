@@ -12,13 +12,36 @@
 
 Every timed load includes building the client and fetching the model index, as a real load
 does. The server runs in its own process (``bench.server``).
+
+The bench server also listens on a same-node socket, and on this one machine every client is
+on its node, so ``auto`` would take the zero-copy handoff everywhere. Each contender therefore
+names its data plane (``plane_for``): ``unix://`` bases take the handoff (``data_plane``
+overrides, e.g. ``http`` for HTTP over the socket), ``http://`` and ``grpc://`` bases the
+``network`` plane (what a client on another node gets: HTTP, for grpc:// too), ``flight=True``
+/ ``False`` Arrow Flight / gRPC StreamTensors.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
+
+
+def plane_for(base: str, flight: bool | None, data_plane: str | None) -> str:
+    if data_plane is not None:
+        return data_plane
+    if base.startswith("unix://"):
+        return "handoff"
+    if flight is not None:
+        return "flight" if flight else "grpc"
+    return "network"
+
+
+def use_plane(base: str, flight: bool | None = None, data_plane: str | None = None) -> None:
+    """Every client of this worker process takes the contender's data plane."""
+    os.environ["WEIGHTSERVE_DATA_PLANE"] = plane_for(base, flight, data_plane)
 
 
 def import_transport(base: str) -> None:
@@ -51,13 +74,14 @@ def remote_weights_class():
 
 
 def model_url(base: str, model_id: str) -> str:
-    """The URL ``RemoteWeights`` takes: ``http://H:P/v1/models/ID`` or ``grpc://H:P/ID``."""
-    if base.startswith("http"):
+    """The URL ``RemoteWeights`` takes: ``http://H:P/v1/models/ID`` or ``grpc://H:P/ID``
+    (``unix://SOCKET/v1/models/ID`` on the same node)."""
+    if base.startswith(("http", "unix")):
         return f"{base}/v1/models/{model_id}"
     return f"{base}/{model_id}"
 
 
-def max_load(base: str, model_id: str, how: str = "items"):
+def max_load(base: str, model_id: str, how: str = "items", data_plane: str | None = None):
     RemoteWeights = remote_weights_class()
     if RemoteWeights is None:
         run = fetch_load(base, model_id)
@@ -68,6 +92,7 @@ def max_load(base: str, model_id: str, how: str = "items"):
 
         return fallback
     url = model_url(base, model_id)
+    use_plane(base, data_plane=data_plane)
     import_transport(base)
     try:  # import MAX (when installed) before the clock starts, as a pipeline has it already
         from weightserve.client._max_compat import backend
@@ -96,9 +121,11 @@ def fetch_load(
     parallel: int | None = None,
     chunk_bytes: int | None = None,
     flight: bool | None = None,
+    data_plane: str | None = None,
 ):
     from weightserve.client._client import Client, FetchOptions
 
+    use_plane(base, flight, data_plane)
     import_transport(base)
     options = FetchOptions()
     if parallel is not None:
@@ -116,12 +143,42 @@ def fetch_load(
     return run
 
 
+def layers_load(base: str, model_id: str, flight: bool | None = None, verify: str | None = None):
+    """Layer by layer, as engines load (vLLM's ``load_weights(iterable)``): every tensor
+    from ``RemoteModel.iter_tensors()`` (default window) copied into its place in memory
+    allocated up front, the stand-in for the engine's parameters. ``bytes`` counts those
+    parameters, so peak RSS above them is what the iteration itself holds."""
+    from weightserve.client._client import Client, FetchOptions
+
+    use_plane(base, flight, None)
+    import_transport(base)
+    options = FetchOptions() if verify is None else FetchOptions(verify=verify)
+
+    def run():
+        client = Client(base, flight=flight)
+        model = client.model(model_id, options)
+        info = model.tensors
+        params = {n: np.empty(t.nbytes, np.uint8) for n, t in info.items()}  # untouched
+        for name, array in model.iter_tensors():
+            params[name][:] = array.reshape(-1).view(np.uint8)
+        client.close()
+        return {"bytes": sum(a.nbytes for a in params.values())}, params
+
+    return run
+
+
 def small_requests(
-    base: str, model_id: str, names: list[str], requests: int, flight: bool | None = None
+    base: str,
+    model_id: str,
+    names: list[str],
+    requests: int,
+    flight: bool | None = None,
+    data_plane: str | None = None,
 ):
     """``requests`` sequential single-tensor fetches, cycling through ``names``."""
     from weightserve.client._client import Client
 
+    use_plane(base, flight, data_plane)
     client = Client(base, flight=flight)
     model = client.model(model_id)
     model.fetch([names[0]])  # warm: connection / channel set up, code paths loaded

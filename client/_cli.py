@@ -49,6 +49,15 @@ def _retry_seconds(text: str) -> float:
         ) from None
 
 
+def _verify(text: str) -> str:
+    """argparse type of --verify (its default comes from the environment, checked too)."""
+    from weightserve.client._receive import VERIFY_CHOICES
+
+    if text not in VERIFY_CHOICES:
+        raise argparse.ArgumentTypeError(f"need one of {', '.join(VERIFY_CHOICES)}, got {text!r}")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="weightserve",
@@ -122,6 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=2,
         help="with --to: concurrent streams (default 2)",
     )
+    pull.add_argument(
+        "--verify",
+        type=_verify,
+        default=os.environ.get("WEIGHTSERVE_VERIFY") or "full",
+        help="with --to: which chunk digests to check, full, sample (each tensor's first "
+        "chunk and one in eight of the others) or none (env WEIGHTSERVE_VERIFY; default "
+        "full); a plain pull checks every file against its digest",
+    )
     pull.add_argument("--quiet", action="store_true", help="no progress bar")
     pull.set_defaults(func=_pull)
     return parser
@@ -190,7 +207,7 @@ def _pull(args: argparse.Namespace) -> int:
         )
     out_dir = Path(args.out) if args.out else Path(model_id.rstrip("/").split("/")[-1])
     with Client(args.url, token=args.token, retry_seconds=args.retry_seconds) as client:
-        model = client.model(model_id, FetchOptions(parallel=args.parallel))
+        model = client.model(model_id, FetchOptions(parallel=args.parallel, verify=args.verify))
         if args.to == "safetensors":
             return _pull_converted(args, model, out_dir)
         from weightserve.client._pull import FilePull

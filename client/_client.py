@@ -10,13 +10,14 @@ import os
 import threading
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from weightserve.client._dtypes import numpy_dtype, wire_dtype
+from weightserve.client._handoff import Handoff, HandoffClient
 from weightserve.client._models import (
     ModelInfo,
     ModelProblem,
@@ -24,7 +25,8 @@ from weightserve.client._models import (
     RemoteFile,
     TensorInfo,
 )
-from weightserve.client._receive import ReceivedTensor, arena_allocator, receive
+from weightserve.client._planes import PlaneChooser, Planes, data_plane_from
+from weightserve.client._receive import ReceivedTensor, arena_allocator, receive, verify_policy
 from weightserve.client._retry import OnWait, call_with_retry, retry_seconds_from
 from weightserve.client._schema import ChunkHeader
 from weightserve.client._transport import (
@@ -36,7 +38,7 @@ from weightserve.client._transport import (
 )
 from weightserve.client._url import ServerAddress, parse_url
 from weightserve.client._window import DEFAULT_WINDOW_BYTES, iter_received
-from weightserve.client.errors import InvalidRequest, TensorNotFound
+from weightserve.client.errors import InvalidRequest, TensorNotFound, TransportError
 
 _SUMMARY_FIELDS = frozenset(f.name for f in fields(ModelSummary))
 
@@ -55,6 +57,12 @@ class FetchOptions:
     chunk_bytes: int | None = None
     # How long a busy or unreachable server is waited for; None: the client's retry_seconds.
     retry_seconds: float | None = None
+    # Chunk digests checked: "full" (every chunk), "sample" (each tensor's first and one in
+    # eight of the others) or "none"; default WEIGHTSERVE_VERIFY, else "full" (_receive.py).
+    verify: str = field(default_factory=verify_policy)
+
+    def __post_init__(self) -> None:
+        verify_policy(self.verify)  # a wrong value fails here, naming the choices
 
 
 def as_array(t: ReceivedTensor | np.ndarray, info: TensorInfo) -> np.ndarray:
@@ -73,6 +81,13 @@ class Client:
     broken stream are tried again with jittered backoff for up to ``retry_seconds`` (default:
     ``WEIGHTSERVE_RETRY_SECONDS``, else 60 s; 0: never); ``on_wait(reason, seconds)`` hears of
     each wait.
+
+    Bulk tensor bytes take the fastest data plane the server advertises (``data_plane``,
+    default ``WEIGHTSERVE_DATA_PLANE``, else ``auto``; see client/_planes.py): the same-node
+    zero-copy handoff when this process runs on the server's node (arrays are then read-only
+    views of the node's page cache), else the HTTP stream (for ``grpc://`` URLs too, when the
+    server's HTTP port answers), else Arrow Flight, else gRPC StreamTensors. ``"handoff"``,
+    ``"http"``, ``"flight"`` or ``"grpc"`` forces one.
     """
 
     def __init__(
@@ -85,6 +100,7 @@ class Client:
         flight: bool | None = None,
         retry_seconds: float | None = None,
         on_wait: OnWait | None = None,
+        data_plane: str | None = None,
     ) -> None:
         address, _ = parse_url(url)
         self.address: ServerAddress = address
@@ -93,6 +109,15 @@ class Client:
         self.transport: Transport = make_transport(
             address, token=token, tls=tls, timeout=timeout, flight=flight
         )
+        token = token if token is not None else os.environ.get("WEIGHTSERVE_TOKEN") or None
+        if data_plane is None and flight is not None and address.transport == "grpc":
+            data_plane = "flight" if flight else "grpc"  # the older switch says which one
+        self.data_plane = data_plane_from(data_plane)
+        self._planes = PlaneChooser(self.transport, self.data_plane, token, tls, timeout)
+
+    def planes(self) -> Planes:
+        """The data planes bulk fetches use (chosen at the first; see client/_planes.py)."""
+        return self._planes.planes()
 
     def _with_retry(self, call: Callable[[], Any], what: str) -> Any:
         return call_with_retry(call, self.retry_seconds, what, self.on_wait)
@@ -118,6 +143,7 @@ class Client:
         return RemoteModel(self, model_id, options)
 
     def close(self) -> None:
+        self._planes.close()
         self.transport.close()
 
     def __enter__(self) -> Client:
@@ -188,7 +214,7 @@ class RemoteModel:
         on_wait: OnWait | None = None,
     ) -> Generator[tuple[str, np.ndarray], None, None]:
         """``(name, array)`` of each tensor as it arrives, in stream order, with memory
-        bounded by ``window_bytes`` (default 256 MiB): for loading layer by layer into an
+        bounded by ``window_bytes`` (default 64 MiB): for loading layer by layer into an
         engine (``model.load_weights(remote.iter_tensors())``) without the whole model in
         memory first.
 
@@ -219,6 +245,13 @@ class RemoteModel:
     ) -> Generator[tuple[str, np.ndarray], None, None]:
         if not wanted:
             return
+        handoff = self.client.planes().handoff
+        handed = self._handoff(handoff, wanted, shard, axis, on_wait) if handoff else None
+        if handed is not None:
+            yield from self._iterate_handed(
+                handed, wanted, window_bytes, shard, axis, on_bytes, allocate, on_wait
+            )
+            return
         received = iter_received(
             self,
             wanted,
@@ -239,6 +272,52 @@ class RemoteModel:
                 del buffer  # the iterator holds no view once the consumer moves on
         finally:
             received.close()
+
+    def _iterate_handed(
+        self,
+        handed: Handoff,
+        wanted: list[str],
+        window_bytes: int,
+        shard: tuple[int, int] | None,
+        axis: int,
+        on_bytes: Callable[[int], None] | None,
+        allocate: Callable[[ChunkHeader], np.ndarray] | None,
+        on_wait: OnWait | None,
+    ) -> Generator[tuple[str, np.ndarray], None, None]:
+        """Handed-off views (no window to bound: they are the node's page cache) and, in
+        their places in stream order, the tensors the handoff could not give (strided
+        sources), streamed within the window."""
+        if on_bytes is not None and handed.nbytes:
+            on_bytes(handed.nbytes)
+        placed = _placed(handed.tensors, allocate)
+        handed.tensors = {}
+        copied = [n for n in wanted if n in set(handed.copy)]
+        streamed = (
+            iter_received(
+                self, copied, window_bytes=window_bytes, shard=shard, axis=axis,
+                retry_seconds=self._retry_seconds(), on_bytes=on_bytes, allocate=allocate,
+                on_wait=on_wait,
+            )
+            if copied
+            else iter(())
+        )  # fmt: skip
+        try:
+            for name in wanted:
+                if name in placed:
+                    r = placed.pop(name)
+                    h, buffer = r.header, r.buffer
+                    del r
+                else:
+                    h, buffer = next(streamed)
+                info = TensorInfo(
+                    h.name, h.dtype, h.shape, h.logical_shape, h.encoding, h.total_bytes
+                )
+                yield h.name, as_array(buffer, info)
+                del buffer
+        finally:
+            close = getattr(streamed, "close", None)
+            if close is not None:
+                close()
 
     def files(self) -> list[RemoteFile]:
         """Every file of the model's repository (weights, index, config, tokenizer...):
@@ -330,6 +409,58 @@ class RemoteModel:
     ) -> dict[str, ReceivedTensor]:
         if shard is not None and not 0 <= shard[0] < shard[1]:
             raise InvalidRequest(f"shard {shard[0]}/{shard[1]}: need 0 <= index < count")
+        planes = self.client.planes()
+        if planes.handoff is not None:
+            handed = self._handoff(planes.handoff, names, shard, axis, on_wait)
+            if handed is not None:
+                if on_bytes is not None and handed.nbytes:
+                    on_bytes(handed.nbytes)
+                result = _placed(handed.tensors, allocate)
+                if handed.copy:  # strided sources: not a byte range of a file
+                    rest = [n for n in names if n in set(handed.copy)]
+                    result.update(
+                        self._fetch_streams(rest, shard, axis, on_bytes, allocate, on_wait)
+                    )
+                return result
+        return self._fetch_streams(names, shard, axis, on_bytes, allocate, on_wait)
+
+    def _handoff(
+        self,
+        handoff: HandoffClient,
+        names: list[str],
+        shard: tuple[int, int] | None,
+        axis: int,
+        on_wait: OnWait | None,
+    ) -> Handoff | None:
+        """The tensors as views of the node's page cache, or None when the handoff socket
+        stopped answering (the client copies over a stream from then on)."""
+        verify = self.options.verify
+        try:
+            return call_with_retry(
+                lambda: handoff.open(
+                    self.id, names=names, shard=shard, axis=axis,
+                    revision=self.info.revision, verify=verify,
+                ),
+                self._retry_seconds(),
+                f"{handoff.path} model {self.id!r}",
+                on_wait or self.client.on_wait,
+            )  # fmt: skip
+        except TransportError as e:
+            self.client._planes.handoff_failed(e)
+            if self.client.data_plane == "handoff":
+                raise
+            return None
+
+    def _fetch_streams(
+        self,
+        names: list[str],
+        shard: tuple[int, int] | None,
+        axis: int,
+        on_bytes: Callable[[int], None] | None,
+        allocate: Callable[[ChunkHeader], np.ndarray] | None = None,
+        on_wait: OnWait | None = None,
+    ) -> dict[str, ReceivedTensor]:
+        transport = self.client.planes().streams
         groups = self._groups(names)
         retry_seconds = self._retry_seconds()
         progress_lock = threading.Lock()
@@ -351,7 +482,7 @@ class RemoteModel:
             if place is None:
                 place = arena_allocator({n: self._part_bound(n, shard, axis) for n in group})
             return receive(
-                lambda p: self.client.transport.open_chunks(self.id, p),
+                lambda p: transport.open_chunks(self.id, p),
                 params,
                 group,
                 retries=self.options.retries,
@@ -359,6 +490,7 @@ class RemoteModel:
                 on_bytes=counted,
                 allocate=place,
                 on_wait=on_wait or self.client.on_wait,
+                verify=self.options.verify,
             )
 
         if len(groups) == 1:
@@ -368,3 +500,21 @@ class RemoteModel:
             for part in pool.map(one, groups):
                 result.update(part)
         return result
+
+
+def _placed(
+    tensors: dict[str, ReceivedTensor], allocate: Callable[[ChunkHeader], np.ndarray] | None
+) -> dict[str, ReceivedTensor]:
+    """Handed-off tensors as they are (read-only views of the page cache), or copied into
+    the caller's buffers when it gives ``allocate`` (an output file, pinned memory): the
+    one copy the caller asked for."""
+    if allocate is None:
+        return tensors
+    placed = {}
+    for name, t in tensors.items():
+        buffer = allocate(t.header)
+        np.copyto(buffer[: t.header.total_bytes], t.buffer)
+        own = ReceivedTensor(t.header, buffer[: t.header.total_bytes])
+        own.received = t.received
+        placed[name] = own
+    return placed

@@ -128,6 +128,7 @@ def load_weights(
     timeout: float = DEFAULT_READ_TIMEOUT,
     options: FetchOptions | None = None,
     retry_seconds: float | None = None,
+    verify: str | None = None,
 ) -> Any:
     """``Weights`` for local checkpoint files or for a model on a weightserve server.
 
@@ -136,12 +137,14 @@ def load_weights(
     ``load_weights`` (so they need the ``max`` package); a directory stands for the
     checkpoint files in it. ``retry_seconds`` bounds how long a busy or unreachable server
     is waited for (default ``WEIGHTSERVE_RETRY_SECONDS``, else 60 s; see ``Client``).
+    ``verify`` says which chunk digests are checked: ``"full"``, ``"sample"`` or ``"none"``
+    (default ``WEIGHTSERVE_VERIFY``, else ``"full"``; see ``FetchOptions``).
     """
     urls, paths = _split(paths_or_urls)
     if urls:
         return RemoteWeights(
             _model_url(urls), use_max=use_max, token=token, tls=tls, timeout=timeout,
-            options=options, retry_seconds=retry_seconds,
+            options=options, retry_seconds=retry_seconds, verify=verify,
         )  # fmt: skip
     files = _local_files(paths)
     fmt = _format_of_paths(files) if all(p.exists() for p in files) else None

@@ -73,6 +73,16 @@ def _raw_bytes(arr: np.ndarray) -> np.ndarray:
     return (arr.reshape(1) if arr.ndim == 0 else arr).view(np.uint8)
 
 
+def shareable(arr: np.ndarray) -> np.ndarray:
+    """``arr``, or for a read-only handoff view its writable copy-on-write alias."""
+    if arr.flags.writeable:
+        return arr
+    from weightserve.client._handoff import writable_alias
+
+    alias = writable_alias(arr)
+    return arr if alias is None else alias
+
+
 def _unsigned_view(arr: np.ndarray) -> np.ndarray:
     """The same bytes as unsigned integers of the same size (for DLPack export)."""
     return arr.view(np.dtype(f"u{arr.dtype.itemsize}"))
@@ -158,7 +168,9 @@ class MaxBackend(Backend):
     def buffer(self, arr: np.ndarray, wire: str) -> Any:
         """A ``max.driver.Buffer`` over the array's memory (no copy; it keeps the array
         alive). bfloat16 and float8 leave NumPy as unsigned integers of the same size and
-        are viewed back as their MAX dtype."""
+        are viewed back as their MAX dtype. A read-only view of a same-node handoff goes in as
+        its copy-on-write alias: MAX copies read-only arrays, and there is nothing to copy."""
+        arr = shareable(arr)
         if wire in NUMPY_NATIVE:
             return self.Buffer.from_dlpack(arr)
         buf = self.Buffer.from_dlpack(_unsigned_view(arr))
@@ -174,7 +186,7 @@ class MaxBackend(Backend):
         return self.buffer(arr, wire)
 
     def bytes_value(self, value: Any, arr: np.ndarray, wire: str, shape: tuple[int, ...]) -> Any:
-        raw = _byte_view(arr, wire, shape)
+        raw = _byte_view(shareable(arr), wire, shape)
         if isinstance(value, self.Buffer):
             return self.Buffer.from_dlpack(raw)
         return raw

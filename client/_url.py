@@ -1,6 +1,7 @@
 """Parse weightserve URLs: a server (``http://h:p``, ``grpc://h:p``) or a model on one
-(``http://h:p/v1/models/ORG/NAME``, ``grpc://h:p/ORG/NAME``; ``https``/``grpcs`` for TLS),
-and build the HTTP paths of a model's routes."""
+(``http://h:p/v1/models/ORG/NAME``, ``grpc://h:p/ORG/NAME``; ``https``/``grpcs`` for TLS;
+``unix:///PATH/TO/SOCKET/v1/models/ORG/NAME`` for a server's same-node socket), and build the
+HTTP paths of a model's routes."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ SCHEMES = {
     "https": ("http", True),
     "grpc": ("grpc", False),
     "grpcs": ("grpc", True),
+    "unix": ("http", False),  # the HTTP API on a same-node socket (``serve --uds PATH``)
 }
 # The path part that separates a model id from the route below it (``/v1/models/ID/-/stream``).
 # No model id has it, so no id or tensor name can be mistaken for a route.
@@ -30,9 +32,12 @@ class ServerAddress:
     tls: bool
     host: str
     port: int
+    socket_path: str | None = None  # a Unix socket instead of host and port
 
     @property
     def url(self) -> str:
+        if self.socket_path is not None:
+            return f"unix://{self.socket_path}"
         scheme = {
             ("http", False): "http",
             ("http", True): "https",
@@ -55,6 +60,8 @@ def parse_url(url: str) -> tuple[ServerAddress, str | None]:
             f"not a weightserve URL: {url!r} (use http://, https://, grpc:// or grpcs://)"
         )
     transport, tls = SCHEMES[parts.scheme]
+    if parts.scheme == "unix":
+        return _parse_unix_url(url)
     if not parts.hostname:
         raise ValueError(f"no host in {url!r}")
     server = ServerAddress(
@@ -71,6 +78,22 @@ def parse_url(url: str) -> tuple[ServerAddress, str | None]:
         # A URL of one of the model's routes (``.../v1/models/ID/-/stream``) names it too.
         path = path[len("v1/models/") :].partition(f"/{RESERVED_PART}/")[0]
     return server, path or None
+
+
+def _parse_unix_url(url: str) -> tuple[ServerAddress, str | None]:
+    """``unix://SOCKET[/v1/models/MODEL]``: the socket path is everything before
+    ``/v1/models`` (a socket has no directory of that name below it)."""
+    rest = unquote(url[len("unix://") :])
+    if rest.startswith("localhost/"):  # unix://localhost/PATH, as file:// URLs allow
+        rest = rest[len("localhost") :]
+    if not rest.startswith("/"):
+        raise ValueError(f"a unix:// URL names an absolute socket path: unix:///PATH, got {url!r}")
+    socket_path, found, model = rest.partition("/v1/models")
+    model = model.strip("/")
+    if found and model.partition(f"/{RESERVED_PART}/")[0] != model:
+        model = model.partition(f"/{RESERVED_PART}/")[0]
+    server = ServerAddress("http", False, "localhost", 0, socket_path=socket_path.rstrip("/"))
+    return server, model or None
 
 
 def http_model_path(model_id: str, *route: str) -> str:

@@ -17,10 +17,12 @@ fetch a prefix in one go.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import threading
 import zlib
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -131,7 +133,9 @@ class RemoteWeights:
     own types, and for safetensors models an object that is also a
     ``max.graph.weights.SafetensorWeights``. ``use_max=False`` forces the look-alike types.
     ``bulk=False`` turns off fetching a listed prefix as a whole. ``retry_seconds`` bounds
-    how long a busy or unreachable server is waited for (see ``Client``).
+    how long a busy or unreachable server is waited for (see ``Client``). ``verify`` (``"full"``,
+    ``"sample"``, ``"none"``; default ``WEIGHTSERVE_VERIFY``, else ``"full"``) says which chunk
+    digests are checked, overriding ``options.verify`` (see ``FetchOptions``).
     """
 
     # Set per instance by _attach (never looked up through __getattr__).
@@ -149,8 +153,9 @@ class RemoteWeights:
         options: FetchOptions | None = None,
         bulk: bool = True,
         retry_seconds: float | None = None,
+        verify: str | None = None,
     ) -> RemoteWeights:
-        state = _open(source, use_max, token, tls, timeout, options, bulk, retry_seconds)
+        state = _open(source, use_max, token, tls, timeout, options, bulk, retry_seconds, verify)
         klass: type = cls
         if cls is RemoteWeights and state.backend.is_max and state.format == "safetensors":
             from weightserve.client._max_compat import safetensors_weights_class
@@ -466,10 +471,16 @@ def _open(
     options: FetchOptions | None,
     bulk: bool,
     retry_seconds: float | None = None,
+    verify: str | None = None,
 ) -> _State:
     b = backend(use_max)
     if isinstance(source, RemoteModel):
+        if verify is not None:  # the caller's model keeps its own options
+            source = copy.copy(source)
+            source.options = replace(source.options, verify=verify)
         return _State(source, b, owns_client=False, bulk=bulk)
+    if verify is not None:
+        options = replace(options or FetchOptions(), verify=verify)
     url = str(source)
     _, model_id = parse_url(url)
     if not model_id:
@@ -499,6 +510,9 @@ def to_torch(arr: np.ndarray, wire: str, logical_shape: tuple[int, ...] = ()) ->
     """
     import torch
 
+    from weightserve.client._max_compat import shareable
+
+    arr = shareable(arr)  # a handoff view: its copy-on-write alias (torch wants writable)
     if wire_dtype(wire).numpy_name is None:
         raw = arr
         if (

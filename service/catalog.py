@@ -317,6 +317,19 @@ class MappedFile:
                     raise
             return self._view
 
+    def fileno(self) -> int:
+        """The open descriptor of the mapped file (``view()`` first): the same-node handoff
+        passes it on, so clients map exactly the inode this mapping reads."""
+        if self._file is None:
+            raise ModelUnavailable(f"{self.path.name} is empty or not mapped; nothing to hand off")
+        return self._file.fileno()
+
+    def content_stamp(self) -> tuple[int, int]:
+        """(size, mtime in ns) of the file as mapped: a holder of its descriptor who finds
+        them changed knows it was written in place since (renames and links leave them)."""
+        assert self._mapped_stamp is not None, "view() first"
+        return self._mapped_stamp[2], self._mapped_stamp[3]
+
     def hold(self) -> None:
         """A stream starts reading this mapping: while any does, hold a read lease on the file.
 
@@ -1075,6 +1088,20 @@ class Catalog:
         """Hold the model while a stream reads it: nothing to do for a local root (a catalog
         over a node cache keeps the model from eviction)."""
         yield
+
+    def answers_now(self, model_id: str | None = None) -> bool:
+        """Whether ``get(model_id)`` and the model's revision come from memory right now
+        (None: every model's summary, ``/v1/models``): no file stat'ed, scanned or hashed,
+        no lock a scan holds waited on. The HTTP server answers such requests on its event
+        loop, the others on a worker thread."""
+        if model_id is None:
+            return self.pending_revisions == 0
+        model = self.models.get(model_id)
+        return (
+            model is not None
+            and model.revision_known
+            and time.monotonic() - model.checked_at < self.recheck_seconds
+        )
 
     def get(self, model_id: str, may_read: Callable[[str], bool] | None = None) -> Model:
         """The model, or ModelNotFound. ``may_read`` limits the "did you mean" suggestion

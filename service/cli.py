@@ -83,6 +83,42 @@ def byte_size(text: str) -> int:
     return value
 
 
+def socket_path(text: str) -> str:
+    """A path for a Unix socket (sun_path holds at most 107 bytes, the longest derived name
+    adds ".handoff")."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    if len(os.fsencode(text)) + len(".handoff") > 107:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is too long for a Unix socket (at most 99 bytes); use a shorter path"
+        )
+    return text
+
+
+def file_mode(text: str) -> int:
+    """Permission bits in octal: 660, 0o666."""
+    try:
+        mode = int(text.removeprefix("0o"), 8)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an octal mode: {text!r} (e.g. 660)") from None
+    if not 0 <= mode <= 0o777:
+        raise argparse.ArgumentTypeError(f"not a permission mode: {text!r} (e.g. 660)")
+    return mode
+
+
+def user_ids(text: str) -> tuple[int, ...]:
+    """Comma-separated numeric user ids."""
+    try:
+        ids = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a list of user ids: {text!r} (e.g. 1000,1001)"
+        ) from None
+    if not ids or any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError(f"not a list of user ids: {text!r} (e.g. 1000,1001)")
+    return ids
+
+
 SETTINGS: tuple[Setting, ...] = (
     Setting("root", "WEIGHTSERVE_ROOT", None,
             "model root directory, or an origin to fill the node cache from: "
@@ -103,6 +139,16 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("--flight-public-port", "WEIGHTSERVE_FLIGHT_PUBLIC_PORT", None,
             "the Flight port clients dial, when port mapping makes it differ from "
             "--flight-port; 0: the bound port", port, "the bound port"),
+    Setting("--uds", "WEIGHTSERVE_UDS", None,
+            "same-node Unix socket: HTTP on PATH, gRPC on PATH.grpc and the zero-copy "
+            "handoff of file descriptors on PATH.handoff (clients: unix://PATH)", socket_path,
+            "none"),
+    Setting("--uds-mode", "WEIGHTSERVE_UDS_MODE", 0o666,
+            "permission bits of the --uds sockets (octal); who may connect is then decided "
+            "by who can reach their directory", file_mode, "666"),
+    Setting("--uds-uids", "WEIGHTSERVE_UDS_UIDS", None,
+            "only these user ids (comma-separated; checked with SO_PEERCRED) get file "
+            "descriptors on the handoff socket", user_ids, "any"),
     Setting("--grace", "WEIGHTSERVE_GRACE_SECONDS", 30.0,
             "seconds open streams get to finish on shutdown", non_negative_seconds, "30 s"),
     Setting("--max-streams", "WEIGHTSERVE_MAX_STREAMS", 64,
@@ -179,6 +225,9 @@ _METAVARS: dict[Callable[[str], object], str] = {
     non_negative_seconds: "SECONDS",
     non_empty: "ADDRESS",
     str: "FILE",
+    socket_path: "PATH",
+    file_mode: "MODE",
+    user_ids: "UIDS",
 }
 
 
@@ -269,6 +318,10 @@ def run_serve(args: argparse.Namespace) -> int:
     print(f"  gRPC  {server.grpc_url}", flush=True)
     if server.flight_port:
         print(f"  Flight {server.flight_url}   (bulk data for gRPC clients)", flush=True)
+    if args.uds:
+        print(
+            f"  same node unix://{args.uds}   (zero-copy handoff: {args.uds}.handoff)", flush=True
+        )
     for model_id in list(catalog.models)[:5]:
         print(f"  model {server.http_url}/v1/models/{model_id}", flush=True)
     print("ready", flush=True)
@@ -352,6 +405,9 @@ def _configured_server(args: argparse.Namespace) -> WeightServer:
         pins=tuple(args.pin),
         origin_token=args.origin_token,
         origin_tls=(args.origin_ca, args.origin_cert, args.origin_key),
+        uds=args.uds,
+        uds_mode=args.uds_mode,
+        uds_uids=args.uds_uids or (),
     )
     check_listeners(config)  # before the scan: a taken port is the only line on stderr
     server = WeightServer(config)

@@ -8,8 +8,13 @@ and its client assembles them without Python. The gRPC service stays the control
 
 ``DoGet`` takes a serialized ``weightserve.v1.TensorRequest`` as its ticket and streams one
 record batch per chunk in the schema of client/_schema.py, so any Flight client (pyarrow,
-Arrow Java, arrow-rs) can read weights with no weightserve code. Auth, limits, draining,
-errors and metrics are those of the other transports. An error carries ``extra_info``, JSON
+Arrow Java, arrow-rs) can read weights with no weightserve code. A client that sends the
+``weightserve-flight-batches: lean-1`` header (the weightserve client does) gets *lean*
+batches instead: one zero-copy ``uint8`` column per chunk, the rest of the row in the batch's
+``app_metadata`` (client/_flight.py), in 4 MiB chunks unless the request names a size. That is
+one body buffer per message and no per-row arrays to build in Python (bench/flight_minimal.py
+measures the floor). Auth, limits, draining, errors and metrics are those of the other
+transports. An error carries ``extra_info``, JSON
 ``{"error": class name, "message": text}`` (plus ``"retry_after": seconds`` on a temporary
 refusal), which the weightserve client turns back into the same exception as on HTTP and gRPC.
 """
@@ -28,6 +33,13 @@ import pyarrow as pa
 import pyarrow.flight as flight
 from google.protobuf.message import DecodeError
 
+from weightserve.client._flight import (
+    FORMAT_HEADER,
+    LEAN_CHUNK_BYTES,
+    LEAN_FORMAT,
+    LEAN_SCHEMA,
+    encode_chunk_header,
+)
 from weightserve.client._proto.weightserve.v1 import weightserve_pb2 as pb
 from weightserve.client._schema import TENSOR_SCHEMA, ChunkHeader
 from weightserve.client.errors import (
@@ -85,17 +97,26 @@ def chunk_batch(header: ChunkHeader, data: memoryview) -> pa.RecordBatch:
     )
 
 
+def lean_batch(header: ChunkHeader, data: memoryview) -> tuple[pa.RecordBatch, bytes]:
+    """One chunk as a lean batch: ``data`` wrapped (not copied), the header as app_metadata."""
+    column = pa.Array.from_buffers(pa.uint8(), len(data), [None, pa.py_buffer(data)])
+    return pa.RecordBatch.from_arrays([column], schema=LEAN_SCHEMA), encode_chunk_header(header)
+
+
 class _Authorization(flight.ServerMiddleware):
-    def __init__(self, header: str | None) -> None:
+    def __init__(self, header: str | None, lean: bool = False) -> None:
         self.header = header
+        self.lean = lean  # the client asked for lean batches
 
 
 class _AuthorizationFactory(flight.ServerMiddlewareFactory):
-    """Keeps the call's ``authorization`` header for ``do_get`` (checked there, per model)."""
+    """Keeps the call's ``authorization`` header for ``do_get`` (checked there, per model),
+    and whether it asked for lean batches."""
 
     def start_call(self, info: flight.CallInfo, headers: dict) -> _Authorization:
         values = headers.get("authorization") or [None]
-        return _Authorization(values[0])
+        lean = LEAN_FORMAT in (headers.get(FORMAT_HEADER) or ())
+        return _Authorization(values[0], lean)
 
 
 class _Batches:
@@ -113,8 +134,10 @@ class _Batches:
         slot: AbstractContextManager[Any],
         context: flight.ServerCallContext,
         started: float,
+        lean: bool = False,
     ) -> None:
         self.service, self.model, self.chunks = service, model, chunks
+        self.batch = lean_batch if lean else chunk_batch
         self.slot, self.context = slot, context
         self.sent = 0
         self.started = started  # when do_get began (time.perf_counter)
@@ -123,7 +146,7 @@ class _Batches:
     def __iter__(self) -> _Batches:
         return self
 
-    def __next__(self) -> pa.RecordBatch:
+    def __next__(self) -> pa.RecordBatch | tuple[pa.RecordBatch, bytes]:
         if not self.open or self.context.is_cancelled():
             self.close()
             raise StopIteration
@@ -145,7 +168,7 @@ class _Batches:
             self.close(internal=True)
             raise
         self.sent += len(data)
-        return chunk_batch(header, data)
+        return self.batch(header, data)
 
     def close(
         self, error: WeightserveError | None = None, finished: bool = False, internal: bool = False
@@ -187,8 +210,11 @@ class FlightService(flight.FlightServerBase):
                 message = pb.TensorRequest.FromString(ticket.ticket)
             except DecodeError:
                 raise InvalidRequest("the ticket is not a weightserve.v1.TensorRequest") from None
-            access = authorize(state.tokens, context.get_middleware("auth").header)
+            call = context.get_middleware("auth")
+            access = authorize(state.tokens, call.header)
             model = state.readable_model(access, message.model)
+            if call.lean and not message.chunk_bytes:
+                message.chunk_bytes = LEAN_CHUNK_BYTES
             request = request_from_proto(message)
             client = access.client_key(peer_host(context.peer()))
             planned, slot = state.begin_stream(model, request, "flight", client)
@@ -199,5 +225,5 @@ class FlightService(flight.FlightServerBase):
 
         tensors = state.metrics.tensors_served.labels("flight", model.id)
         chunks = stream_chunks(model, planned, request.chunk_bytes, tensors.inc)
-        batches = _Batches(self, model, chunks, slot, context, started)
-        return flight.GeneratorStream(TENSOR_SCHEMA, batches)
+        batches = _Batches(self, model, chunks, slot, context, started, call.lean)
+        return flight.GeneratorStream(LEAN_SCHEMA if call.lean else TENSOR_SCHEMA, batches)

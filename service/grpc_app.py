@@ -7,8 +7,8 @@ the message, instead of twice through a protobuf object.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import importlib.metadata
 import json
 import logging
 import threading
@@ -28,10 +28,13 @@ from weightserve.client.errors import InvalidRequest, WeightserveError, status_f
 from weightserve.service import files, models_view
 from weightserve.service.arrow_writer import END_OF_STREAM
 from weightserve.service.auth import Access, authorize
+from weightserve.service.models_view import server_version
 from weightserve.service.state import ServiceState
 from weightserve.service.streaming import (
     Shard,
     TensorRequest,
+    plan_stream,
+    stream_chunks,
     stream_messages,
 )
 
@@ -42,14 +45,11 @@ RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 # A chunk message plus its framing; the client and server both allow this much per message.
 MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + (1 << 20)
 
+# GetTensor: the largest tensor it sends when the request names no limit, and in any case.
+GET_TENSOR_DEFAULT_BYTES = 1 << 20
+GET_TENSOR_MAX_BYTES = 4 << 20
+
 log = logging.getLogger("weightserve.grpc")
-
-
-def server_version() -> str:
-    try:
-        return importlib.metadata.version("weightserve")
-    except importlib.metadata.PackageNotFoundError:  # running from a source tree
-        return "0+unknown"
 
 
 def _varint(n: int) -> bytes:
@@ -235,7 +235,52 @@ class WeightService:
 
     @_unary_call("server_info")
     def GetServerInfo(self, request: pb.GetServerInfoRequest, context: grpc.ServicerContext) -> Any:
-        return pb.ServerInfo(version=server_version(), flight_port=self.state.flight_port)
+        state = self.state
+        return pb.ServerInfo(
+            version=server_version(),
+            flight_port=state.flight_port,
+            instance=state.instance,
+            http_port=state.http_port,
+            uds=state.uds or "",
+        )
+
+    @_unary_call("stream")
+    def GetTensor(self, request: pb.GetTensorRequest, context: grpc.ServicerContext) -> Any:
+        """One small tensor in one answer: the access, plan, stream slot and metrics of a
+        one-tensor stream, without a stream's per-message cost."""
+        state = self.state
+        access = self._access(context)
+        model = state.readable_model(access, request.request.model)
+        asked = request_from_proto(request.request)
+        if asked.names is None or len(asked.names) != 1:
+            raise InvalidRequest(
+                "GetTensor sends one tensor: give exactly one name (use_prefix false); "
+                "use StreamTensors for several"
+            )
+        wanted = request.max_bytes if request.max_bytes > 0 else GET_TENSOR_DEFAULT_BYTES
+        limit = min(wanted, GET_TENSOR_MAX_BYTES)
+        one = dataclasses.replace(asked, resume_tensor=None, resume_offset=0, chunk_bytes=limit)
+        (planned,) = plan_stream(model, one, state.limits.max_names)
+        if planned.nbytes > limit:
+            return pb.TensorData(
+                name=planned.entry.name, total_bytes=planned.nbytes, too_large=True
+            )
+        client = access.client_key(peer_host(context.peer()))
+        with state.reading_slot(model, {planned.entry.file}, "grpc", client):
+            tensors = state.metrics.tensors_served.labels("grpc", model.id)
+            ((header, data),) = stream_chunks(model, [planned], one.chunk_bytes, tensors.inc)
+            answer = pb.TensorData(
+                name=header.name,
+                dtype=header.dtype,
+                shape=header.shape,
+                logical_shape=header.logical_shape,
+                encoding=header.encoding or "",
+                total_bytes=header.total_bytes,
+                digest=header.digest,
+                data=bytes(data),
+            )
+        state.metrics.bytes_served.labels("grpc", model.id).inc(header.nbytes)
+        return answer
 
     @_unary_call("model_info")
     def ListFiles(self, request: pb.GetModelRequest, context: grpc.ServicerContext) -> Any:
@@ -405,6 +450,11 @@ def create_grpc_server(
             service.ReadFile,
             request_deserializer=pb.FileRequest.FromString,
             response_serializer=lambda b: b,  # already encoded FileChunk
+        ),
+        "GetTensor": grpc.unary_unary_rpc_method_handler(
+            service.GetTensor,
+            request_deserializer=pb.GetTensorRequest.FromString,
+            response_serializer=pb.TensorData.SerializeToString,
         ),
         "StreamTensors": grpc.unary_stream_rpc_method_handler(
             service.StreamTensors,

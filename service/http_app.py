@@ -8,13 +8,16 @@ body goes out through ``_SocketWriter``: ``writev`` from the mapped file, no use
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib
 import logging
 import math
 import mmap
 import os
 import select
+import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Annotated, Any
 
 from fastapi import Body, FastAPI, Query, Request
@@ -22,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
+from starlette.concurrency import run_in_threadpool
 from starlette.routing import Match
 
 from weightserve.client._schema import ARROW_STREAM_MEDIA_TYPE, DEFAULT_CHUNK_BYTES
@@ -35,6 +39,7 @@ from weightserve.service import models_view, web_app
 from weightserve.service.auth import Access, authorize
 from weightserve.service.http_docs import add_offline_docs
 from weightserve.service.http_routes import Target, get_and_head, resolve_legacy
+from weightserve.service.models_view import server_version
 from weightserve.service.state import ServiceState
 from weightserve.service.streaming import (
     Shard,
@@ -100,9 +105,13 @@ class ArrowStreamResponse(Response):
         self.state = state
         self.model_id = model_id
         self.messages = messages
+        self.length = length
         self.release = release
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if self.length < DIRECT_WRITE_MIN_BYTES:
+            return await self._send_whole(scope, send)
+
         async def wait_disconnect() -> None:
             while (await receive())["type"] != "http.disconnect":
                 pass
@@ -116,20 +125,25 @@ class ArrowStreamResponse(Response):
         try:
             start = {"type": "http.response.start", "status": self.status_code}
             await send({**start, "headers": self.raw_headers})
-            writer = await _SocketWriter.attach(send, self.state.limits.idle_timeout)
+            writer = await _SocketWriter.attach(scope, self.state.limits.idle_timeout)
             if writer is not None:
                 idle.close()  # the writer enforces the idle timeout itself
+                # Messages are taken (digests included) and written on a worker thread, a
+                # batch per hop; between batches the loop runs and a client gone is noticed.
+                while not gone.done():
+                    written, finished = await asyncio.to_thread(writer.write_some, self.messages)
+                    sent += written
+                    if finished:
+                        break
+                else:
+                    scope[ERROR_KEY] = "Cancelled"
+                    return
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
             for message in self.messages:
                 if gone.done():
                     scope[ERROR_KEY] = "Cancelled"
                     break
-                if writer is not None:
-                    data = message[1] if len(message) > 1 else None
-                    if isinstance(data, memoryview) and isinstance(data.obj, mmap.mmap):
-                        _ensure_still_mapped(data.obj)
-                    await asyncio.to_thread(writer.write_all, message)
-                    sent += len(data) if data is not None else 0
-                    continue
                 if len(message) > 1:
                     sent += len(message[1])  # tensor data bytes, not framing
                     if sent >= pause_at:
@@ -179,10 +193,103 @@ class ArrowStreamResponse(Response):
         finally:
             if writer is not None:
                 writer.close()
+                app = scope.get("app")
+                if isinstance(app, WeightserveApp):
+                    app.direct_bytes += writer.written
             idle.close()
             gone.cancel()
             self.release()
             metrics.bytes_served.labels("http", self.model_id).inc(sent)
+
+    async def _send_whole(self, scope: Any, send: Any) -> None:
+        """A small stream as one body after its headers, corked into one TCP segment where
+        the connection allows: each segment costs the server ~0.1 ms of CPU on a kept-alive
+        connection (profiled), more than the whole small request's framing and digests."""
+        sent = 0
+        idle: _IdleCut | None = None
+        released = False
+        try:
+            body, data_bytes = bytearray(), 0
+            for message in self.messages:  # an error here is answered with its own status
+                for part in message:
+                    if isinstance(part, memoryview) and isinstance(part.obj, mmap.mmap):
+                        _ensure_still_mapped(part.obj)  # before reading it (SIGBUS)
+                    body += part
+                if len(message) > 1:
+                    data_bytes += len(message[1])  # tensor data bytes, not framing
+            # The bytes are copied: the files and the stream slot are free before the client
+            # has them, so a slow reader holds neither.
+            released = True
+            self.release()
+            idle = _IdleCut(self.state.limits.idle_timeout)  # a client that reads nothing
+            with _corked(scope):
+                start = {"type": "http.response.start", "status": self.status_code}
+                await send({**start, "headers": self.raw_headers})
+                await send({"type": "http.response.body", "body": bytes(body), "more_body": False})
+            sent = data_bytes
+        except asyncio.CancelledError:
+            if idle is None or not idle.fired:
+                raise
+            idle.uncancel()
+            scope[ERROR_KEY] = "IdleTimeout"
+            log.warning(
+                "stream of model %s to %s cut: the client read nothing for %.1f s",
+                self.model_id,
+                (scope.get("client") or ("?",))[0],
+                idle.timeout,
+            )
+        finally:
+            if idle is not None:
+                idle.close()
+            if not released:
+                self.release()
+            self.state.metrics.bytes_served.labels("http", self.model_id).inc(sent)
+
+
+@contextlib.contextmanager
+def _corked(scope: Any) -> Iterator[None]:
+    """TCP_CORK on uvicorn's TCP connection inside: what is written goes out as full
+    segments, the rest when it ends (Linux). Elsewhere nothing happens."""
+    cycle = scope.get(CYCLE_KEY)
+    transport = getattr(cycle, "transport", None)
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    cork = getattr(socket, "TCP_CORK", None)
+    if sock is None or cork is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        yield
+        return
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, cork, 1)
+    except OSError:  # the connection is gone: nothing to cork
+        yield
+        return
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, cork, 0)
+
+
+# Bodies this long go out through _SocketWriter where it can engage; shorter ones (a small
+# tensor) cost less through the event loop's own write than through a worker thread.
+DIRECT_WRITE_MIN_BYTES = 1 << 20
+# ASGI scope key: uvicorn's request-response cycle of a plain HTTP/1.1 connection, set by
+# the outermost layer (WeightserveApp.__call__) before Starlette wraps ``send``.
+CYCLE_KEY = "weightserve.uvicorn_cycle"
+
+
+def _uvicorn_cycle_types() -> tuple[type, ...]:
+    """uvicorn's HTTP/1.1 request-response cycles (httptools and h11), those installed."""
+    found = []
+    for module in ("httptools_impl", "h11_impl"):
+        try:
+            imported = importlib.import_module(f"uvicorn.protocols.http.{module}")
+        except ImportError:  # httptools not installed, or no uvicorn at all
+            continue
+        found.append(imported.RequestResponseCycle)
+    return tuple(found)
+
+
+_CYCLE_TYPES = _uvicorn_cycle_types()
 
 
 class _SocketWriter:
@@ -194,32 +301,60 @@ class _SocketWriter:
     is released in writev and poll), so several streams proceed in parallel. A page that a
     truncation removed makes the kernel fail the write (EFAULT) instead of raising SIGBUS.
 
-    Only for uvicorn's plain-TCP connections: uvicorn keeps the Content-Length accounting,
-    which is adjusted here; TLS or any other server uses ASGI sends.
+    Only for uvicorn's plain HTTP/1.1 connections (TCP or a Unix socket), found through the
+    cycle ``WeightserveApp`` puts in the scope: the server's Content-Length accounting is
+    adjusted here (httptools counts down ``expected_content_length``, h11 its writer's
+    length). TLS, other servers and anything unrecognised use ASGI sends.
     """
 
-    def __init__(self, cycle: Any, fd: int, idle_timeout: float) -> None:
-        self.cycle = cycle
+    def __init__(self, account: Callable[[int], None], fd: int, idle_timeout: float) -> None:
+        self.account = account
+        self.written = 0  # body bytes, framing included
         # Our own descriptor: if asyncio closes its socket (client gone), this number can't
         # be reused by another connection while a write is still in flight.
         self.fd = os.dup(fd)
         self.idle_ms = int(idle_timeout * 1000)
 
     @classmethod
-    async def attach(cls, send: Any, idle_timeout: float) -> _SocketWriter | None:
-        cycle = getattr(send, "__self__", None)
+    async def attach(cls, scope: Any, idle_timeout: float) -> _SocketWriter | None:
+        cycle = scope.get(CYCLE_KEY)
         transport = getattr(cycle, "transport", None)
+        account = _content_length_account(cycle)
+        if transport is None or account is None:
+            return None
+        sock = transport.get_extra_info("socket")
         if (
-            transport is None
-            or not hasattr(cycle, "expected_content_length")
+            sock is None
+            or sock.type != socket.SOCK_STREAM
             or transport.get_extra_info("sslcontext") is not None
-            or transport.get_extra_info("socket") is None
+            or transport.get_extra_info("ssl_object") is not None
+            or transport.is_closing()
         ):
             return None
         # The status line and headers must be on the wire before the body.
         while transport.get_write_buffer_size():
             await asyncio.sleep(0.001)
-        return cls(cycle, transport.get_extra_info("socket").fileno(), idle_timeout)
+            if transport.is_closing():
+                return None
+        app = scope.get("app")
+        if isinstance(app, WeightserveApp):
+            app.direct_streams += 1
+        return cls(account, sock.fileno(), idle_timeout)
+
+    def write_some(self, messages: Iterator[tuple]) -> tuple[int, bool]:
+        """Take and write messages until ``PAUSE_EVERY_BYTES`` tensor bytes went out or the
+        stream ended: (tensor bytes written, whether the stream ended)."""
+        written = 0
+        for message in messages:
+            data = message[1] if len(message) > 1 else None
+            if isinstance(data, memoryview) and isinstance(data.obj, mmap.mmap):
+                _ensure_still_mapped(data.obj)
+            self.write_all(message)
+            if data is not None:
+                written += len(data)
+                if written >= PAUSE_EVERY_BYTES:
+                    return written, False
+        return written, True
 
     def write_all(self, parts: tuple) -> None:
         views = [memoryview(p).cast("B") for p in parts if len(p)]
@@ -239,10 +374,36 @@ class _SocketWriter:
                 n -= len(views.pop(0))
             if n:
                 views[0] = views[0][n:]
-        self.cycle.expected_content_length -= total
+        self.account(total)
+        self.written += total
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+def _content_length_account(cycle: Any) -> Callable[[int], None] | None:
+    """What tells uvicorn's cycle that ``n`` body bytes went out behind its back, so its
+    Content-Length check at the end of the response holds; None for anything else."""
+    if not _CYCLE_TYPES or not isinstance(cycle, _CYCLE_TYPES):
+        return None
+    if hasattr(cycle, "expected_content_length"):  # httptools
+        if getattr(cycle, "chunked_encoding", None):
+            return None
+
+        def count_down(n: int) -> None:
+            cycle.expected_content_length -= n
+
+        return count_down
+    writer: Any = getattr(getattr(cycle, "conn", None), "_writer", None)  # h11's body writer
+    if type(writer).__name__ != "ContentLengthWriter" or not isinstance(
+        getattr(writer, "_length", None), int
+    ):
+        return None
+
+    def h11_count_down(n: int) -> None:
+        writer._length -= n
+
+    return h11_count_down
 
 
 def _ensure_still_mapped(mapping: mmap.mmap) -> None:
@@ -361,7 +522,12 @@ def route_operation(path: str) -> str:
         return "stream" if path.endswith("/stream") or "/tensors/" in path else "model_info"
     if path.startswith("/api/"):  # the Hub-compatible model info and file listings
         return "model_info"
-    fixed = {"/healthz": "health", "/readyz": "ready", "/metrics": "metrics"}
+    fixed = {
+        "/healthz": "health",
+        "/readyz": "ready",
+        "/metrics": "metrics",
+        "/v1/server": "server_info",
+    }
     if path in fixed:
         return fixed[path]
     if path.startswith(("/docs", "/redoc", "/openapi")):
@@ -450,8 +616,33 @@ ARROW_ROUTE: dict[str, Any] = {
 }
 
 
+class WeightserveApp(FastAPI):
+    """The FastAPI app, and the outermost ASGI layer uvicorn calls: before Starlette wraps
+    ``send`` it notes the server's own request-response cycle in the scope (``CYCLE_KEY``),
+    where a stream's ``_SocketWriter`` finds it."""
+
+    # Streams and body bytes written with _SocketWriter (tests check that the path engages).
+    direct_streams = 0
+    direct_bytes = 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("http_version") == "1.1":
+            cycle = getattr(send, "__self__", None)
+            if _CYCLE_TYPES and isinstance(cycle, _CYCLE_TYPES):
+                scope[CYCLE_KEY] = cycle
+        await super().__call__(scope, receive, send)
+
+
+# A stream request naming at most this many tensors is planned on the event loop when the
+# catalog answers from memory (Catalog.answers_now); longer lists and prefixes are planned on
+# a worker thread, as is any request whose model must be checked, loaded or hashed first.
+INLINE_MAX_NAMES = 16
+# The same for a model's info: its tensor index rendered as JSON on the loop up to this size.
+INLINE_MAX_TENSORS = 1024
+
+
 def create_app(state: ServiceState) -> FastAPI:
-    app = FastAPI(
+    app = WeightserveApp(
         title="weightserve",
         description="Model weights as Apache Arrow streams. Tensor data: Arrow IPC stream, "
         "one row per chunk of a tensor (see docs/protocol.md). Every GET route answers "
@@ -494,13 +685,34 @@ def create_app(state: ServiceState) -> FastAPI:
         )
         return await weightserve_error(request, InvalidRequest(f"invalid request: {problems}"))
 
+    # The small routes are `async def`: answered on the event loop, without the thread hop a
+    # sync route takes. What may block (a model to check, load or hash first, a long plan)
+    # goes to the threadpool (`off_loop`).
+    async def off_loop(answer: Callable[[], Response], inline: bool) -> Response:
+        return answer() if inline else await run_in_threadpool(answer)
+
     @get_and_head(app, "/healthz", tags=["operations"])
-    def healthz() -> dict[str, str]:
+    async def healthz() -> dict[str, str]:
         """Liveness: the process answers."""
         return {"status": "ok"}
 
+    @get_and_head(app, "/v1/server", tags=["operations"])
+    async def server_info() -> dict[str, Any]:
+        """This server's data planes, for a client choosing the fastest one: its HTTP, gRPC
+        and Arrow Flight ports (0: none), the same-node socket (``uds``; its handoff socket is
+        that path + ``.handoff``), and an instance id to tell whether a socket found on the
+        node is this server's."""
+        return {
+            "version": server_version(),
+            "instance": state.instance,
+            "http_port": state.http_port,
+            "grpc_port": state.grpc_port,
+            "flight_port": state.flight_port,
+            "uds": state.uds,
+        }
+
     @get_and_head(app, "/readyz", tags=["operations"])
-    def readyz() -> JSONResponse:
+    async def readyz() -> JSONResponse:
         """Readiness: the catalog is loaded, the content revisions of the models found at
         start are known (a never-seen large model is hashed once first), and the server
         accepts new streams."""
@@ -522,9 +734,13 @@ def create_app(state: ServiceState) -> FastAPI:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @get_and_head(app, "/v1/models", tags=["models"])
-    def list_models(request: Request) -> dict[str, Any]:
+    async def list_models(request: Request) -> Response:
         """Every model served, and those refused with the file and rule they broke."""
-        return models_view.model_list(catalog, access(request).may_read)
+
+        def answer() -> Response:
+            return JSONResponse(models_view.model_list(catalog, access(request).may_read))
+
+        return await off_loop(answer, catalog.answers_now())
 
     def start_stream(http: Request, model_id: str, request: TensorRequest) -> Response:
         http.scope[OPERATION_KEY] = "stream"  # whichever route led here
@@ -556,8 +772,35 @@ def create_app(state: ServiceState) -> FastAPI:
             lambda: slot.__exit__(None, None, None),
         )
 
+    def inline_stream(model_id: str, request: TensorRequest) -> bool:
+        return (
+            request.names is not None
+            and len(request.names) <= INLINE_MAX_NAMES
+            and catalog.answers_now(model_id)
+        )
+
+    def query_request(
+        name: list[str] | None = None,
+        prefix: str | None = None,
+        shard: str | None = None,
+        axis: int = 0,
+        resume_tensor: str | None = None,
+        resume_offset: int = 0,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        revision: str | None = None,
+    ) -> TensorRequest:
+        return TensorRequest(
+            names=tuple(name) if name else None,
+            prefix=prefix if not name else None,
+            shard=parse_shard(shard, axis),
+            resume_tensor=resume_tensor,
+            resume_offset=resume_offset,
+            chunk_bytes=chunk_bytes,
+            revision=revision,
+        )
+
     @get_and_head(app, "/v1/models/{model:model_id}/-/stream", **ARROW_ROUTE)
-    def stream_get(
+    async def stream_get(
         http: Request,
         model: str,
         name: Annotated[list[str] | None, Query(description="tensor names (repeat)")] = None,
@@ -572,19 +815,17 @@ def create_app(state: ServiceState) -> FastAPI:
         revision: str | None = None,
     ) -> Response:
         """Tensor data as an Arrow IPC stream: by name list or by prefix."""
-        request = TensorRequest(
-            names=tuple(name) if name else None,
-            prefix=prefix if not name else None,
-            shard=parse_shard(shard, axis),
-            resume_tensor=resume_tensor,
-            resume_offset=resume_offset,
-            chunk_bytes=chunk_bytes,
-            revision=revision,
+        request = query_request(
+            name, prefix, shard, axis, resume_tensor, resume_offset, chunk_bytes, revision
         )
-        return start_stream(http, model, request)
+        return await off_loop(
+            lambda: start_stream(http, model, request), inline_stream(model, request)
+        )
 
     @app.post("/v1/models/{model:model_id}/-/stream", **ARROW_ROUTE)
-    def stream_post(http: Request, model: str, body: Annotated[StreamBody, Body()]) -> Response:
+    async def stream_post(
+        http: Request, model: str, body: Annotated[StreamBody, Body()]
+    ) -> Response:
         """The same stream, with the request in a JSON body (long name lists)."""
         request = TensorRequest(
             names=tuple(body.names) if body.names is not None else None,
@@ -595,10 +836,12 @@ def create_app(state: ServiceState) -> FastAPI:
             chunk_bytes=body.chunk_bytes,
             revision=body.revision,
         )
-        return start_stream(http, model, request)
+        return await off_loop(
+            lambda: start_stream(http, model, request), inline_stream(model, request)
+        )
 
     @get_and_head(app, "/v1/models/{model:model_id}/-/tensors/{name:path}", **ARROW_ROUTE)
-    def one_tensor(
+    async def one_tensor(
         http: Request,
         model: str,
         name: str,
@@ -609,7 +852,9 @@ def create_app(state: ServiceState) -> FastAPI:
         """One tensor as an Arrow IPC stream (the name may hold `/`; percent-encode `%`, `?`,
         `#` and spaces)."""
         request = TensorRequest(names=(name,), shard=parse_shard(shard, axis), revision=revision)
-        return start_stream(http, model, request)
+        return await off_loop(
+            lambda: start_stream(http, model, request), inline_stream(model, request)
+        )
 
     web_app.add_browser_routes(app, state, access)  # the page at / and its stats route
     # Imported here: these modules build on ArrowStreamResponse above.
@@ -620,7 +865,8 @@ def create_app(state: ServiceState) -> FastAPI:
     # The layout before the reserved `-` part, registered after the routes above and before
     # the model's own route. A path ending in /stream or holding /tensors/ may be a model id
     # (`edge/stream`) or hold a tensor name, so the catalog says which reading names a model
-    # the caller may read; with none, the route's own reading gives the usual error.
+    # the caller may read; with none, the route's own reading gives the usual error. These
+    # deprecated routes stay on the threadpool.
     def legacy(http: Request, path: str, fallback: Target, **stream_query: Any) -> Response:
         caller = access(http)
 
@@ -631,17 +877,14 @@ def create_app(state: ServiceState) -> FastAPI:
 
         target = resolve_legacy(path, known) or fallback
         if target.kind == "model":
-            return get_model(target.model, http)
+            return model_info(target.model, http)
         if target.kind == "tensor":
-            return one_tensor(
-                http,
-                target.model,
-                target.tensor or "",
-                stream_query.get("shard"),
-                stream_query.get("axis", 0),
-                stream_query.get("revision"),
+            shard = parse_shard(stream_query.get("shard"), stream_query.get("axis", 0))
+            request = TensorRequest(
+                names=(target.tensor or "",), shard=shard, revision=stream_query.get("revision")
             )
-        return stream_get(http, target.model, **stream_query)
+            return start_stream(http, target.model, request)
+        return start_stream(http, target.model, query_request(**stream_query))
 
     @get_and_head(app, "/v1/models/{model:path}/stream", deprecated=True, **ARROW_ROUTE)
     def legacy_stream_get(
@@ -674,11 +917,11 @@ def create_app(state: ServiceState) -> FastAPI:
 
     # Any path, as for the model's route below: a malformed id gets its named error, not 405.
     @app.post("/v1/models/{model:path}/stream", deprecated=True, **ARROW_ROUTE)
-    def legacy_stream_post(
+    async def legacy_stream_post(
         http: Request, model: str, body: Annotated[StreamBody, Body()]
     ) -> Response:
         """Use `POST /v1/models/{model}/-/stream` (the same request)."""
-        return stream_post(http, model, body)
+        return await stream_post(http, model, body)
 
     @get_and_head(
         app, "/v1/models/{model:path}/tensors/{name:path}", deprecated=True, **ARROW_ROUTE
@@ -703,8 +946,17 @@ def create_app(state: ServiceState) -> FastAPI:
         )
 
     @get_and_head(app, "/v1/models/{model:path}", tags=["models"])
-    def get_model(model: str, request: Request) -> Response:
+    async def get_model(model: str, request: Request) -> Response:
         """Format, revision, metadata and the tensor index (in MAX's items() order)."""
+        known = catalog.models.get(model)
+        inline = (
+            known is not None
+            and len(known.tensors) <= INLINE_MAX_TENSORS
+            and catalog.answers_now(model)
+        )
+        return await off_loop(lambda: model_info(model, request), inline)
+
+    def model_info(model: str, request: Request) -> Response:
         m = state.readable_model(access(request), model)
         etag = f'"{m.revision}"'
         headers = {"etag": etag, "cache-control": "no-cache"}

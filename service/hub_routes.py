@@ -28,6 +28,7 @@ from urllib.parse import parse_qs, unquote
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 
 from weightserve.client.errors import (
     FileNotFound,
@@ -222,16 +223,20 @@ def add_hub_routes(app: FastAPI, state: ServiceState, access: Callable[[Request]
         parts = _segments(http, "/api/models/")
         repo_id, rest = repos.split(parts, lambda p: p == "paths-info")
         form = parse_qs((await http.body()).decode("utf-8", "replace"))
-        try:
-            caller = access(http)
-            if len(rest) != 2:
-                raise NotFound(f"no Hub route POST /api/models/{path}")
-            model = repos.model(caller, repo_id, unquote(rest[1]))
-            wanted = {p.strip("/") for p in form.get("paths", [])}
-            listing = _tree_entries(model, "", recursive=True)
-            return JSONResponse([e for e in listing if e["path"] in wanted])
-        except WeightserveError as e:
-            return _hub_error(http, e)
+
+        def answer() -> Response:  # a file never hashed before is read for its digest
+            try:
+                caller = access(http)
+                if len(rest) != 2:
+                    raise NotFound(f"no Hub route POST /api/models/{path}")
+                model = repos.model(caller, repo_id, unquote(rest[1]))
+                wanted = {p.strip("/") for p in form.get("paths", [])}
+                listing = _tree_entries(model, "", recursive=True)
+                return JSONResponse([e for e in listing if e["path"] in wanted])
+            except WeightserveError as e:
+                return _hub_error(http, e)
+
+        return await run_in_threadpool(answer)
 
     @get_and_head(app, "/{repo:model_id}/resolve/{rest:path}", tags=["hub"])
     def hub_resolve(http: Request, repo: str, rest: str) -> Response:

@@ -94,6 +94,7 @@ class Metrics:
         self.http = CallRecorder(self, "http")
         self.grpc = CallRecorder(self, "grpc")
         self.flight = CallRecorder(self, "flight")
+        self.handoff = CallRecorder(self, "handoff")  # same-node descriptors (service/handoff.py)
 
 
 # The node cache's counters (service/node_cache.py CacheStats): (metric, kind, help, field).

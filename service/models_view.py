@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 from collections.abc import Callable
 from typing import Any
 
 from weightserve.service.catalog import Catalog, Model
 from weightserve.service.origin_catalog import OriginCatalog
 from weightserve.service.readers.base import TensorEntry
+
+
+def server_version() -> str:
+    try:
+        return importlib.metadata.version("weightserve")
+    except importlib.metadata.PackageNotFoundError:  # running from a source tree
+        return "0+unknown"
 
 
 def tensor_info(entry: TensorEntry) -> dict[str, Any]:

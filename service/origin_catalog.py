@@ -189,6 +189,10 @@ class OriginCatalog(Catalog):
         self._ensured: dict[str, tuple[OriginFile, ...]] = {}  # the listing each fill matched
         super().__init__(cache.data_dir, recheck_seconds=recheck_seconds, digests=digests)
 
+    def answers_now(self, model_id: str | None = None) -> bool:
+        """Never: ``get`` may fill from the origin and takes the cache's lock."""
+        return False
+
     @property
     def description(self) -> str:
         return self.origin.description

@@ -8,8 +8,10 @@ turns false, new streams are refused, open streams get ``grace`` seconds to fini
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
+import os
 import socket
 import ssl
 import threading
@@ -26,6 +28,7 @@ from weightserve.service.auth import TokenStore
 from weightserve.service.catalog import Catalog
 from weightserve.service.flight_app import FlightService
 from weightserve.service.grpc_app import SERVICE_NAME, create_grpc_server
+from weightserve.service.handoff import HandoffServer
 from weightserve.service.http_app import create_app
 from weightserve.service.node_cache import NodeCache
 from weightserve.service.origin_catalog import OriginCatalog, default_cache_size
@@ -73,6 +76,12 @@ class ServerConfig:
     origin_token: str | None = None  # bearer token for an upstream weightserve
     # (CA, client certificate, key) PEM files for an https:// upstream; None: system CAs
     origin_tls: tuple[str | None, str | None, str | None] | None = None
+    # Same-node Unix sockets (docs/deploy.md): HTTP on UDS, gRPC on UDS.grpc and the
+    # zero-copy descriptor handoff on UDS.handoff; None: none. Plain (no TLS): the kernel is
+    # the transport, and peers are told apart by their credentials.
+    uds: str | None = None
+    uds_mode: int = 0o666  # who may connect is decided by who can reach the directory
+    uds_uids: tuple[int, ...] = ()  # if given, only these user ids get descriptors
 
 
 def is_origin_uri(root: str) -> bool:
@@ -136,6 +145,39 @@ def check_listeners(config: ServerConfig) -> None:
     _check_port_free("gRPC", "grpc_port", config.host, config.grpc_port)
     if config.flight_port is not None:
         _check_port_free("Arrow Flight", "flight_port", config.host, config.flight_port)
+
+
+def _claim_socket_path(path: str) -> None:
+    """Make ``path`` free for a new Unix socket: a stale socket of a server that is gone is
+    removed; a live one, or anything that is not a socket, is a StartupError."""
+    p = Path(path)
+    if not p.parent.is_dir():
+        raise StartupError(
+            "uds", f"cannot listen on {path}: the directory {p.parent} does not exist"
+        )
+    try:
+        st = p.lstat()
+    except FileNotFoundError:
+        return
+    import stat
+
+    if not stat.S_ISSOCK(st.st_mode):
+        raise StartupError("uds", f"{path} exists and is not a socket; choose another path")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except OSError:
+            p.unlink()  # nobody listens: left behind by a server that stopped without cleaning
+            return
+    raise StartupError(
+        "uds",
+        f"another server listens on {path} (another weightserve?); stop it or choose another path",
+    )
+
+
+def uds_paths(uds: str) -> dict[str, str]:
+    """The same-node sockets ``--uds PATH`` creates, by what they serve."""
+    return {"http": uds, "grpc": uds + ".grpc", "handoff": uds + ".handoff"}
 
 
 def _check_ports_distinct(config: ServerConfig) -> None:
@@ -283,6 +325,8 @@ class WeightServer:
         self.grpc_port = 0
         self._flight: FlightService | None = None
         self.flight_port = 0
+        self._uvicorn_uds: uvicorn.Server | None = None
+        self._handoff: HandoffServer | None = None
         self._stop_rescan = threading.Event()
 
     @property
@@ -393,6 +437,7 @@ class WeightServer:
             **self._http_tls(),
         )
         self._uvicorn = uvicorn.Server(config)
+        uds_sock = self._bind_uds_http(app) if self.config.uds else None
         started = threading.Event()
 
         def run_http() -> None:
@@ -401,10 +446,15 @@ class WeightServer:
 
             async def main() -> None:
                 task = asyncio.ensure_future(self._uvicorn.serve(sockets=[sock]))  # type: ignore[union-attr]
-                while not self._uvicorn.started and not task.done():  # type: ignore[union-attr]
+                tasks = [task]
+                if self._uvicorn_uds is not None:
+                    assert uds_sock is not None
+                    tasks.append(asyncio.ensure_future(self._uvicorn_uds.serve(sockets=[uds_sock])))
+                servers = [s for s in (self._uvicorn, self._uvicorn_uds) if s is not None]
+                while not all(s.started for s in servers) and not any(t.done() for t in tasks):
                     await asyncio.sleep(0.01)
                 started.set()
-                await task
+                await asyncio.gather(*tasks)
 
             try:
                 loop.run_until_complete(main())
@@ -430,10 +480,17 @@ class WeightServer:
                 f"the gRPC endpoint could not listen on {_url_host(host)}:"
                 f"{self.config.grpc_port}: {e}",
             ) from e
+        if self.config.uds:
+            self._start_uds_grpc_and_handoff(self.config.uds)
         self._grpc.start()
+        if self.config.uds:  # grpc-core creates its socket with the process umask
+            os.chmod(uds_paths(self.config.uds)["grpc"], self.config.uds_mode)
         started.wait()
         if not self._uvicorn.started:
             raise RuntimeError(f"HTTP server failed to start on {host}:{self.http_port}")
+        if self._uvicorn_uds is not None and not self._uvicorn_uds.started:
+            raise RuntimeError(f"HTTP server failed to start on {self.config.uds}")
+        self.state.http_port, self.state.grpc_port = self.http_port, self.grpc_port
         self._start_catalog_upkeep()
         log.info(
             "serving %d models: %s %s%s",
@@ -443,6 +500,48 @@ class WeightServer:
             f" (Flight {self.flight_url})" if self._flight else "",
         )
         return self
+
+    def _bind_uds_http(self, app: object) -> socket.socket:
+        """The HTTP API on the same-node socket: a second uvicorn server (no TLS) on the
+        same event loop and app."""
+        assert self.config.uds
+        path = uds_paths(self.config.uds)["http"]
+        _claim_socket_path(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(path)
+            os.chmod(path, self.config.uds_mode)
+        except OSError as e:
+            sock.close()
+            raise StartupError("uds", f"cannot listen on {path}: {e.strerror or e}") from None
+        self._uvicorn_uds = uvicorn.Server(
+            uvicorn.Config(
+                app,  # type: ignore[arg-type]
+                log_level="warning",
+                lifespan="off",
+                access_log=False,
+                timeout_graceful_shutdown=int(self.config.grace_seconds),
+            )
+        )
+        self.state.uds = path
+        return sock
+
+    def _start_uds_grpc_and_handoff(self, uds: str) -> None:
+        paths = uds_paths(uds)
+        assert self._grpc is not None
+        for what in ("grpc", "handoff"):
+            _claim_socket_path(paths[what])
+        if not self._grpc.add_insecure_port(f"unix:{paths['grpc']}"):
+            raise StartupError("uds", f"the gRPC endpoint could not listen on {paths['grpc']}")
+        uids = frozenset(self.config.uds_uids) if self.config.uds_uids else None
+        try:
+            self._handoff = HandoffServer(
+                paths["handoff"], self.state, self.state.instance, self.config.uds_mode, uids
+            ).start()
+        except OSError as e:
+            raise StartupError(
+                "uds", f"cannot listen on {paths['handoff']}: {e.strerror or e}"
+            ) from None
 
     # How long start() waits for the first content revisions: small roots are ready when it
     # returns; a large never-seen model reports "warming" on /readyz until it is hashed.
@@ -555,14 +654,22 @@ class WeightServer:
             closer = threading.Thread(target=self._flight.shutdown, daemon=True)
             closer.start()
             closer.join(timeout=5)
-        if self._uvicorn is not None:
-            self._uvicorn.should_exit = True
-            if not drained:
-                self._uvicorn.force_exit = True
+        for server in (self._uvicorn, self._uvicorn_uds):
+            if server is not None:
+                server.should_exit = True
+                if not drained:
+                    server.force_exit = True
+        if self._handoff is not None:
+            self._handoff.stop()
         if self._http_thread is not None:
             self._http_thread.join(timeout=grace + 5)
         if isinstance(self.catalog, OriginCatalog):
             self.catalog.cache.close()  # a restarted server may take the directory over
+        if self.config.uds:
+            for path in uds_paths(self.config.uds).values():
+                with contextlib.suppress(OSError):
+                    if Path(path).is_socket():
+                        os.unlink(path)
 
     def __enter__(self) -> WeightServer:
         return self.start()

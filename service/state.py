@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import uuid
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -51,6 +52,12 @@ class ServiceState:
         self.draining = False
         self.warming = False  # content revisions of the models found at start being computed
         self.flight_port = 0  # set when the Flight endpoint runs; GetServerInfo reports it
+        # What server info advertises, so a client can choose its data plane (client/_planes.py)
+        # and tell whether a same-node socket it finds is this server's.
+        self.instance = uuid.uuid4().hex
+        self.http_port = 0
+        self.grpc_port = 0
+        self.uds: str | None = None  # the same-node HTTP socket (--uds), as this server sees it
         self._streams = 0
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)

@@ -90,7 +90,7 @@ def test_plain_pyarrow_flight_client_reads_a_model(server, reference) -> None:
 def test_grpc_client_moves_bulk_data_over_flight(server, reference, model_id: str) -> None:
     ref = reference(model_id)
     before = flight_bytes(server, "flight", model_id), flight_bytes(server, "grpc", model_id)
-    with Client(server.grpc_url) as client:
+    with Client(server.grpc_url, data_plane="flight") as client:
         got = client.model(model_id).fetch(prefix="")
         assert isinstance(client.transport._flight, FlightPool)  # type: ignore[attr-defined]
     for name, r in ref.items():
@@ -103,15 +103,54 @@ def test_grpc_client_moves_bulk_data_over_flight(server, reference, model_id: st
 def test_flight_off_uses_streamtensors(tmp_path: Path) -> None:
     root = tmp_path / "root"
     (root / "m").mkdir(parents=True)
-    arrays = {"w": np.arange(3000, dtype=np.float32).reshape(30, 100)}
+    # Two tensors: one small tensor alone would take the unary GetTensor instead of a stream.
+    arrays = {"w": np.arange(3000, dtype=np.float32).reshape(30, 100), "b": np.ones(7)}
     save_file(arrays, root / "m" / "model.safetensors")
+    total = sum(a.nbytes for a in arrays.values())
     config = ServerConfig(str(root), http_port=0, grpc_port=0, flight_port=None)
-    with WeightServer(config) as srv, Client(srv.grpc_url) as client:
+    with WeightServer(config) as srv, Client(srv.grpc_url, data_plane="flight") as client:
         assert srv.flight_port == 0
         got = client.model("m").fetch(prefix="")
         assert client.transport._flight is None  # type: ignore[attr-defined]
-        eventually(lambda: flight_bytes(srv, "grpc", "m") == arrays["w"].nbytes, 5, "counted")
-    np.testing.assert_array_equal(got["w"], arrays["w"])
+        eventually(lambda: flight_bytes(srv, "grpc", "m") == total, 5, "counted")
+    for name, array in arrays.items():
+        np.testing.assert_array_equal(got[name], array)
+
+
+def test_grpc_url_takes_bulk_data_over_the_advertised_http_port(server, reference) -> None:
+    """A grpc:// client asks the server for its data planes and streams tensor bytes over
+    HTTP (closest to the TCP limit); metadata stays on gRPC."""
+    ref = reference("mixed")
+    before = {t: flight_bytes(server, t, "mixed") for t in ("http", "flight", "grpc")}
+    with Client(server.grpc_url) as client:
+        assert client.planes().streams.address.transport == "http"
+        assert client.planes().streams.address.port == server.http_port
+        got = client.model("mixed").fetch(prefix="")
+    assert {n: a.tobytes() for n, a in got.items()} == {
+        n: r.array.tobytes() for n, r in ref.items()
+    }
+    total = sum(r.array.nbytes for r in ref.values())
+    eventually(lambda: flight_bytes(server, "http", "mixed") - before["http"] == total, 5, "http")
+    assert flight_bytes(server, "flight", "mixed") == before["flight"]
+    assert flight_bytes(server, "grpc", "mixed") == before["grpc"]
+
+
+def test_grpc_url_stays_on_grpc_when_http_is_not_reachable(tmp_path: Path) -> None:
+    """The advertised HTTP port answers nothing from here (not published): Flight it is."""
+    root = tmp_path / "root"
+    (root / "m").mkdir(parents=True)
+    # Two tensors: one small tensor alone would take the unary GetTensor, not a stream.
+    arrays = {"w": np.arange(100, dtype=np.int32), "b": np.zeros(3, dtype=np.int32)}
+    save_file(arrays, root / "m" / "model.safetensors")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    config = ServerConfig(str(root), http_port=0, grpc_port=0, flight_port=0)
+    with WeightServer(config) as srv, Client(srv.grpc_url, timeout=10) as client:
+        srv.state.http_port = closed
+        assert client.planes().streams is client.transport
+        assert client.model("m").fetch(prefix="")["w"].tolist() == list(range(100))
+        assert isinstance(client.transport._flight, FlightPool)  # type: ignore[attr-defined]
 
 
 def test_client_with_flight_off_never_uses_it(server, reference) -> None:
@@ -131,20 +170,24 @@ def test_unreachable_flight_endpoint_falls_back(
     """A deployment that exposes the gRPC port but not the Flight port still loads."""
     root = tmp_path / "root"
     (root / "m").mkdir(parents=True)
-    arrays = {"w": np.arange(1000, dtype=np.int64)}
+    arrays = {"w": np.arange(1000, dtype=np.int64), "b": np.ones(3)}  # two: a stream
     save_file(arrays, root / "m" / "model.safetensors")
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         closed = s.getsockname()[1]
     config = ServerConfig(str(root), http_port=0, grpc_port=0, flight_port=0)
-    with WeightServer(config) as srv, Client(srv.grpc_url, timeout=10) as client:
+    with (
+        WeightServer(config) as srv,
+        Client(srv.grpc_url, timeout=10, data_plane="flight") as client,
+    ):
         srv.state.flight_port = closed  # what GetServerInfo now advertises
         with caplog.at_level(logging.WARNING, logger="weightserve.client"):
             got = client.model("m").fetch(prefix="")
         np.testing.assert_array_equal(got["w"], arrays["w"])
         assert "using gRPC StreamTensors instead" in caplog.text
         # counted when the server's handler returns, which may be just after the client is done
-        eventually(lambda: flight_bytes(srv, "grpc", "m") == arrays["w"].nbytes, 5, "counted")
+        total = sum(a.nbytes for a in arrays.values())
+        eventually(lambda: flight_bytes(srv, "grpc", "m") == total, 5, "counted")
 
 
 @pytest.mark.parametrize(
@@ -243,11 +286,13 @@ def test_every_transport_counts_tensors_and_bytes_served(tmp_path: Path) -> None
         ):
             with Client(url, flight=flight_on) as client:
                 client.model("m").fetch(prefix="", shard=None)
-                client.model("m").fetch(["t1"])
+                # Two names: one small tensor alone goes through gRPC's unary GetTensor.
+                client.model("m").fetch(["t1", "t2"])
 
             def counted(label: str = label) -> bool:
                 tensors = metrics.tensors_served.labels(label, "m")._value.get()
-                return tensors == 6 and flight_bytes(srv, label, "m") == total + arrays["t1"].nbytes
+                again = arrays["t1"].nbytes + arrays["t2"].nbytes
+                return tensors == 7 and flight_bytes(srv, label, "m") == total + again
 
             eventually(counted, 5, f"{label} counters")
 

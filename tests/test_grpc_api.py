@@ -282,6 +282,7 @@ def test_reflection_lists_the_service(channel) -> None:
         "ListModels",
         "GetModel",
         "StreamTensors",
+        "GetTensor",
         "GetServerInfo",
         "ListFiles",
         "ReadFile",

@@ -106,6 +106,56 @@ def test_daemonset_is_node_local_with_grpc_probes_and_locked_down(helm: Path) ->
     assert security["seccompProfile"]["type"] == "RuntimeDefault"
 
 
+def test_daemonset_node_socket_mounts_the_node_directory_for_a_non_root_server(
+    helm: Path,
+) -> None:
+    objects = render(
+        helm, *ORIGIN, "--set", "mode=daemonset", "--set", "nodeSocket.enabled=true",
+        "--set", "nodeSocket.hostPath=/var/run/ws", "--set-string", "nodeSocket.mode=660",
+        "--set", "nodeSocket.uids={1000,1001}",
+    )  # fmt: skip
+    validate(objects)
+    (config,) = find(objects, "ConfigMap")
+    assert config["data"]["WEIGHTSERVE_UDS"] == "/run/weightserve/weightserve.sock"
+    assert config["data"]["WEIGHTSERVE_UDS_MODE"] == "660"
+    assert config["data"]["WEIGHTSERVE_UDS_UIDS"] == "1000,1001"
+    (daemonset,) = find(objects, "DaemonSet")
+    pod = daemonset["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["node-socket"]["hostPath"] == {
+        "path": "/var/run/ws",
+        "type": "DirectoryOrCreate",
+    }
+    # The server's socket path lies in the mounted node directory.
+    server = container(objects, "DaemonSet")
+    mounts = {m["name"]: m["mountPath"] for m in server["volumeMounts"]}
+    assert mounts["node-socket"] == str(Path(config["data"]["WEIGHTSERVE_UDS"]).parent)
+    # The init container hands that directory to the non-root server's uid and gid, and gets
+    # nothing beyond CHOWN to do it.
+    (init,) = pod["initContainers"]
+    assert init["image"] == server["image"]
+    assert init["command"][:2] == ["python", "-c"]
+    assert init["command"][3:] == ["/run/weightserve", "10001", "10001"]
+    assert {m["name"]: m["mountPath"] for m in init["volumeMounts"]} == {
+        "node-socket": "/run/weightserve"
+    }
+    security = init["securityContext"]
+    assert security["runAsUser"] == 0 and security["runAsNonRoot"] is False
+    assert security["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["seccompProfile"]["type"] == "RuntimeDefault"
+    assert server["securityContext"]["runAsUser"] == 10001
+
+
+def test_node_socket_is_off_by_default(helm: Path) -> None:
+    objects = render(helm, *ORIGIN, "--set", "mode=daemonset")
+    (daemonset,) = find(objects, "DaemonSet")
+    assert "initContainers" not in daemonset["spec"]["template"]["spec"]
+    (config,) = find(objects, "ConfigMap")
+    assert not [key for key in config["data"] if key.startswith("WEIGHTSERVE_UDS")]
+
+
 def test_tls_moves_probes_off_plaintext_grpc(helm: Path) -> None:
     objects = render(helm, *ORIGIN, "--set", "tls.secret=ws-tls")
     validate(objects)
@@ -175,8 +225,19 @@ def test_example_manifests_are_valid(manifest: Path) -> None:
         (["--set", "cache.type=persistentVolumeClaim"], "needs replicaCount=1"),
         (["--set", "mode=daemonset", "--set", "cache.type=persistentVolumeClaim"],
          "cannot be used with mode=daemonset"),
+        (["--set", "nodeSocket.enabled=true"], "nodeSocket.enabled=true is for mode=daemonset"),
+        (["--set", "mode=daemonset", "--set-string", "nodeSocket.mode=rw-rw-rw-"],
+         "at '/nodeSocket/mode'"),
+        (["--set", "mode=daemonset", "--set-string", "nodeSocket.mode=888"],
+         "at '/nodeSocket/mode'"),
+        (["--set", "mode=daemonset", "--set", "nodeSocket.uids={-1}"],
+         "at '/nodeSocket/uids/0'"),
+        (["--set", "mode=daemonset", "--set", "nodeSocket.hostPath=run/weightserve"],
+         "at '/nodeSocket/hostPath'"),
     ],
-    ids=["mode", "negative-size", "port", "replicas", "typo", "pvc-replicas", "pvc-daemonset"],
+    ids=["mode", "negative-size", "port", "replicas", "typo", "pvc-replicas", "pvc-daemonset",
+         "socket-deployment", "socket-mode", "socket-mode-digit", "socket-negative-uid",
+         "socket-relative-path"],
 )  # fmt: skip
 def test_bad_values_are_refused(helm: Path, args: list[str], message: str) -> None:
     result = run_helm(helm, "template", "ws", str(CHART), *ORIGIN, *args)

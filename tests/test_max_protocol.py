@@ -338,7 +338,7 @@ def missing_names(names: list[str]) -> list[str]:
 
 def count_streams(w: RemoteWeights) -> list[Any]:
     """Record every tensor stream the weights' transport opens from now on."""
-    return record_streams(w.remote_model.client.transport)
+    return record_streams(w.remote_model.client.planes().streams)
 
 
 def names_of(w: Any) -> list[str]:

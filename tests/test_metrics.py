@@ -156,7 +156,7 @@ def test_metadata_calls_and_streams_are_counted_on_every_transport(srv: WeightSe
         client.model("m").fetch(prefix="")
         with pytest.raises(ModelNotFound):
             client.model_info("no/such-model")
-    with Client(srv.grpc_url, retry_seconds=0) as client:  # data over Flight
+    with Client(srv.grpc_url, retry_seconds=0, data_plane="flight") as client:
         client.model("m").fetch(prefix="")
     assert flight_error_class(srv, flight_ticket(model="no/such-model", use_prefix=True)) == (
         "ModelNotFound"

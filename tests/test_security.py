@@ -476,7 +476,9 @@ def test_tls_with_the_ca_is_byte_identical(
 ) -> None:
     address = url(tls_server, transport)
     assert address.startswith(("https://", "grpcs://"))
-    with Client(address, tls=TLSOptions(ca_file=certs.ca), timeout=10) as client:
+    plane = "flight" if transport == "grpc" else None
+    tls = TLSOptions(ca_file=certs.ca)
+    with Client(address, tls=tls, timeout=10, data_plane=plane) as client:
         assert {m.id for m in client.list_models()[0]} == set(root.arrays)
         assert_arrays(client.model("big").fetch(prefix=""), root.arrays["big"])
         assert_arrays(client.model("team-a/x").fetch(prefix=""), root.arrays["team-a/x"])
@@ -484,6 +486,10 @@ def test_tls_with_the_ca_is_byte_identical(
             pool = client.transport._flight  # type: ignore[attr-defined]
             assert pool.url.startswith("grpc+tls://")
             assert flight_bytes(tls_server, "big") > 0
+    if transport == "grpc":  # by default a grpcs:// client streams over HTTPS, same CA
+        with Client(address, tls=tls, timeout=10) as client:
+            assert client.planes().streams.address.url.startswith("https://")
+            assert_arrays(client.model("big").fetch(prefix=""), root.arrays["big"])
 
 
 @pytest.mark.parametrize("transport", URLS)
@@ -527,7 +533,8 @@ def test_mtls(mtls_server: WeightServer, root: Root, certs: Certs, transport: st
         with Client(address, tls=tls, timeout=10) as client, pytest.raises(TransportError):
             client.list_models()
     good = TLSOptions(ca_file=certs.ca, cert_file=certs.client_cert, key_file=certs.client_key)
-    with Client(address, tls=good, timeout=10) as client:
+    plane = "flight" if transport == "grpc" else None
+    with Client(address, tls=good, timeout=10, data_plane=plane) as client:
         assert {m.id for m in client.list_models()[0]} == set(root.arrays)
         assert_arrays(client.model("team-b/z").fetch(prefix=""), root.arrays["team-b/z"])
         if transport == "grpc":

@@ -53,12 +53,18 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "flight_port")
+    __slots__ = ("version", "flight_port", "instance", "http_port", "uds")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     FLIGHT_PORT_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    HTTP_PORT_FIELD_NUMBER: _ClassVar[int]
+    UDS_FIELD_NUMBER: _ClassVar[int]
     version: str
     flight_port: int
-    def __init__(self, version: _Optional[str] = ..., flight_port: _Optional[int] = ...) -> None: ...
+    instance: str
+    http_port: int
+    uds: str
+    def __init__(self, version: _Optional[str] = ..., flight_port: _Optional[int] = ..., instance: _Optional[str] = ..., http_port: _Optional[int] = ..., uds: _Optional[str] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()
@@ -161,6 +167,36 @@ class TensorRequest(_message.Message):
     chunk_bytes: int
     revision: str
     def __init__(self, model: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., prefix: _Optional[str] = ..., use_prefix: _Optional[bool] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., shard_axis: _Optional[int] = ..., resume_tensor: _Optional[str] = ..., resume_offset: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., revision: _Optional[str] = ...) -> None: ...
+
+class GetTensorRequest(_message.Message):
+    __slots__ = ("request", "max_bytes")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    request: TensorRequest
+    max_bytes: int
+    def __init__(self, request: _Optional[_Union[TensorRequest, _Mapping]] = ..., max_bytes: _Optional[int] = ...) -> None: ...
+
+class TensorData(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "logical_shape", "encoding", "total_bytes", "digest", "data", "too_large")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    LOGICAL_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TOO_LARGE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    logical_shape: _containers.RepeatedScalarFieldContainer[int]
+    encoding: str
+    total_bytes: int
+    digest: int
+    data: bytes
+    too_large: bool
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., logical_shape: _Optional[_Iterable[int]] = ..., encoding: _Optional[str] = ..., total_bytes: _Optional[int] = ..., digest: _Optional[int] = ..., data: _Optional[bytes] = ..., too_large: _Optional[bool] = ...) -> None: ...
 
 class ArrowData(_message.Message):
     __slots__ = ("data",)

@@ -50,6 +50,11 @@ class WeightServiceStub:
                 request_serializer=weightserve_dot_v1_dot_weightserve__pb2.TensorRequest.SerializeToString,
                 response_deserializer=weightserve_dot_v1_dot_weightserve__pb2.ArrowData.FromString,
                 _registered_method=True)
+        self.GetTensor = channel.unary_unary(
+                '/weightserve.v1.WeightService/GetTensor',
+                request_serializer=weightserve_dot_v1_dot_weightserve__pb2.GetTensorRequest.SerializeToString,
+                response_deserializer=weightserve_dot_v1_dot_weightserve__pb2.TensorData.FromString,
+                _registered_method=True)
         self.GetServerInfo = channel.unary_unary(
                 '/weightserve.v1.WeightService/GetServerInfo',
                 request_serializer=weightserve_dot_v1_dot_weightserve__pb2.GetServerInfoRequest.SerializeToString,
@@ -87,6 +92,15 @@ class WeightServiceServicer:
     def StreamTensors(self, request, context):
         """Tensor data: one tensor, a list of names, or every tensor under a prefix; optionally a
         slice (shard k of n along an axis) and a resume point. Server-streaming.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTensor(self, request, context):
+        """One small tensor (or its slice) in one unary answer: its row header fields and bytes,
+        with the digest a stream's chunk carries. Cheaper than a stream for one small tensor;
+        a tensor over `max_bytes` is not sent (`too_large`) and is streamed instead.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -133,6 +147,11 @@ def add_WeightServiceServicer_to_server(servicer, server):
                     servicer.StreamTensors,
                     request_deserializer=weightserve_dot_v1_dot_weightserve__pb2.TensorRequest.FromString,
                     response_serializer=weightserve_dot_v1_dot_weightserve__pb2.ArrowData.SerializeToString,
+            ),
+            'GetTensor': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTensor,
+                    request_deserializer=weightserve_dot_v1_dot_weightserve__pb2.GetTensorRequest.FromString,
+                    response_serializer=weightserve_dot_v1_dot_weightserve__pb2.TensorData.SerializeToString,
             ),
             'GetServerInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetServerInfo,
@@ -231,6 +250,33 @@ class WeightService:
             '/weightserve.v1.WeightService/StreamTensors',
             weightserve_dot_v1_dot_weightserve__pb2.TensorRequest.SerializeToString,
             weightserve_dot_v1_dot_weightserve__pb2.ArrowData.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTensor(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightserve.v1.WeightService/GetTensor',
+            weightserve_dot_v1_dot_weightserve__pb2.GetTensorRequest.SerializeToString,
+            weightserve_dot_v1_dot_weightserve__pb2.TensorData.FromString,
             options,
             channel_credentials,
             insecure,

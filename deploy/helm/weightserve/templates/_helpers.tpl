@@ -96,6 +96,9 @@ store and files being filled), else nothing (the server takes 9/10 of the free d
 {{- if and .Values.hostPort.enabled (ne .Values.mode "daemonset") }}
 {{- fail "hostPort.enabled=true is for mode=daemonset (one server per node)" }}
 {{- end }}
+{{- if and .Values.nodeSocket.enabled (ne .Values.mode "daemonset") }}
+{{- fail "nodeSocket.enabled=true is for mode=daemonset: the same-node socket needs one server on every client's node" }}
+{{- end }}
 {{- end }}
 
 {{/* The startup and readiness check: gRPC health unless TLS keeps the kubelet from it. */}}
@@ -112,4 +115,12 @@ httpGet:
 grpc:
   port: {{ .Values.ports.grpc }}
 {{- end }}
+{{- end }}
+
+{{/* The user and group the server runs as: the container's, else the pod's. */}}
+{{- define "weightserve.runAsUser" -}}
+{{- .Values.securityContext.runAsUser | default .Values.podSecurityContext.runAsUser | default 10001 }}
+{{- end }}
+{{- define "weightserve.runAsGroup" -}}
+{{- .Values.securityContext.runAsGroup | default .Values.podSecurityContext.runAsGroup | default (include "weightserve.runAsUser" .) }}
 {{- end }}

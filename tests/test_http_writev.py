@@ -1,0 +1,156 @@
+"""HTTP stream bodies go out with writev straight from the mapping (``_SocketWriter``) on
+uvicorn's plain HTTP/1.1 connections, httptools and h11, TCP and a Unix socket alike, and the
+bytes are those the ASGI path sends. Small bodies keep the ASGI path (no thread hop)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.client
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import uvicorn
+from safetensors.numpy import save_file
+
+from weightserve.service import http_app
+from weightserve.service.catalog import Catalog
+from weightserve.service.http_app import WeightserveApp, create_app
+from weightserve.service.state import ServiceState
+from weightserve.service.streaming import TensorRequest, plan_stream, stream_messages
+
+BIG = "big.weight"  # 3 MiB: more than DIRECT_WRITE_MIN_BYTES, and several 1 MiB chunks
+SMALL = "small.norm"
+
+
+@pytest.fixture(scope="module")
+def state(tmp_path_factory: pytest.TempPathFactory) -> ServiceState:
+    root = tmp_path_factory.mktemp("writev-root")
+    (root / "m").mkdir()
+    rng = np.random.default_rng(7)
+    save_file(
+        {
+            BIG: rng.standard_normal((768, 1024), dtype=np.float32),
+            SMALL: rng.standard_normal(64, dtype=np.float32),
+        },
+        str(root / "m" / "model.safetensors"),
+    )
+    return ServiceState(Catalog(root))
+
+
+@contextlib.contextmanager
+def serving(
+    state: ServiceState, protocol: str, uds: str | None = None
+) -> Iterator[tuple[int, WeightserveApp]]:
+    """uvicorn with ``protocol`` on a loopback port or on the Unix socket ``uds``: (port,
+    the app, which counts the streams it wrote directly)."""
+    sock = None
+    options: dict = {"uds": uds} if uds else {}
+    if uds is None:
+        # IPPROTO_TCP as the server's own listener declares it (asyncio sets TCP_NODELAY).
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.bind(("127.0.0.1", 0))
+    app = create_app(state)
+    assert isinstance(app, WeightserveApp)
+    config = uvicorn.Config(app, http=protocol, lifespan="off", log_level="warning", **options)
+    server = uvicorn.Server(config)
+    loop = asyncio.new_event_loop()
+    sockets = [sock] if sock is not None else None
+    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(sockets),))
+    thread.start()
+    try:
+        while not server.started:
+            assert thread.is_alive(), "uvicorn did not start"
+            threading.Event().wait(0.01)
+        yield (sock.getsockname()[1] if sock is not None else 0), app
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        loop.close()
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str) -> None:
+        super().__init__("localhost", timeout=30)
+        self.path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(self.path)
+
+
+def expected_body(state: ServiceState, name: str, chunk_bytes: int) -> bytes:
+    """The stream as the ASGI path sends it: every part of every message, in order."""
+    model = state.catalog.get("m")
+    request = TensorRequest(names=(name,), chunk_bytes=chunk_bytes)
+    messages = stream_messages(model, plan_stream(model, request), chunk_bytes)
+    return b"".join(bytes(part) for message in messages for part in message)
+
+
+def fetch(conn: http.client.HTTPConnection, name: str, chunk_bytes: int) -> bytes:
+    conn.request("GET", f"/v1/models/m/-/stream?name={name}&chunk_bytes={chunk_bytes}")
+    response = conn.getresponse()
+    body = response.read()
+    assert response.status == 200, body[:300]
+    assert len(body) == int(response.headers["content-length"])
+    return body
+
+
+@pytest.mark.parametrize("protocol", ["httptools", "h11"])
+def test_large_bodies_are_written_directly_and_match(state, protocol) -> None:
+    chunk = 1 << 20
+    with serving(state, protocol) as (port, app):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        first = fetch(conn, BIG, chunk)
+        assert app.direct_streams == 1
+        assert first == expected_body(state, BIG, chunk)
+        # The same connection afterwards: uvicorn's Content-Length accounting was kept, so
+        # the response ended cleanly and the connection serves the next request.
+        assert fetch(conn, BIG, chunk) == first
+        assert app.direct_streams == 2
+        conn.close()
+        # Counted when the stream's handler ends, a moment after the client has its bytes.
+        deadline = time.monotonic() + 10
+        while app.direct_bytes < 2 * len(first) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert app.direct_bytes == 2 * len(first)
+
+
+def test_small_bodies_keep_the_asgi_path(state) -> None:
+    with serving(state, "httptools") as (port, app):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        body = fetch(conn, SMALL, 1 << 20)
+        assert len(body) < http_app.DIRECT_WRITE_MIN_BYTES
+        assert app.direct_streams == 0
+        assert body == expected_body(state, SMALL, 1 << 20)
+        conn.close()
+
+
+def test_a_unix_socket_gets_direct_writes(state, tmp_path: Path) -> None:
+    path = str(tmp_path / "ws.sock")
+    with serving(state, "httptools", uds=path) as (_, app):
+        conn = _UnixConnection(path)
+        body = fetch(conn, BIG, 1 << 20)
+        assert app.direct_streams == 1
+        assert body == expected_body(state, BIG, 1 << 20)
+        conn.close()
+
+
+def test_the_catalog_says_when_it_answers_from_memory(tmp_path: Path) -> None:
+    # What decides whether a small HTTP request is answered on the event loop.
+    (tmp_path / "m").mkdir()
+    save_file({"w": np.zeros(4, np.float32)}, str(tmp_path / "m" / "model.safetensors"))
+    catalog = Catalog(tmp_path, recheck_seconds=3600)
+    model = catalog.models["m"]
+    assert not catalog.answers_now("nope")
+    if not model.revision_known:
+        assert not catalog.answers_now("m") and not catalog.answers_now()
+        model.revision  # noqa: B018 - computed now, as the first request would
+    assert catalog.answers_now("m") and catalog.answers_now()
+    model.checked_at = float("-inf")  # its files are due for a check: a worker thread's job
+    assert not catalog.answers_now("m")

@@ -65,6 +65,8 @@ _U64 = struct.Struct("<Q")
 _MAX_METADATA = 16 << 20
 _MAX_BODY_BEFORE_DATA = 16 << 20
 _SKIP_CHUNK = 64 << 10
+# The metadata of the last schema message that passed read_schema's checks.
+_schema_seen: bytes | None = None
 
 
 class _Malformed(Exception):
@@ -316,6 +318,12 @@ class ArrowChunkReader:
         if message is None:
             raise TransportError(ended)
         prefix, meta = message
+        global _schema_seen
+        if _schema_seen is not None and _schema_seen == meta:
+            # The very bytes checked before: every stream of a server starts with them, and
+            # parsing them again was a tenth of a small request's client time.
+            self._schema = TENSOR_SCHEMA
+            return TENSOR_SCHEMA
         try:
             htype, _, body_length = _parse_message(meta)
         except (_Malformed, struct.error) as exc:
@@ -339,6 +347,7 @@ class ArrowChunkReader:
                 f"stream schema version {schema.metadata!r} is not {TENSOR_SCHEMA.metadata!r}"
             )
         self._schema = schema
+        _schema_seen = bytes(meta)
         return schema
 
     def next_chunk(self, destination: Callable[[ChunkHeader], memoryview]) -> ChunkHeader | None:

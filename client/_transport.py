@@ -278,6 +278,20 @@ class HttpTransport:
         return self._json(http_model_path(model))
 
     def open_stream(self, model: str, params: StreamParams) -> ByteSource:
+        if (
+            params.names is not None
+            and len(params.names) == 1
+            and params.shard is None
+            and params.resume_tensor is None
+            and params.chunk_bytes is None
+        ):
+            # One whole tensor: its own GET route, which the server answers on its fastest
+            # path (service/http_app.py, TensorLane), where a stream request is a JSON POST.
+            path = http_model_path(model, "tensors", params.names[0])
+            if params.revision:
+                path += "?" + urlencode({"revision": params.revision})
+            conn, resp = self._request("GET", path)
+            return _HttpSource(self, conn, resp)
         body: dict[str, Any] = {
             "names": list(params.names) if params.names is not None else None,
             "prefix": params.prefix,

@@ -567,6 +567,8 @@ class TensorLane:
     ``start_stream`` as the route, inside the metrics and body-limit middleware. Anything
     but a plain GET of one tensor goes on to the routes."""
 
+    answered = 0  # requests this lane answered since start (tests check it engages)
+
     def __init__(self, app: Any, answer: Callable[..., Awaitable[None]]) -> None:
         self.app = app
         self.answer = answer
@@ -575,6 +577,7 @@ class TensorLane:
         target = tensor_lane_target(scope)
         if target is None:
             return await self.app(scope, receive, send)
+        TensorLane.answered += 1
         await self.answer(scope, receive, send, *target)
 
 

@@ -89,8 +89,11 @@ class PlaneChooser:
     def planes(self) -> Planes:
         with self._lock:
             if self._planes is None:
-                self._planes = self._choose()
-                log.debug("weightserve data plane: %s", self._planes.description)
+                planes, settled = self._choose()
+                log.debug("weightserve data plane: %s", planes.description)
+                if not settled:  # the server did not say: copy over the URL, ask again later
+                    return planes
+                self._planes = planes
             return self._planes
 
     def handoff_failed(self, error: WeightserveError) -> None:
@@ -110,11 +113,20 @@ class PlaneChooser:
         for t in self._extra:
             t.close()
 
-    def _info(self) -> dict:
+    def _info(self) -> dict | None:
+        """What the server advertises ({} from a server that predates it); None when it could
+        not be asked now (unreachable for a moment): the fetch itself then retries."""
         server_info = getattr(self.transport, "server_info", None)
-        return server_info() if server_info is not None else {}
+        if server_info is None:
+            return {}
+        try:
+            return server_info()
+        except WeightserveError as e:
+            log.debug("server info from %s: %s", self.transport.address.url, e)
+            return None
 
-    def _choose(self) -> Planes:
+    def _choose(self) -> tuple[Planes, bool]:
+        """The planes, and whether the choice is settled (the server answered)."""
         plane = self.plane
         address = self.transport.address
         if plane in ("flight", "grpc"):
@@ -124,8 +136,9 @@ class PlaneChooser:
                     f"through gRPC), not {address.url}"
                 )
             self.transport.use_flight = plane == "flight"
-            return Planes(None, self.transport, plane)
-        info = self._info()
+            return Planes(None, self.transport, plane), True
+        answered = self._info()
+        info = answered if answered is not None else {}
         handoff = None
         if plane in ("auto", "handoff"):
             handoff = self._find_handoff(address, info)
@@ -148,7 +161,7 @@ class PlaneChooser:
                 )
         if handoff is not None:
             description = f"handoff ({handoff.path}), else {description}"
-        return Planes(handoff, streams, description)
+        return Planes(handoff, streams, description), answered is not None
 
     def _find_handoff(self, address: ServerAddress, info: dict) -> HandoffClient | None:
         candidates = []

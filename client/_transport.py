@@ -30,7 +30,6 @@ from weightserve.client._malloc import steady_heap
 from weightserve.client._schema import ChunkHeader
 from weightserve.client._url import ServerAddress, http_model_path
 from weightserve.client.errors import (
-    NotFound,
     ResourceExhausted,
     ServerUnreachable,
     TransportError,
@@ -269,10 +268,14 @@ class HttpTransport:
 
     def server_info(self) -> dict[str, Any]:
         """The server's data planes (``GET /v1/server``); {} from a server without it."""
+        conn, resp = self._request("GET", "/v1/server", ok=(200, 404))
         try:
-            return self._json("/v1/server")
-        except NotFound:
-            return {}
+            raw = resp.read()
+        except (OSError, http.client.HTTPException) as e:
+            conn.close()
+            raise TransportError(f"{self.address.url}/v1/server: {e}") from e
+        self.release(conn, resp)
+        return json.loads(raw) if resp.status == 200 else {}
 
     def model_info(self, model: str) -> dict[str, Any]:
         return self._json(http_model_path(model))

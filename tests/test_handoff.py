@@ -419,3 +419,21 @@ def test_layer_by_layer_iteration_through_the_handoff(uds_server, model_root, re
             assert arr.tobytes() == want[name].array.tobytes(), name
             seen.append(name)
     assert seen == model.names()  # stream order, the streamed (strided) ones in their places
+
+
+def test_a_server_that_advertises_no_planes_is_read_over_its_url(model_root, reference) -> None:
+    """An older server has no GET /v1/server (404): the client copies over the URL it was
+    given, without an error."""
+    config = ServerConfig(
+        str(model_root.path), http_port=0, grpc_port=0, flight_port=None, rescan_seconds=0,
+        watch=False,
+    )  # fmt: skip
+    with WeightServer(config) as srv:
+        app = srv._uvicorn.config.app  # type: ignore[union-attr]
+        app.router.routes = [r for r in app.router.routes if getattr(r, "path", "") != "/v1/server"]
+        with Client(srv.http_url) as client:
+            assert client.transport.server_info() == {}  # type: ignore[attr-defined]
+            got = client.model("mixed").fetch(prefix="")
+            assert client.planes().handoff is None
+    for name, ref in reference("mixed").items():
+        assert got[name].tobytes() == ref.array.tobytes(), name

@@ -437,3 +437,27 @@ def test_a_server_that_advertises_no_planes_is_read_over_its_url(model_root, ref
             assert client.planes().handoff is None
     for name, ref in reference("mixed").items():
         assert got[name].tobytes() == ref.array.tobytes(), name
+
+
+def test_more_files_than_one_message_carries(tmp_path: Path) -> None:
+    """The kernel passes at most 253 descriptors in one message: a model of 300 shards gets
+    them in several, and every tensor maps its own file."""
+    root = tmp_path / "root"
+    (root / "many").mkdir(parents=True)
+    for i in range(300):
+        shard = {f"layer.{i}.w": np.full(16, i, dtype=np.int32)}
+        save_file(shard, str(root / "many" / f"model-{i:05d}-of-00300.safetensors"))
+    directory = socket_dir()
+    config = ServerConfig(
+        str(root), http_port=0, grpc_port=0, flight_port=None, uds=f"{directory}/ws.sock",
+        rescan_seconds=0, watch=False,
+    )  # fmt: skip
+    try:
+        with WeightServer(config), Client(f"unix://{directory}/ws.sock") as client:
+            got = client.model("many").fetch(prefix="")
+            assert client.planes().handoff is not None
+            assert len(got) == 300
+            for i in range(300):
+                assert (got[f"layer.{i}.w"] == i).all(), i
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)

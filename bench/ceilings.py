@@ -25,6 +25,7 @@ import os
 import socket
 import sys
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -68,38 +69,48 @@ def serve(path: str) -> None:
 # -- client side (run inside bench.worker) ---------------------------------------------------
 
 
+def split_fetch(size: int, connections: int, one: Callable[[int, int], None]) -> None:
+    """``one(lo, hi)`` for ``connections`` equal byte ranges of ``size``, each on its own
+    thread; the first error any of them raised is raised here."""
+    bounds = [size * i // connections for i in range(connections + 1)]
+    errors: list[BaseException] = []
+
+    def guarded(lo: int, hi: int) -> None:
+        try:
+            one(lo, hi)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [
+        threading.Thread(target=guarded, args=(bounds[i], bounds[i + 1]))
+        for i in range(connections)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
 def raw_fetch(port: int, size: int, mode: str, connections: int):
     """The whole file over ``connections`` loopback connections into one fresh buffer."""
 
     def run():
         buf = np.empty(size, dtype=np.uint8)
         view = memoryview(buf)
-        bounds = [size * i // connections for i in range(connections + 1)]
-        errors: list[BaseException] = []
 
         def one(lo: int, hi: int) -> None:
-            try:
-                with socket.create_connection(("127.0.0.1", port)) as s:
-                    s.sendall(f"{mode} {lo} {hi - lo}\n".encode())
-                    at = lo
-                    while at < hi:
-                        n = s.recv_into(view[at:hi])
-                        if n == 0:
-                            raise ConnectionError(f"closed at {at} of {lo}..{hi}")
-                        at += n
-            except BaseException as e:  # noqa: BLE001 - reported below
-                errors.append(e)
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                s.sendall(f"{mode} {lo} {hi - lo}\n".encode())
+                at = lo
+                while at < hi:
+                    n = s.recv_into(view[at:hi])
+                    if n == 0:
+                        raise ConnectionError(f"closed at {at} of {lo}..{hi}")
+                    at += n
 
-        threads = [
-            threading.Thread(target=one, args=(bounds[i], bounds[i + 1]))
-            for i in range(connections)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        split_fetch(size, connections, one)
         return {"bytes": size}, buf
 
     return run

@@ -18,12 +18,10 @@ what that costs.
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import struct
 import sys
-import threading
 
 import numpy as np
 
@@ -31,9 +29,6 @@ from bench.procs import serve_until_stdin_closes
 
 BATCH_BYTES = 8 << 20  # below glibc's 32 MiB mmap threshold, as the weightserve server's
 _META = struct.Struct("<qq")
-# The weightserve client's fixed 4 MiB HTTP/2 window (client/_flight.py): with gRPC's default
-# BDP-grown window the client buffers ~100 MiB more and faults it in, same speed otherwise.
-WINDOW = [("grpc.http2.lookahead_bytes", 4 << 20), ("grpc.http2.bdp_probe", 0)]
 
 
 def serve(path: str) -> None:
@@ -65,58 +60,39 @@ def serve(path: str) -> None:
 # -- client side (run inside bench.worker) ---------------------------------------------------
 
 
-def _steady_heap() -> None:
-    """glibc's mmap and trim thresholds raised, as the weightserve client does during a bulk
-    gRPC load (client/_malloc.py): otherwise every received message is mapped, faulted in
-    and unmapped again, and the floor would carry ~100,000 page faults per GiB of malloc
-    churn that has nothing to do with Flight."""
-    import ctypes
-    import ctypes.util
-
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: glibc's maximum
-        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
-
-
 def fetch(port: int, size: int, connections: int = 1):
-    """The whole file over ``connections`` Flight streams into one fresh buffer."""
+    """The whole file over ``connections`` Flight streams into one fresh buffer, with the
+    weightserve client's channel options and glibc heap settings during the load
+    (client/_flight.py, client/_malloc.py): without the latter every received message is
+    mapped, faulted in and unmapped again, and the floor would carry ~100,000 page faults
+    per GiB of malloc churn that has nothing to do with Flight."""
     import pyarrow.flight as flight
 
-    _steady_heap()
+    from bench.ceilings import split_fetch
+    from weightserve.client._flight import CHANNEL_OPTIONS
+    from weightserve.client._malloc import steady_heap
 
     def run():
         buf = np.empty(size, dtype=np.uint8)
-        bounds = [size * i // connections for i in range(connections + 1)]
-        errors: list[BaseException] = []
 
         def one(lo: int, hi: int) -> None:
-            try:
-                client = flight.FlightClient(f"grpc://127.0.0.1:{port}", generic_options=WINDOW)
-                reader = client.do_get(flight.Ticket(f"{lo} {hi - lo}".encode()))
-                while True:
-                    try:
-                        chunk = reader.read_chunk()
-                    except StopIteration:
-                        break
-                    at, n = _META.unpack(chunk.app_metadata)
-                    column = chunk.data.column(0)
-                    values = column.buffers()[1]
-                    np.copyto(buf[at : at + n], np.frombuffer(values, np.uint8, n, column.offset))
-                client.close()
-            except BaseException as e:  # noqa: BLE001 - reported below
-                errors.append(e)
+            client = flight.FlightClient(
+                f"grpc://127.0.0.1:{port}", generic_options=CHANNEL_OPTIONS
+            )
+            reader = client.do_get(flight.Ticket(f"{lo} {hi - lo}".encode()))
+            while True:
+                try:
+                    chunk = reader.read_chunk()
+                except StopIteration:
+                    break
+                at, n = _META.unpack(chunk.app_metadata)
+                column = chunk.data.column(0)
+                values = column.buffers()[1]
+                np.copyto(buf[at : at + n], np.frombuffer(values, np.uint8, n, column.offset))
+            client.close()
 
-        threads = [
-            threading.Thread(target=one, args=(bounds[i], bounds[i + 1]))
-            for i in range(connections)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        with steady_heap():
+            split_fetch(size, connections, one)
         return {"bytes": size}, buf
 
     return run

@@ -287,10 +287,7 @@ class RemoteModel:
         """Handed-off views (no window to bound: they are the node's page cache) and, in
         their places in stream order, the tensors the handoff could not give (strided
         sources), streamed within the window."""
-        if on_bytes is not None and handed.nbytes:
-            on_bytes(handed.nbytes)
-        placed = _placed(handed.tensors, allocate)
-        handed.tensors = {}
+        placed = _taken(handed, on_bytes, allocate)
         copied = [n for n in wanted if n in set(handed.copy)]
         streamed = (
             iter_received(
@@ -413,9 +410,7 @@ class RemoteModel:
         if planes.handoff is not None:
             handed = self._handoff(planes.handoff, names, shard, axis, on_wait)
             if handed is not None:
-                if on_bytes is not None and handed.nbytes:
-                    on_bytes(handed.nbytes)
-                result = _placed(handed.tensors, allocate)
+                result = _taken(handed, on_bytes, allocate)
                 if handed.copy:  # strided sources: not a byte range of a file
                     rest = [n for n in names if n in set(handed.copy)]
                     result.update(
@@ -502,12 +497,17 @@ class RemoteModel:
         return result
 
 
-def _placed(
-    tensors: dict[str, ReceivedTensor], allocate: Callable[[ChunkHeader], np.ndarray] | None
+def _taken(
+    handed: Handoff,
+    on_bytes: Callable[[int], None] | None,
+    allocate: Callable[[ChunkHeader], np.ndarray] | None,
 ) -> dict[str, ReceivedTensor]:
-    """Handed-off tensors as they are (read-only views of the page cache), or copied into
-    the caller's buffers when it gives ``allocate`` (an output file, pinned memory): the
-    one copy the caller asked for."""
+    """A handoff's tensors, counted as arrived, as they are (read-only views of the page
+    cache), or copied into the caller's buffers when it gives ``allocate`` (an output file,
+    pinned memory): the one copy the caller asked for. The handoff keeps none of them."""
+    tensors, handed.tensors = handed.tensors, {}
+    if on_bytes is not None and handed.nbytes:
+        on_bytes(handed.nbytes)
     if allocate is None:
         return tensors
     placed = {}

@@ -253,29 +253,23 @@ class HttpTransport:
             )
         return conn, resp
 
-    def _json(self, path: str) -> dict[str, Any]:
-        conn, resp = self._request("GET", path)
+    def _json(self, path: str, missing: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The JSON at ``path``; with ``missing`` given, that instead of a 404's error."""
+        conn, resp = self._request("GET", path, ok=(200,) if missing is None else (200, 404))
         try:
-            result = json.loads(resp.read())
+            raw = resp.read()
         except (OSError, http.client.HTTPException) as e:
             conn.close()
             raise TransportError(f"{self.address.url}{path}: {e}") from e
         self.release(conn, resp)
-        return result
+        return json.loads(raw) if resp.status == 200 else dict(missing or {})
 
     def list_models(self) -> dict[str, Any]:
         return self._json("/v1/models")
 
     def server_info(self) -> dict[str, Any]:
         """The server's data planes (``GET /v1/server``); {} from a server without it."""
-        conn, resp = self._request("GET", "/v1/server", ok=(200, 404))
-        try:
-            raw = resp.read()
-        except (OSError, http.client.HTTPException) as e:
-            conn.close()
-            raise TransportError(f"{self.address.url}/v1/server: {e}") from e
-        self.release(conn, resp)
-        return json.loads(raw) if resp.status == 200 else {}
+        return self._json("/v1/server", missing={})
 
     def model_info(self, model: str) -> dict[str, Any]:
         return self._json(http_model_path(model))

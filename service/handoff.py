@@ -127,8 +127,11 @@ def _error(e: WeightserveError) -> dict[str, Any]:
     return {"error": {"class": type(e).__name__, "message": str(e), "retry_after": e.retry_after}}
 
 
-def _send(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> None:
-    frame = encode_frame(message)
+def _send(sock: socket.socket, message: dict[str, Any]) -> None:
+    sock.sendall(encode_frame(message))
+
+
+def _send_with_fds(sock: socket.socket, frame: bytes, fds: list[int]) -> None:
     if not fds:
         sock.sendall(frame)
         return
@@ -189,8 +192,8 @@ class HandoffServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         calls = state.metrics.handoff
         started = time.perf_counter()
         try:
-            with self._handing_off(message, peer) as (answer, fds, model_id, nbytes):
-                _send(sock, answer, fds)
+            with self._handing_off(message, peer) as (frame, fds, model_id, nbytes):
+                _send_with_fds(sock, frame, fds)
                 # The client maps and checks the bytes now; the leases make an in-place
                 # writer wait until it is done.
                 sock.settimeout(VERIFY_TIMEOUT)
@@ -212,7 +215,7 @@ class HandoffServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     @contextlib.contextmanager
     def _handing_off(
         self, message: dict[str, Any], peer: str
-    ) -> Iterator[tuple[dict[str, Any], list[int], str, int]]:
+    ) -> Iterator[tuple[bytes, list[int], str, int]]:
         state = self.state
         token = message.get("token")
         access = authorize(state.tokens, f"Bearer {token}" if token else None)
@@ -262,9 +265,10 @@ class HandoffServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
                 # range of a file, so the client fetches these over a copying transport.
                 "copy": [p.entry.name for p in planned if p.byte_offset is None],
             }
-            if len(encode_frame(answer)) > MAX_FRAME_BYTES:
+            frame = encode_frame(answer)
+            if len(frame) > MAX_FRAME_BYTES:
                 raise InvalidRequest(
                     f"the handoff answer for {len(planned)} tensors is too large; ask for "
                     "fewer tensors at once"
                 )
-            yield answer, [m.fileno() for m in mapped], model.id, nbytes
+            yield frame, [m.fileno() for m in mapped], model.id, nbytes

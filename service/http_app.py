@@ -169,17 +169,8 @@ class ArrowStreamResponse(Response):
             else:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
-            if not idle.fired:
-                raise
-            idle.uncancel()
-            scope[ERROR_KEY] = "IdleTimeout"
             # Returning with the response incomplete makes uvicorn close the connection.
-            log.warning(
-                "stream of model %s to %s cut: the client read nothing for %.1f s",
-                self.model_id,
-                (scope.get("client") or ("?",))[0],
-                idle.timeout,
-            )
+            self._cut_idle(scope, idle)
         except WeightserveError as e:  # e.g. a file truncated while being served
             scope[ERROR_KEY] = type(e).__name__
             log.warning("stream of model %s broke: %s", self.model_id, e)
@@ -201,6 +192,20 @@ class ArrowStreamResponse(Response):
             gone.cancel()
             self.release()
             metrics.bytes_served.labels("http", self.model_id).inc(sent)
+
+    def _cut_idle(self, scope: Any, idle: _IdleCut | None) -> None:
+        """Inside ``except CancelledError``: re-raise unless the idle cut cancelled the
+        stream, which ends as ``IdleTimeout``."""
+        if idle is None or not idle.fired:
+            raise  # noqa: PLE0704 - always called while handling the cancellation
+        idle.uncancel()
+        scope[ERROR_KEY] = "IdleTimeout"
+        log.warning(
+            "stream of model %s to %s cut: the client read nothing for %.1f s",
+            self.model_id,
+            (scope.get("client") or ("?",))[0],
+            idle.timeout,
+        )
 
     async def _send_whole(self, scope: Any, send: Any) -> None:
         """A small stream as one body after its headers, corked into one TCP segment where
@@ -229,16 +234,7 @@ class ArrowStreamResponse(Response):
                 await send({"type": "http.response.body", "body": bytes(body), "more_body": False})
             sent = data_bytes
         except asyncio.CancelledError:
-            if idle is None or not idle.fired:
-                raise
-            idle.uncancel()
-            scope[ERROR_KEY] = "IdleTimeout"
-            log.warning(
-                "stream of model %s to %s cut: the client read nothing for %.1f s",
-                self.model_id,
-                (scope.get("client") or ("?",))[0],
-                idle.timeout,
-            )
+            self._cut_idle(scope, idle)
         finally:
             if idle is not None:
                 idle.close()
@@ -708,11 +704,9 @@ def create_app(state: ServiceState) -> FastAPI:
         scope: Any, receive: Any, send: Any, model: str, name: str, revision: str | None
     ) -> None:
         http = Request(scope, receive)
-        request = TensorRequest(names=(name,), revision=revision)
         try:
-            response = await off_loop(
-                lambda: start_stream(http, model, request), inline_stream(model, request)
-            )
+            request = TensorRequest(names=(name,), revision=revision)
+            response = await stream_response(http, model, request)
         except WeightserveError as e:
             response = await weightserve_error(http, e)
         await response(scope, receive, send)
@@ -832,6 +826,13 @@ def create_app(state: ServiceState) -> FastAPI:
             lambda: slot.__exit__(None, None, None),
         )
 
+    async def stream_response(http: Request, model_id: str, request: TensorRequest) -> Response:
+        """A stream, planned on the loop when it names few tensors and the catalog answers
+        from memory (``inline_stream``), else on the threadpool."""
+        return await off_loop(
+            lambda: start_stream(http, model_id, request), inline_stream(model_id, request)
+        )
+
     def inline_stream(model_id: str, request: TensorRequest) -> bool:
         return (
             request.names is not None
@@ -878,9 +879,7 @@ def create_app(state: ServiceState) -> FastAPI:
         request = query_request(
             name, prefix, shard, axis, resume_tensor, resume_offset, chunk_bytes, revision
         )
-        return await off_loop(
-            lambda: start_stream(http, model, request), inline_stream(model, request)
-        )
+        return await stream_response(http, model, request)
 
     @app.post("/v1/models/{model:model_id}/-/stream", **ARROW_ROUTE)
     async def stream_post(
@@ -896,9 +895,7 @@ def create_app(state: ServiceState) -> FastAPI:
             chunk_bytes=body.chunk_bytes,
             revision=body.revision,
         )
-        return await off_loop(
-            lambda: start_stream(http, model, request), inline_stream(model, request)
-        )
+        return await stream_response(http, model, request)
 
     @get_and_head(app, "/v1/models/{model:model_id}/-/tensors/{name:path}", **ARROW_ROUTE)
     async def one_tensor(
@@ -912,9 +909,7 @@ def create_app(state: ServiceState) -> FastAPI:
         """One tensor as an Arrow IPC stream (the name may hold `/`; percent-encode `%`, `?`,
         `#` and spaces)."""
         request = TensorRequest(names=(name,), shard=parse_shard(shard, axis), revision=revision)
-        return await off_loop(
-            lambda: start_stream(http, model, request), inline_stream(model, request)
-        )
+        return await stream_response(http, model, request)
 
     web_app.add_browser_routes(app, state, access)  # the page at / and its stats route
     # Imported here: these modules build on ArrowStreamResponse above.

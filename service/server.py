@@ -17,6 +17,7 @@ import ssl
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pyarrow as pa
@@ -428,15 +429,7 @@ class WeightServer:
             raise _listen_error("HTTP", "http_port", host, self.config.http_port, e) from None
         self.http_port = sock.getsockname()[1]
         app = create_app(self.state)
-        config = uvicorn.Config(
-            app,
-            log_level="warning",
-            lifespan="off",
-            access_log=False,
-            timeout_graceful_shutdown=int(self.config.grace_seconds),
-            **self._http_tls(),
-        )
-        self._uvicorn = uvicorn.Server(config)
+        self._uvicorn = self._uvicorn_server(app, **self._http_tls())
         uds_sock = self._bind_uds_http(app) if self.config.uds else None
         started = threading.Event()
 
@@ -501,7 +494,19 @@ class WeightServer:
         )
         return self
 
-    def _bind_uds_http(self, app: object) -> socket.socket:
+    def _uvicorn_server(self, app: Any, **tls: Any) -> uvicorn.Server:
+        return uvicorn.Server(
+            uvicorn.Config(
+                app,
+                log_level="warning",
+                lifespan="off",
+                access_log=False,
+                timeout_graceful_shutdown=int(self.config.grace_seconds),
+                **tls,
+            )
+        )
+
+    def _bind_uds_http(self, app: Any) -> socket.socket:
         """The HTTP API on the same-node socket: a second uvicorn server (no TLS) on the
         same event loop and app."""
         assert self.config.uds
@@ -514,15 +519,7 @@ class WeightServer:
         except OSError as e:
             sock.close()
             raise StartupError("uds", f"cannot listen on {path}: {e.strerror or e}") from None
-        self._uvicorn_uds = uvicorn.Server(
-            uvicorn.Config(
-                app,  # type: ignore[arg-type]
-                log_level="warning",
-                lifespan="off",
-                access_log=False,
-                timeout_graceful_shutdown=int(self.config.grace_seconds),
-            )
-        )
+        self._uvicorn_uds = self._uvicorn_server(app)
         self.state.uds = path
         return sock
 

@@ -63,14 +63,14 @@ def serve(path: str) -> None:
 def fetch(port: int, size: int, connections: int = 1):
     """The whole file over ``connections`` Flight streams into one fresh buffer, with the
     weightserve client's channel options and glibc heap settings during the load
-    (client/_flight.py, client/_malloc.py): without the latter every received message is
+    (client/transports/flight.py, client/transports/malloc.py): without the latter every received message is
     mapped, faulted in and unmapped again, and the floor would carry ~100,000 page faults
     per GiB of malloc churn that has nothing to do with Flight."""
     import pyarrow.flight as flight
 
     from bench.ceilings import split_fetch
-    from weightserve.client._flight import CHANNEL_OPTIONS
-    from weightserve.client._malloc import steady_heap
+    from weightserve.client.transports.flight import CHANNEL_OPTIONS
+    from weightserve.client.transports.malloc import steady_heap
 
     def run():
         buf = np.empty(size, dtype=np.uint8)

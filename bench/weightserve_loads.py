@@ -51,20 +51,20 @@ def import_transport(base: str) -> None:
     them); a pipeline that loads over gRPC pays ~130 ms of imports once per process, which
     is start-up, not load time. Timing it would mostly measure the import system.
     """
-    from weightserve.client import _transport  # noqa: F401
+    from weightserve.client.transports import base as _transport  # noqa: F401
 
     if base.startswith("grpc"):
         import grpc  # noqa: F401
         import pyarrow.flight  # noqa: F401
 
-        from weightserve.client import _flight  # noqa: F401
-        from weightserve.client._proto.weightserve.v1 import weightserve_pb2  # noqa: F401
+        from weightserve.client.transports import flight as _flight  # noqa: F401
+        from weightserve.client.wire.proto.weightserve.v1 import weightserve_pb2  # noqa: F401
 
 
 def remote_weights_class():
     """``RemoteWeights`` if the client has it yet, else None."""
     try:
-        from weightserve.client._weights import RemoteWeights
+        from weightserve.client.max.weights import RemoteWeights
     except ImportError:
         try:
             from weightserve.client import RemoteWeights  # type: ignore[attr-defined]
@@ -95,7 +95,7 @@ def max_load(base: str, model_id: str, how: str = "items", data_plane: str | Non
     use_plane(base, data_plane=data_plane)
     import_transport(base)
     try:  # import MAX (when installed) before the clock starts, as a pipeline has it already
-        from weightserve.client._max_compat import backend
+        from weightserve.client.max.compat import backend
 
         backend()
     except ImportError:
@@ -209,7 +209,7 @@ def drain(base: str, model_id: str):
     scratch buffer and discarded: no parsing, no digests, no allocation. What the server
     (and, for gRPC, grpcio's receive path) delivers to the cheapest possible consumer."""
     from weightserve.client._client import Client
-    from weightserve.client._transport import StreamParams
+    from weightserve.client.transports.base import StreamParams
 
     client = Client(base)
     scratch = memoryview(bytearray(16 << 20))

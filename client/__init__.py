@@ -16,7 +16,6 @@ from typing import Any
 
 from weightserve.client import errors
 from weightserve.client._client import Client, FetchOptions, RemoteModel
-from weightserve.client._load import WeightsFormat, load_weights, weights_format
 from weightserve.client._models import (
     ModelInfo,
     ModelProblem,
@@ -25,8 +24,9 @@ from weightserve.client._models import (
     TensorInfo,
 )
 from weightserve.client._pull import ConversionRefused, DestinationError
-from weightserve.client._transport import TLSOptions
-from weightserve.client._weights import RandomWeights, RemoteWeights, WeightsClosed
+from weightserve.client.max.load import WeightsFormat, load_weights, weights_format
+from weightserve.client.max.weights import RandomWeights, RemoteWeights, WeightsClosed
+from weightserve.client.transports.base import TLSOptions
 
 __all__ = [
     "Client",
@@ -57,7 +57,7 @@ _BACKEND_TYPES = ("WeightData", "DType", "QuantizationEncoding")
 
 def __getattr__(name: str) -> Any:
     if name in _BACKEND_TYPES:
-        from weightserve.client._max_compat import backend
+        from weightserve.client.max.compat import backend
 
         return getattr(backend(), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -51,7 +51,7 @@ def _retry_seconds(text: str) -> float:
 
 def _verify(text: str) -> str:
     """argparse type of --verify (its default comes from the environment, checked too)."""
-    from weightserve.client._receive import VERIFY_CHOICES
+    from weightserve.client.receive.stream import VERIFY_CHOICES
 
     if text not in VERIFY_CHOICES:
         raise argparse.ArgumentTypeError(f"need one of {', '.join(VERIFY_CHOICES)}, got {text!r}")
@@ -157,7 +157,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _ls(args: argparse.Namespace) -> int:
     from weightserve.client._client import Client
-    from weightserve.client._url import parse_url
+    from weightserve.client.wire.routes import parse_url
 
     _, model_id = parse_url(args.url)
     with Client(args.url, token=args.token, retry_seconds=args.retry_seconds) as client:
@@ -192,7 +192,7 @@ def _ls(args: argparse.Namespace) -> int:
 
 def _pull(args: argparse.Namespace) -> int:
     from weightserve.client._client import Client, FetchOptions
-    from weightserve.client._url import parse_url
+    from weightserve.client.wire.routes import parse_url
 
     _, model_id = parse_url(args.url)
     if model_id is None:
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown and args.func is not _no_server:  # `serve --demo` without the server extra
         args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command in ("ls", "pull"):
-        from weightserve.client._url import parse_url
+        from weightserve.client.wire.routes import parse_url
 
         try:
             parse_url(args.url)

@@ -16,8 +16,6 @@ from typing import Any
 
 import numpy as np
 
-from weightserve.client._dtypes import numpy_dtype, wire_dtype
-from weightserve.client._handoff import Handoff, HandoffClient
 from weightserve.client._models import (
     ModelInfo,
     ModelProblem,
@@ -25,20 +23,27 @@ from weightserve.client._models import (
     RemoteFile,
     TensorInfo,
 )
-from weightserve.client._planes import PlaneChooser, Planes, data_plane_from
-from weightserve.client._receive import ReceivedTensor, arena_allocator, receive, verify_policy
 from weightserve.client._retry import OnWait, call_with_retry, retry_seconds_from
-from weightserve.client._schema import ChunkHeader
-from weightserve.client._transport import (
+from weightserve.client.errors import InvalidRequest, TensorNotFound, TransportError
+from weightserve.client.receive.stream import (
+    ReceivedTensor,
+    arena_allocator,
+    receive,
+    verify_policy,
+)
+from weightserve.client.receive.window import DEFAULT_WINDOW_BYTES, iter_received
+from weightserve.client.transports.base import (
     DEFAULT_READ_TIMEOUT,
     StreamParams,
     TLSOptions,
     Transport,
     make_transport,
 )
-from weightserve.client._url import ServerAddress, parse_url
-from weightserve.client._window import DEFAULT_WINDOW_BYTES, iter_received
-from weightserve.client.errors import InvalidRequest, TensorNotFound, TransportError
+from weightserve.client.transports.handoff import Handoff, HandoffClient
+from weightserve.client.transports.planes import PlaneChooser, Planes, data_plane_from
+from weightserve.client.wire.dtypes import numpy_dtype, wire_dtype
+from weightserve.client.wire.routes import ServerAddress, parse_url
+from weightserve.client.wire.schema import ChunkHeader
 
 _SUMMARY_FIELDS = frozenset(f.name for f in fields(ModelSummary))
 
@@ -83,7 +88,7 @@ class Client:
     each wait.
 
     Bulk tensor bytes take the fastest data plane the server advertises (``data_plane``,
-    default ``WEIGHTSERVE_DATA_PLANE``, else ``auto``; see client/_planes.py): the same-node
+    default ``WEIGHTSERVE_DATA_PLANE``, else ``auto``; see client/transports/planes.py): the same-node
     zero-copy handoff when this process runs on the server's node (arrays are then read-only
     views of the node's page cache), else the HTTP stream (for ``grpc://`` URLs too, when the
     server's HTTP port answers), else Arrow Flight, else gRPC StreamTensors. ``"handoff"``,
@@ -116,7 +121,7 @@ class Client:
         self._planes = PlaneChooser(self.transport, self.data_plane, token, tls, timeout)
 
     def planes(self) -> Planes:
-        """The data planes bulk fetches use (chosen at the first; see client/_planes.py)."""
+        """The data planes bulk fetches use (chosen at the first; see client/transports/planes.py)."""
         return self._planes.planes()
 
     def _with_retry(self, call: Callable[[], Any], what: str) -> Any:

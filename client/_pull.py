@@ -30,11 +30,11 @@ import numpy as np
 import xxhash
 
 from weightserve.client._client import RemoteModel
-from weightserve.client._dtypes import wire_dtype
 from weightserve.client._models import RemoteFile
 from weightserve.client._retry import Backoff, OnWait, call_with_retry, retry_reason
-from weightserve.client._schema import ChunkHeader
 from weightserve.client.errors import DataCorruption, TransportError, WeightserveError
+from weightserve.client.wire.dtypes import wire_dtype
+from weightserve.client.wire.schema import ChunkHeader
 
 _ALIGN = 8  # safetensors pads the header so tensor data starts 8-byte aligned
 STATE_FILE = ".weightserve-pull.json"  # which file content each .partial holds

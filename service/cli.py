@@ -23,11 +23,11 @@ from weightserve.client._arg_types import (
     positive_seconds,
     switch,
 )
-from weightserve.service.catalog import GGUF_SUFFIXES, PYTORCH_SUFFIXES, SAFETENSORS_SUFFIXES
-from weightserve.service.node_cache import parse_size
-from weightserve.service.origin_catalog import OriginCatalog
-from weightserve.service.origins import DEFAULT_CONCURRENCY, DEFAULT_PART_BYTES
-from weightserve.service.state import Limits
+from weightserve.service.serving.state import Limits
+from weightserve.service.sources.local import GGUF_SUFFIXES, PYTORCH_SUFFIXES, SAFETENSORS_SUFFIXES
+from weightserve.service.sources.node_cache import parse_size
+from weightserve.service.sources.origin import OriginCatalog
+from weightserve.service.sources.origins import DEFAULT_CONCURRENCY, DEFAULT_PART_BYTES
 
 if TYPE_CHECKING:
     from weightserve.service.server import WeightServer

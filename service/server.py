@@ -23,24 +23,24 @@ import grpc
 import pyarrow as pa
 import uvicorn
 
-from weightserve.client._transport import TLSOptions
 from weightserve.client.errors import ModelUnavailable, WeightserveError
-from weightserve.service.auth import TokenStore
-from weightserve.service.catalog import Catalog
-from weightserve.service.flight_app import FlightService
-from weightserve.service.grpc_app import SERVICE_NAME, create_grpc_server
-from weightserve.service.handoff import HandoffServer
-from weightserve.service.http_app import create_app
-from weightserve.service.node_cache import NodeCache
-from weightserve.service.origin_catalog import OriginCatalog, default_cache_size
-from weightserve.service.origins import (
+from weightserve.client.transports.base import TLSOptions
+from weightserve.service.serving.auth import TokenStore
+from weightserve.service.serving.state import Limits, ServiceState
+from weightserve.service.sources.local import Catalog
+from weightserve.service.sources.node_cache import NodeCache
+from weightserve.service.sources.origin import OriginCatalog, default_cache_size
+from weightserve.service.sources.origins import (
     DEFAULT_CONCURRENCY,
     DEFAULT_PART_BYTES,
     OriginFile,
     open_origin,
 )
-from weightserve.service.revisions import DigestStore
-from weightserve.service.state import Limits, ServiceState
+from weightserve.service.sources.revisions import DigestStore
+from weightserve.service.transports.flight import FlightService
+from weightserve.service.transports.grpc import SERVICE_NAME, create_grpc_server
+from weightserve.service.transports.handoff import HandoffServer
+from weightserve.service.transports.http.app import create_app
 
 log = logging.getLogger("weightserve.server")
 
@@ -58,7 +58,7 @@ class ServerConfig:
     flight_public_port: int | None = None
     grace_seconds: float = 30.0
     limits: Limits | None = None
-    token_file: str | None = None  # bearer tokens, one per line (see service/auth.py)
+    token_file: str | None = None  # bearer tokens, one per line (see service/serving/auth.py)
     protect_metrics: bool = False  # /metrics needs a token too
     tls_cert: str | None = None  # PEM certificate chain: enables TLS on both transports
     tls_key: str | None = None

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from weightserve.client._dtypes import numpy_dtype, wire_dtype
+from weightserve.client.wire.dtypes import numpy_dtype, wire_dtype
 from weightserve.service.readers.base import TensorEntry
 
 

@@ -34,10 +34,10 @@ from safetensors.numpy import save_file
 
 from weightserve.client._cli import main as cli_main
 from weightserve.client._client import Client, FetchOptions
-from weightserve.client._proto.weightserve.v1 import weightserve_pb2 as pb
 from weightserve.client.errors import ResourceExhausted, ServerUnreachable
+from weightserve.client.wire.proto.weightserve.v1 import weightserve_pb2 as pb
 from weightserve.service.server import ServerConfig, WeightServer
-from weightserve.service.state import Limits
+from weightserve.service.serving.state import Limits
 
 MIB = 1 << 20
 STREAM = "/weightserve.v1.WeightService/StreamTensors"

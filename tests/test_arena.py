@@ -9,8 +9,8 @@ import numpy as np
 
 from weightserve.client import Client
 from weightserve.client._client import FetchOptions
-from weightserve.client._receive import ALIGNMENT, arena_allocator
-from weightserve.client._schema import ChunkHeader
+from weightserve.client.receive.stream import ALIGNMENT, arena_allocator
+from weightserve.client.wire.schema import ChunkHeader
 
 
 def _root(a: np.ndarray) -> np.ndarray:

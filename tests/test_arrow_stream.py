@@ -13,12 +13,12 @@ import pyarrow as pa
 import pytest
 import xxhash
 
-from weightserve.client import _arrow_reader as ar
-from weightserve.client._arrow_reader import ArrowChunkReader, IterSource
-from weightserve.client._schema import TENSOR_SCHEMA, ChunkHeader
 from weightserve.client.errors import TransportError
-from weightserve.service import arrow_writer as aw
-from weightserve.service.arrow_writer import END_OF_STREAM, chunk_message, schema_message
+from weightserve.client.receive import arrow_reader as ar
+from weightserve.client.receive.arrow_reader import ArrowChunkReader, IterSource
+from weightserve.client.wire.schema import TENSOR_SCHEMA, ChunkHeader
+from weightserve.service.serving import arrow_writer as aw
+from weightserve.service.serving.arrow_writer import END_OF_STREAM, chunk_message, schema_message
 
 
 def _row(

@@ -16,8 +16,8 @@ import pytest
 from tests import fixtures_gguf as gx
 from tests import fixtures_safetensors as fx
 from weightserve.client.errors import InvalidRequest, ModelNotFound, ModelUnavailable
-from weightserve.service.catalog import Catalog, MappedFile, validate_model_id
-from weightserve.service.errors import BadMagic, TruncatedFile
+from weightserve.service.readers.errors import BadMagic, TruncatedFile
+from weightserve.service.sources.local import Catalog, MappedFile, validate_model_id
 
 try:
     from tests import fixtures_torch as tx
@@ -466,7 +466,7 @@ def test_chunk_digests_are_computed_once_per_mapping(tmp_path: Path, monkeypatch
 
     import xxhash
 
-    from weightserve.service import catalog as catalog_module
+    from weightserve.service.sources import local as catalog_module
 
     monkeypatch.setattr(catalog_module, "MIN_CACHED_CHUNK", 1024)
     monkeypatch.setattr(catalog_module, "DIGEST_BUDGET", catalog_module._DigestBudget())

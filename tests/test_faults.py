@@ -36,15 +36,15 @@ import pytest
 from safetensors.numpy import save_file
 
 from weightserve.client._client import Client, FetchOptions
-from weightserve.client._flight import FlightPool
-from weightserve.client._proto.weightserve.v1 import weightserve_pb2 as pb
-from weightserve.client._transport import StreamParams
 from weightserve.client.errors import (
     ModelUnavailable,
     RevisionMismatch,
     TransportError,
     WeightserveError,
 )
+from weightserve.client.transports.base import StreamParams
+from weightserve.client.transports.flight import FlightPool
+from weightserve.client.wire.proto.weightserve.v1 import weightserve_pb2 as pb
 from weightserve.service.server import ServerConfig, WeightServer
 
 REPO = Path(__file__).resolve().parents[1]

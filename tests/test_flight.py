@@ -22,10 +22,6 @@ import pytest
 from safetensors.numpy import save_file
 
 from weightserve.client._client import Client, FetchOptions
-from weightserve.client._flight import FlightPool
-from weightserve.client._proto.weightserve.v1 import weightserve_pb2 as pb
-from weightserve.client._schema import TENSOR_SCHEMA
-from weightserve.client._transport import StreamParams
 from weightserve.client.errors import (
     InvalidRequest,
     ModelNotFound,
@@ -34,6 +30,10 @@ from weightserve.client.errors import (
     ServerUnreachable,
     TensorNotFound,
 )
+from weightserve.client.transports.base import StreamParams
+from weightserve.client.transports.flight import FlightPool
+from weightserve.client.wire.proto.weightserve.v1 import weightserve_pb2 as pb
+from weightserve.client.wire.schema import TENSOR_SCHEMA
 from weightserve.service.server import ServerConfig, WeightServer
 
 

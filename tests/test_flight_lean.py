@@ -17,7 +17,8 @@ import xxhash
 from safetensors.numpy import save_file
 
 from weightserve.client._client import Client
-from weightserve.client._flight import (
+from weightserve.client.errors import TransportError
+from weightserve.client.transports.flight import (
     FORMAT_HEADER,
     LEAN_CHUNK_BYTES,
     LEAN_FORMAT,
@@ -25,9 +26,8 @@ from weightserve.client._flight import (
     decode_chunk_header,
     encode_chunk_header,
 )
-from weightserve.client._proto.weightserve.v1 import weightserve_pb2 as pb
-from weightserve.client._schema import FIELD_NAMES, ChunkHeader
-from weightserve.client.errors import TransportError
+from weightserve.client.wire.proto.weightserve.v1 import weightserve_pb2 as pb
+from weightserve.client.wire.schema import FIELD_NAMES, ChunkHeader
 from weightserve.service.server import ServerConfig, WeightServer
 
 LEAN = flight.FlightCallOptions(headers=[(FORMAT_HEADER.encode(), LEAN_FORMAT.encode())])

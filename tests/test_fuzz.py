@@ -33,9 +33,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests import fixtures_gguf, fixtures_safetensors
-from weightserve.client._proto.weightserve.v1 import weightserve_pb2 as pb
 from weightserve.client.errors import CheckpointError
-from weightserve.service.errors import ForbiddenPickleGlobal
+from weightserve.client.wire.proto.weightserve.v1 import weightserve_pb2 as pb
+from weightserve.service.readers.errors import ForbiddenPickleGlobal
 from weightserve.service.readers.gguf import GGUFReader
 from weightserve.service.readers.pytorch import PytorchReader
 from weightserve.service.readers.safetensors import SafetensorsReader

@@ -18,9 +18,9 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from tests import fixtures_safetensors
-from weightserve.client._proto.weightserve.v1 import weightserve_pb2 as pb
-from weightserve.client._proto.weightserve.v1 import weightserve_pb2_grpc as pb_grpc
-from weightserve.client._schema import DEFAULT_CHUNK_BYTES
+from weightserve.client.wire.proto.weightserve.v1 import weightserve_pb2 as pb
+from weightserve.client.wire.proto.weightserve.v1 import weightserve_pb2_grpc as pb_grpc
+from weightserve.client.wire.schema import DEFAULT_CHUNK_BYTES
 
 MIB = 1 << 20
 SERVICE = "weightserve.v1.WeightService"

@@ -27,13 +27,13 @@ from safetensors.numpy import load_file, save_file
 
 from tests.conftest import ModelRoot
 from weightserve.client._client import Client, FetchOptions
-from weightserve.client._handoff import HandoffClient, handoff_socket_path
 from weightserve.client.errors import (
     PermissionDenied,
     RevisionMismatch,
     TransportError,
     Unauthenticated,
 )
+from weightserve.client.transports.handoff import HandoffClient, handoff_socket_path
 from weightserve.service.server import ServerConfig, WeightServer
 
 
@@ -381,7 +381,7 @@ def test_reference_loader_agrees_with_a_handoff_of_minilm(uds_server, model_root
 def test_writable_alias_is_copy_on_write(uds_server, model_root) -> None:
     """Engines that want writable memory get an alias of the same pages; a write changes a
     private copy in this process, never the file or another load's view."""
-    from weightserve.client._handoff import writable_alias
+    from weightserve.client.transports.handoff import writable_alias
 
     path = handoff_socket_path(uds_server.config.uds)
     weights = model_root.models["mixed"][1][0]
@@ -399,7 +399,7 @@ def test_writable_alias_is_copy_on_write(uds_server, model_root) -> None:
 
 def test_max_buffers_share_the_page_cache(uds_server) -> None:
     pytest.importorskip("max.driver")
-    from weightserve.client._weights import RemoteWeights
+    from weightserve.client.max.weights import RemoteWeights
 
     weights = RemoteWeights(f"unix://{uds_server.config.uds}/v1/models/org/sharded")
     for name, w in weights.items():

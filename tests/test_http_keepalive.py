@@ -8,7 +8,7 @@ import socket
 import numpy as np
 
 from weightserve.client import Client
-from weightserve.client._transport import HttpTransport
+from weightserve.client.transports.base import HttpTransport
 
 
 def _count_connects(transport: HttpTransport, monkeypatch) -> list[int]:
@@ -62,7 +62,7 @@ def test_a_stream_cut_short_does_not_return_its_connection(server) -> None:
 
 
 def _params(model):
-    from weightserve.client._transport import StreamParams
+    from weightserve.client.transports.base import StreamParams
 
     return StreamParams(prefix="", revision=model.info.revision)
 

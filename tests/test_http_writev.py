@@ -18,11 +18,11 @@ import pytest
 import uvicorn
 from safetensors.numpy import save_file
 
-from weightserve.service import http_app
-from weightserve.service.catalog import Catalog
-from weightserve.service.http_app import WeightserveApp, create_app
-from weightserve.service.state import ServiceState
-from weightserve.service.streaming import TensorRequest, plan_stream, stream_messages
+from weightserve.service.serving.state import ServiceState
+from weightserve.service.serving.streams import TensorRequest, plan_stream, stream_messages
+from weightserve.service.sources.local import Catalog
+from weightserve.service.transports.http import app as http_app
+from weightserve.service.transports.http.app import WeightserveApp, create_app
 
 BIG = "big.weight"  # 3 MiB: more than DIRECT_WRITE_MIN_BYTES, and several 1 MiB chunks
 SMALL = "small.norm"

@@ -20,14 +20,14 @@ import pytest
 
 from tests._util import http_request
 from tests.conftest import child_environment, installed_file
-from weightserve.client._transport import make_transport
-from weightserve.client._url import parse_url
 from weightserve.client.errors import (
     FileNotFound,
     PermissionDenied,
     RangeNotSatisfiable,
     RevisionMismatch,
 )
+from weightserve.client.transports.base import make_transport
+from weightserve.client.wire.routes import parse_url
 from weightserve.service.server import ServerConfig, WeightServer
 
 REPO_ID = "sentence-transformers/all-MiniLM-L6-v2"

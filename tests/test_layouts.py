@@ -19,10 +19,10 @@ from tests import fixtures_safetensors as fx
 from tests.conftest import reference_gguf, reference_safetensors
 from weightserve.client._client import Client
 from weightserve.client.errors import ModelNotFound, ModelUnavailable
-from weightserve.service import models_view
-from weightserve.service.catalog import OUTSIDE_ROOT, RESERVED_CHARACTER, Catalog, Model
-from weightserve.service.errors import DuplicateTensor, SplitMismatch
+from weightserve.service.readers.errors import DuplicateTensor, SplitMismatch
 from weightserve.service.server import ServerConfig, WeightServer
+from weightserve.service.serving import views as models_view
+from weightserve.service.sources.local import OUTSIDE_ROOT, RESERVED_CHARACTER, Catalog, Model
 
 MAIN = "a1" * 20  # snapshot commits are 40 hex digits
 OLD = "b2" * 20

@@ -1,4 +1,4 @@
-"""client/_malloc.py: when it tunes glibc, with what values, and when it stays out of the way.
+"""client/transports/malloc.py: when it tunes glibc, with what values, and when it stays out of the way.
 
 The effect (page faults per GiB of a gRPC load) is measured by the benchmark
 (docs/performance.md); here the control logic runs against a recording stand-in for libc,
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from weightserve.client import _malloc
+from weightserve.client.transports import malloc as _malloc
 
 
 class RecordingLibc:
@@ -83,7 +83,7 @@ def test_real_glibc_accepts_the_values() -> None:
     """In a child process (the settings are process-wide): every mallopt call succeeds."""
     code = (
         "import ctypes, ctypes.util, sys\n"
-        "from weightserve.client import _malloc\n"
+        "from weightserve.client.transports import malloc as _malloc\n"
         "if not _malloc._glibc_here(): sys.exit(0)\n"
         "libc = ctypes.CDLL(ctypes.util.find_library('c') or 'libc.so.6')\n"
         "values = list(_malloc._DURING.items()) + list(_malloc._AFTER.items())\n"

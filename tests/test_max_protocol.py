@@ -61,8 +61,8 @@ from weightserve.client import (  # noqa: E402
     weights_format,
 )
 from weightserve.client import WeightData as ClientWeightData  # noqa: E402
-from weightserve.client._weight_types import DType as LookalikeDType  # noqa: E402
 from weightserve.client.errors import TensorNotFound  # noqa: E402
+from weightserve.client.max.weight_types import DType as LookalikeDType  # noqa: E402
 from weightserve.service.demo import write_demo  # noqa: E402
 from weightserve.service.server import ServerConfig, WeightServer  # noqa: E402
 
@@ -939,7 +939,7 @@ def test_lookalike_weight_data_api(root: Root, transport: str) -> None:
     assert np.from_dlpack(w.float32.data()).shape == (3, 5)
     with pytest.raises(BufferError, match="torch_state_dict"):
         np.from_dlpack(bf)
-    from weightserve.client._weight_types import WeightData as LookalikeWeightData
+    from weightserve.client.max.weight_types import WeightData as LookalikeWeightData
 
     assert LookalikeWeightData.from_numpy(np.zeros((2, 2), np.float16), "z").dtype.name == (
         "float16"

@@ -22,10 +22,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from safetensors.numpy import save_file
 
 from weightserve.client._client import Client
-from weightserve.client._proto.weightserve.v1 import weightserve_pb2 as pb
-from weightserve.client._proto.weightserve.v1 import weightserve_pb2_grpc as pb_grpc
-from weightserve.client._url import http_model_path
 from weightserve.client.errors import ModelNotFound
+from weightserve.client.wire.proto.weightserve.v1 import weightserve_pb2 as pb
+from weightserve.client.wire.proto.weightserve.v1 import weightserve_pb2_grpc as pb_grpc
+from weightserve.client.wire.routes import http_model_path
 from weightserve.service.server import ServerConfig, WeightServer
 
 TOKEN = "metrics-test-token-0123456789abcdef"

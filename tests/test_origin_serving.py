@@ -24,10 +24,10 @@ from tests.test_layouts import write_split_gguf
 from tests.test_origins import write_repository
 from weightserve.client import Client
 from weightserve.client._cli import main as cli_main
-from weightserve.service.node_cache import NodeCache
-from weightserve.service.origin_catalog import OriginCatalog
-from weightserve.service.origins import Origin, OriginFile, open_origin
 from weightserve.service.server import ServerConfig, WeightServer
+from weightserve.service.sources.node_cache import NodeCache
+from weightserve.service.sources.origin import OriginCatalog
+from weightserve.service.sources.origins import Origin, OriginFile, open_origin
 
 MODELS = ["big", "org/sharded"]
 

@@ -94,10 +94,10 @@ def test_wheel_contents(installed: Installed) -> None:
         "weightserve/client/__init__.py",
         "weightserve/client/errors.py",
         "weightserve/client/py.typed",
-        "weightserve/client/_proto/weightserve/v1/weightserve_pb2.py",
-        "weightserve/client/_proto/weightserve/v1/weightserve_pb2_grpc.py",
+        "weightserve/client/wire/proto/weightserve/v1/weightserve_pb2.py",
+        "weightserve/client/wire/proto/weightserve/v1/weightserve_pb2_grpc.py",
         "weightserve/service/__init__.py",
-        "weightserve/service/catalog.py",
+        "weightserve/service/sources/local.py",
         "weightserve/service/readers/safetensors.py",
         "weightserve/service/py.typed",
     ]:
@@ -117,7 +117,7 @@ def test_fresh_venv_imports_the_client_without_server_deps(installed: Installed)
         """
         import json, sys
         import weightserve.client
-        import weightserve.client._proto.weightserve.v1.weightserve_pb2_grpc as stubs
+        import weightserve.client.wire.proto.weightserve.v1.weightserve_pb2_grpc as stubs
         print(json.dumps([weightserve.client.__file__, hasattr(stubs, "WeightServiceStub")]))
         """
     )
@@ -130,7 +130,7 @@ def test_fresh_venv_imports_the_client_without_server_deps(installed: Installed)
         assert missing.returncode == 1, module
         assert f"ModuleNotFoundError: No module named '{module}'" in missing.stderr
     # The exact import the brief names, on its own.
-    alone = installed.py("import weightserve.client._proto.weightserve.v1.weightserve_pb2_grpc")
+    alone = installed.py("import weightserve.client.wire.proto.weightserve.v1.weightserve_pb2_grpc")
     assert alone.returncode == 0, alone.stderr
 
 
@@ -210,7 +210,7 @@ def test_client_imports_no_server_module() -> None:
         heavy = [m for m in modules if m.split(".")[0] in (*SERVER_ONLY, "torch", "max")]
         assert heavy == []
     assert "weightserve.client" in first
-    assert "weightserve.client._proto.weightserve.v1.weightserve_pb2_grpc" in everything
+    assert "weightserve.client.wire.proto.weightserve.v1.weightserve_pb2_grpc" in everything
 
 
 def test_dockerfile_passes_hadolint() -> None:

@@ -83,7 +83,7 @@ message X {
 
 def test_every_rpc_and_message_parsed() -> None:
     """The check covers the real service: all three rpcs and all fields of TensorRequest."""
-    from weightserve.client._proto.weightserve.v1 import weightserve_pb2 as pb
+    from weightserve.client.wire.proto.weightserve.v1 import weightserve_pb2 as pb
 
     text = "\n".join(p.read_text() for p in PROTOS)
     rpcs = {m.group(1) for line in text.splitlines() if (m := RPC.match(line))}

@@ -26,7 +26,7 @@ from tests.fixtures_gguf import (
     write_edge,
     write_mixed,
 )
-from weightserve.service import errors
+from weightserve.service.readers import errors
 from weightserve.service.readers.base import ModelContents
 from weightserve.service.readers.gguf import PLAIN_DTYPES, GGUFReader
 

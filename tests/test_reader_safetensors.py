@@ -15,9 +15,10 @@ from safetensors import SafetensorError, deserialize, safe_open
 
 from tests import fixtures_safetensors as fx
 from tests._util import entry_bytes
-from weightserve.client._dtypes import BY_SAFETENSORS_CODE
 from weightserve.client.errors import CheckpointError
-from weightserve.service.errors import (
+from weightserve.client.wire.dtypes import BY_SAFETENSORS_CODE
+from weightserve.service.readers.base import ModelContents
+from weightserve.service.readers.errors import (
     CountOverflow,
     DuplicateTensor,
     GapBetweenTensors,
@@ -30,7 +31,6 @@ from weightserve.service.errors import (
     TruncatedFile,
     UnknownDType,
 )
-from weightserve.service.readers.base import ModelContents
 from weightserve.service.readers.safetensors import MAX_HEADER_BYTES, SafetensorsReader
 
 # Codes safe_open(framework="numpy") can return as arrays; the rest are compared as raw bytes.

@@ -33,9 +33,9 @@ from tests.test_faults import (
 )
 from weightserve.client._client import FetchOptions
 from weightserve.client.errors import WeightserveError
-from weightserve.service.catalog import Catalog
-from weightserve.service.revisions import DigestStore, file_stamp
 from weightserve.service.server import ServerConfig, WeightServer
+from weightserve.service.sources.local import Catalog
+from weightserve.service.sources.revisions import DigestStore, file_stamp
 
 
 @pytest.fixture(autouse=True)

@@ -21,10 +21,10 @@ from safetensors.numpy import load_file, save_file
 
 from tests._util import Reply, http_request
 from weightserve.client import Client, RemoteWeights
-from weightserve.client._url import http_model_path, parse_url
 from weightserve.client.errors import InvalidRequest
-from weightserve.service.catalog import validate_model_id
+from weightserve.client.wire.routes import http_model_path, parse_url
 from weightserve.service.server import ServerConfig, WeightServer
+from weightserve.service.sources.local import validate_model_id
 
 ODD_NAMES = (
     "enc/layer_0/kernel",

@@ -30,8 +30,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.numpy import save_file
 
 from weightserve.client._client import Client
-from weightserve.client._proto.weightserve.v1 import weightserve_pb2 as pb
-from weightserve.client._transport import TLSOptions
 from weightserve.client.errors import (
     InvalidRequest,
     NotFound,
@@ -41,8 +39,10 @@ from weightserve.client.errors import (
     Unauthenticated,
     WeightserveError,
 )
+from weightserve.client.transports.base import TLSOptions
+from weightserve.client.wire.proto.weightserve.v1 import weightserve_pb2 as pb
 from weightserve.service.server import ServerConfig, WeightServer
-from weightserve.service.state import Limits
+from weightserve.service.serving.state import Limits
 
 FULL_TOKEN = "full-access-token-0123456789abcdef"
 TEAM_A_TOKEN = "team-a-token-fedcba9876543210"

@@ -7,7 +7,7 @@ from __future__ import annotations
 from urllib.parse import quote
 
 from tests._util import http_request
-from weightserve.service.http_app import TensorLane
+from weightserve.service.transports.http.app import TensorLane
 
 
 def lane_answers(server, path: str, method: str = "GET"):

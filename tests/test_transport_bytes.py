@@ -29,10 +29,13 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from tests._util import record_streams
 from tests.conftest import PACKED_DTYPES, Ref, child_environment, np_dtype
 from weightserve.client._client import Client, FetchOptions
-from weightserve.client._flight import FlightPool
-from weightserve.client._transport import StreamParams
 from weightserve.client.errors import DataCorruption, InvalidRequest
-from weightserve.service import flight_app, streaming
+from weightserve.client.transports.base import StreamParams
+from weightserve.client.transports.flight import FlightPool
+
+# "grpc" moves tensor data over the server's Arrow Flight endpoint (what gRPC clients do by
+from weightserve.service.serving import streams as streaming
+from weightserve.service.transports import flight as flight_app
 
 # "grpc" moves tensor data over the server's Arrow Flight endpoint (what gRPC clients do by
 # default); "grpc-streamtensors" keeps it on the gRPC service's own StreamTensors.

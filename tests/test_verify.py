@@ -1,4 +1,4 @@
-"""The chunk digest check and its ``verify`` policy (client/_receive.py ``chunk_checker``).
+"""The chunk digest check and its ``verify`` policy (client/receive/stream.py ``chunk_checker``).
 
 A real server streams a real file through a loopback proxy that flips one byte of a chosen
 chunk on the way: ``"full"`` catches it, ``"none"`` hands the changed byte through,
@@ -23,8 +23,8 @@ from safetensors.numpy import save_file
 
 from weightserve.client import RemoteWeights, load_weights
 from weightserve.client._client import Client, FetchOptions
-from weightserve.client._receive import chunk_checker, sampled
 from weightserve.client.errors import DataCorruption
+from weightserve.client.receive.stream import chunk_checker, sampled
 from weightserve.service.server import ServerConfig, WeightServer
 
 CHUNK = 16 << 10

@@ -27,7 +27,7 @@ class TensorEntry:
     """
 
     name: str
-    dtype: str  # a wire dtype name (weightserve.client._dtypes)
+    dtype: str  # a wire dtype name (weightserve.client.wire.dtypes)
     shape: tuple[int, ...]
     file: Path
     offset: int

@@ -45,7 +45,7 @@ from gguf.constants import (
     Keys,
 )
 
-from weightserve.service import errors
+from weightserve.service.readers import errors
 from weightserve.service.readers.base import ModelContents, TensorEntry
 
 # v2 and v3 share one layout (v3 only added big-endian files); v1 had 32-bit counts.

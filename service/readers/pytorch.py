@@ -41,8 +41,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-from weightserve.client._dtypes import wire_dtype
-from weightserve.service.errors import (
+from weightserve.client.wire.dtypes import wire_dtype
+from weightserve.service.readers.base import ModelContents, TensorEntry
+from weightserve.service.readers.errors import (
     BadMagic,
     CompressedStorage,
     DuplicateTensor,
@@ -56,7 +57,6 @@ from weightserve.service.errors import (
     UnknownDType,
     UnsupportedVersion,
 )
-from weightserve.service.readers.base import ModelContents, TensorEntry
 
 MAX_PICKLE_BYTES = 256 << 20  # data.pkl is headers only; 100k tensors need a few MB
 MAX_INDEX_BYTES = 64 << 20

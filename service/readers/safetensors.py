@@ -14,8 +14,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-from weightserve.client._dtypes import BY_SAFETENSORS_CODE, WireDType
-from weightserve.service.errors import (
+from weightserve.client.wire.dtypes import BY_SAFETENSORS_CODE, WireDType
+from weightserve.service.readers.base import ModelContents, TensorEntry
+from weightserve.service.readers.errors import (
     CountOverflow,
     DuplicateTensor,
     GapBetweenTensors,
@@ -28,7 +29,6 @@ from weightserve.service.errors import (
     TruncatedFile,
     UnknownDType,
 )
-from weightserve.service.readers.base import ModelContents, TensorEntry
 
 # The Rust safetensors library refuses headers above this size; so do we, before reading one.
 MAX_HEADER_BYTES = 100_000_000

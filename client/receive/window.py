@@ -1,0 +1,135 @@
+"""Tensors one at a time as they arrive, with memory bounded by a window: the loading style
+of engines that copy each weight into place (vLLM's and SGLang's ``load_weights(iterable)``).
+
+One stream carries the tensors; a receiving thread may run ahead of the consumer by at most
+``window_bytes`` of tensors (one larger tensor is received alone). A tensor's bytes count
+against the window until the consumer asks for the next one; the iterator then drops its
+reference, so the buffer is freed unless the consumer kept it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from weightserve.client._retry import OnWait
+from weightserve.client.receive.stream import ReceivedTensor, aligned_empty, receive
+from weightserve.client.transports.base import StreamParams
+from weightserve.client.wire.schema import ChunkHeader
+
+if TYPE_CHECKING:
+    from weightserve.client._client import RemoteModel
+
+# Bench, 1 GiB layer by layer into fresh memory: with 256 MiB the load added 125 MiB (HTTP)
+# and 218 MiB (Flight) to the client's peak RSS, with 64 MiB 72 and 120 MiB.
+DEFAULT_WINDOW_BYTES = 64 << 20
+
+
+class _Abandoned(Exception):
+    """The consumer stopped iterating: the receiving thread stops at its next tensor."""
+
+
+class _Window:
+    """Bytes received but not yet moved past by the consumer, at most ``limit`` (a tensor
+    larger than the limit is let in alone)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.abandoned = False
+        self._cond = threading.Condition()
+
+    def reserve(self, nbytes: int) -> None:
+        with self._cond:
+            while not self.abandoned and self.used and self.used + nbytes > self.limit:
+                self._cond.wait()
+            if self.abandoned:
+                raise _Abandoned()
+            self.used += nbytes
+
+    def release(self, nbytes: int) -> None:
+        with self._cond:
+            self.used -= nbytes
+            self._cond.notify_all()
+
+    def abandon(self) -> None:
+        with self._cond:
+            self.abandoned = True
+            self._cond.notify_all()
+
+
+_END = object()
+
+
+def iter_received(
+    model: RemoteModel,
+    names: list[str],
+    *,
+    window_bytes: int,
+    shard: tuple[int, int] | None,
+    axis: int,
+    retry_seconds: float,
+    on_bytes: Callable[[int], None] | None = None,
+    allocate: Callable[[ChunkHeader], np.ndarray] | None = None,
+    on_wait: OnWait | None = None,
+) -> Iterator[tuple[ChunkHeader, np.ndarray]]:
+    """``(header, uint8 buffer)`` of each tensor of ``names``, in stream order, as it lands."""
+    window = _Window(window_bytes)
+    arrived: queue.Queue[object] = queue.Queue()  # unbounded: the window bounds it
+    place = allocate or (lambda header: aligned_empty(header.total_bytes))
+
+    def windowed(header: ChunkHeader) -> np.ndarray:
+        window.reserve(header.total_bytes)
+        return place(header)
+
+    def run() -> None:
+        params = StreamParams(
+            names=tuple(names),
+            shard=shard,
+            axis=axis,
+            chunk_bytes=model.options.chunk_bytes,
+            revision=model.info.revision,
+        )
+        try:
+            streams = model.client.planes().streams
+            with streams.receiving(min(window_bytes, model._bytes(names))):
+                receive(
+                    lambda p: streams.open_chunks(model.id, p),
+                    params,
+                    names,
+                    retries=model.options.retries,
+                    retry_seconds=retry_seconds,
+                    on_bytes=on_bytes,
+                    allocate=windowed,
+                    on_wait=on_wait or model.client.on_wait,
+                    on_tensor=arrived.put,
+                    verify=model.options.verify,
+                )
+        except _Abandoned:
+            return
+        except BaseException as e:  # handed to the consumer, raised there
+            arrived.put(e)
+            return
+        arrived.put(_END)
+
+    receiver = threading.Thread(target=run, name="weightserve-iter", daemon=True)
+    receiver.start()
+    try:
+        while True:
+            item = arrived.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            assert isinstance(item, ReceivedTensor)
+            nbytes = item.header.total_bytes
+            yield item.header, item.buffer
+            del item  # the consumer moved on: drop the buffer before letting more in
+            window.release(nbytes)
+    finally:
+        window.abandon()
+        receiver.join()

@@ -1,0 +1,192 @@
+"""Prometheus metrics of the data plane: bytes, tensors, requests, latency, open streams.
+
+Each server gets its own registry, so several servers can run in one process (tests).
+Every metric and label is listed in docs/protocol.md ("Metrics"); keep the two in step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from weightserve.service.sources.node_cache import CacheStats
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "weightserve_requests_total",
+            "Requests by transport, operation (the call) and the status code the client got",
+            ["transport", "operation", "code"],
+            registry=self.registry,
+        )
+        self.errors = Counter(
+            "weightserve_errors_total",
+            "Failed requests, and streams cut after they started, by error class",
+            ["transport", "operation", "error"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "weightserve_request_seconds",
+            "Time to answer a request that succeeded (the whole stream for data)",
+            ["transport", "operation"],
+            registry=self.registry,
+            buckets=(
+                0.0005,
+                0.001,
+                0.0025,
+                0.005,
+                0.01,
+                0.025,
+                0.05,
+                0.1,
+                0.25,
+                0.5,
+                1,
+                2.5,
+                5,
+                10,
+                30,
+                60,
+                120,
+            ),
+        )
+        self.bytes_served = Counter(
+            "weightserve_bytes_served_total",
+            "Tensor data bytes sent",
+            ["transport", "model"],
+            registry=self.registry,
+        )
+        self.tensors_served = Counter(
+            "weightserve_tensors_served_total",
+            "Tensors (or slices) sent completely",
+            ["transport", "model"],
+            registry=self.registry,
+        )
+        self.open_streams = Gauge(
+            "weightserve_open_streams",
+            "Tensor streams in progress",
+            ["transport"],
+            registry=self.registry,
+        )
+        self.models = Gauge(
+            "weightserve_models",
+            "Models in the catalog",
+            registry=self.registry,
+        )
+        self.refused_models = Gauge(
+            "weightserve_refused_models",
+            "Models found but refused (failed validation)",
+            registry=self.registry,
+        )
+        self.model_refusals = Counter(
+            "weightserve_model_refusals_total",
+            "Times a model was refused (once per version of its files: not per rescan)",
+            registry=self.registry,
+        )
+        # One recorder per transport: a request resolves no label there (see CallRecorder).
+        self.http = CallRecorder(self, "http")
+        self.grpc = CallRecorder(self, "grpc")
+        self.flight = CallRecorder(self, "flight")
+        self.handoff = CallRecorder(
+            self, "handoff"
+        )  # same-node descriptors (service/transports/handoff.py)
+
+
+# The node cache's counters (service/sources/node_cache.py CacheStats): (metric, kind, help, field).
+NODE_CACHE_METRICS = (
+    ("weightserve_origin_requests_total", "counter", "Listings and files fetched from the origin",
+     None),
+    ("weightserve_origin_failures_total", "counter", "Origin listings and fetches that failed",
+     "origin_failures"),
+    ("weightserve_origin_bytes_total", "counter", "Bytes fetched from the origin",
+     "origin_bytes"),
+    ("weightserve_cache_fills_total", "counter", "Models filled (or refreshed) from the origin",
+     "fills"),
+    ("weightserve_cache_fill_failures_total", "counter", "Fills that failed", "fill_failures"),
+    ("weightserve_cache_fill_seconds_total", "counter", "Time spent filling models",
+     "fill_seconds"),
+    ("weightserve_cache_hits_total", "counter", "Requests that found their model cached",
+     "hits"),
+    ("weightserve_cache_misses_total", "counter", "Requests that filled or waited for a fill",
+     "misses"),
+    ("weightserve_cache_evictions_total", "counter", "Models evicted to make room",
+     "evictions"),
+    ("weightserve_cache_evicted_bytes_total", "counter", "Bytes of the models evicted",
+     "evicted_bytes"),
+    ("weightserve_cache_bytes", "gauge", "Bytes the node cache holds (and reserves for fills)",
+     "bytes_used"),
+    ("weightserve_cache_models", "gauge", "Models held whole in the node cache",
+     "models_cached"),
+)  # fmt: skip
+
+
+class NodeCacheCollector(Collector):
+    """The node cache's counters, read from one consistent ``snapshot()`` per scrape."""
+
+    def __init__(self, snapshot: Callable[[], CacheStats]) -> None:
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.snapshot()
+        for name, kind, text, field in NODE_CACHE_METRICS:
+            if field is None:  # requests: listings and files together
+                value: float = stats.origin_listings + stats.origin_fetches
+            else:
+                value = getattr(stats, field)
+            if kind == "counter":
+                yield CounterMetricFamily(name.removesuffix("_total"), text, value=value)
+            else:
+                yield GaugeMetricFamily(name, text, value=value)
+
+
+class CallRecorder:
+    """Counts one transport's requests as they end: ``weightserve_requests_total`` by call
+    (``operation``) and status code, the latency of those that succeeded, and
+    ``weightserve_errors_total`` for the others.
+
+    Label children are looked up once per (operation, code) and kept: ``labels()`` takes a
+    lock and checks its values on every call, which each small request would pay again.
+    Operations and codes are fixed small sets, so the dicts stay small.
+    """
+
+    def __init__(self, metrics: Metrics, transport: str) -> None:
+        self._metrics = metrics
+        self._transport = transport
+        self._requests: dict[tuple[str, str], Counter] = {}
+        self._errors: dict[tuple[str, str], Counter] = {}
+        self._latency: dict[str, Histogram] = {}
+
+    def succeeded(self, operation: str, code: str, seconds: float) -> None:
+        self._count(operation, code)
+        latency = self._latency.get(operation)
+        if latency is None:
+            latency = self._metrics.latency.labels(self._transport, operation)
+            self._latency[operation] = latency
+        latency.observe(seconds)
+
+    def failed(self, operation: str, code: str, error: str) -> None:
+        """A request answered with an error, or a stream cut after it started (``code`` is
+        then the status already sent). ``error`` is our error class name, ``Cancelled`` (the
+        client went away), ``IdleTimeout`` (it read nothing for too long) or ``Internal``."""
+        self._count(operation, code)
+        key = (operation, error)
+        errors = self._errors.get(key)
+        if errors is None:
+            errors = self._metrics.errors.labels(self._transport, operation, error)
+            self._errors[key] = errors
+        errors.inc()
+
+    def _count(self, operation: str, code: str) -> None:
+        key = (operation, code)
+        requests = self._requests.get(key)
+        if requests is None:
+            requests = self._metrics.requests.labels(self._transport, operation, code)
+            self._requests[key] = requests
+        requests.inc()

@@ -1,0 +1,158 @@
+"""What both transports share in one process: the catalog, settings, metrics, stream limits."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import uuid
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+from weightserve.client.errors import ModelUnavailable, ResourceExhausted
+from weightserve.client.wire.schema import DEFAULT_CHUNK_BYTES
+from weightserve.service.serving.auth import Access, TokenStore
+from weightserve.service.serving.metrics import Metrics, NodeCacheCollector
+from weightserve.service.serving.streams import PlannedTensor, TensorRequest, plan_stream
+from weightserve.service.sources.local import Catalog, Model
+from weightserve.service.sources.origin import OriginCatalog
+
+
+@dataclass
+class Limits:
+    """Bounded by default: a weight server must not be exhausted by one client."""
+
+    max_streams: int = 64  # concurrent tensor streams, all transports together
+    # per client (its token when tokens are configured, else its address), so one client
+    # can't take them all
+    max_streams_per_client: int = 16
+    max_names: int = 100_000  # tensor names in one request
+    max_request_bytes: int = 16 << 20  # request bodies (JSON name lists)
+    idle_timeout: float = 60.0  # a stream whose client reads nothing this long is cut
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    # What a client refused a stream slot is told to wait before trying again (Retry-After,
+    # grpc-retry-pushback-ms); clients add jitter and back off further on repeated refusals.
+    retry_after: float = 1.0
+
+
+class ServiceState:
+    def __init__(
+        self,
+        catalog: Catalog,
+        limits: Limits | None = None,
+        tokens: TokenStore | None = None,
+        protect_metrics: bool = False,
+    ) -> None:
+        self.catalog = catalog
+        self.limits = limits or Limits()
+        self.tokens = tokens
+        self.protect_metrics = protect_metrics
+        self._per_client: dict[str, int] = {}
+        self.metrics = Metrics()
+        self.draining = False
+        self.warming = False  # content revisions of the models found at start being computed
+        self.flight_port = 0  # set when the Flight endpoint runs; GetServerInfo reports it
+        # What server info advertises, so a client can choose its data plane (client/transports/planes.py)
+        # and tell whether a same-node socket it finds is this server's.
+        self.instance = uuid.uuid4().hex
+        self.http_port = 0
+        self.grpc_port = 0
+        self.uds: str | None = None  # the same-node HTTP socket (--uds), as this server sees it
+        self._streams = 0
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        catalog.on_refused = self.on_refused
+        if isinstance(catalog, OriginCatalog):
+            self.metrics.registry.register(NodeCacheCollector(catalog.cache.snapshot))
+        self.metrics.model_refusals.inc(len(catalog.problems))  # those of the first scan
+        self.refresh_gauges()
+
+    def on_refused(self, problem: object) -> None:
+        self.metrics.model_refusals.inc()
+
+    def refresh_gauges(self) -> None:
+        self.metrics.models.set(len(self.catalog.models))
+        self.metrics.refused_models.set(len(self.catalog.problems))
+
+    @property
+    def open_streams(self) -> int:
+        return self._streams
+
+    @contextlib.contextmanager
+    def stream_slot(self, transport: str, client: str = "") -> Iterator[None]:
+        """Hold one of the limited stream slots for the duration of a stream.
+
+        ``client`` is the key of the per-client limit (``Access.client_key``). A refusal is
+        immediate and carries ``retry_after``; there is no wait queue here on purpose: a
+        waiting request would park a handler thread (HTTP's sync routes share one threadpool
+        with the probes and metadata calls, gRPC's pool is sized to the stream limit), so a
+        crowd would starve them. The clients wait instead, with jittered backoff.
+        """
+        hint = self.limits.retry_after
+        with self._lock:
+            if self.draining:
+                raise ModelUnavailable(
+                    "the server is shutting down; retry on another replica", retry_after=hint
+                )
+            if self._streams >= self.limits.max_streams:
+                raise ResourceExhausted(
+                    f"{self._streams} streams are open, the limit is {self.limits.max_streams}; "
+                    f"retry in {hint:g} s",
+                    retry_after=hint,
+                )
+            mine = self._per_client.get(client, 0)
+            if mine >= self.limits.max_streams_per_client:
+                raise ResourceExhausted(
+                    f"this client ({client or 'unknown'}) has {mine} streams open, the limit per "
+                    f"client is {self.limits.max_streams_per_client}; retry when one finishes",
+                    retry_after=hint,
+                )
+            self._streams += 1
+            self._per_client[client] = mine + 1
+        gauge = self.metrics.open_streams.labels(transport)
+        gauge.inc()
+        try:
+            yield
+        finally:
+            gauge.dec()
+            with self._lock:
+                self._streams -= 1
+                left = self._per_client[client] - 1
+                if left:
+                    self._per_client[client] = left
+                else:
+                    del self._per_client[client]
+                self._idle.notify_all()
+
+    def readable_model(self, access: Access, model_id: str) -> Model:
+        """The model, if the caller may read it (else PermissionDenied / ModelNotFound)."""
+        access.check(model_id)
+        return self.catalog.get(model_id, access.may_read)
+
+    def begin_stream(
+        self, model: Model, request: TensorRequest, transport: str, client: str
+    ) -> tuple[list[PlannedTensor], AbstractContextManager[None]]:
+        """What every transport does before a stream's first byte: plan the request (errors
+        become statuses, not broken streams), then take a stream slot, which the caller
+        releases (``slot.__exit__``) when the stream ends."""
+        planned = plan_stream(model, request, self.limits.max_names)
+        slot = self.reading_slot(model, {p.entry.file for p in planned}, transport, client)
+        slot.__enter__()
+        return planned, slot
+
+    @contextlib.contextmanager
+    def reading_slot(self, model: Model, files: set, transport: str, client: str) -> Iterator[None]:
+        """A stream slot, and the files the stream reads held (read-leased, see
+        ``MappedFile.hold``) while it runs: every transfer that reads mapped bytes takes one.
+        A node cache keeps the model from eviction meanwhile (``Catalog.using``)."""
+        with (
+            self.stream_slot(transport, client),
+            self.catalog.using(model.id),
+            model.holding(files),
+        ):
+            yield
+
+    def wait_for_streams(self, timeout: float) -> bool:
+        """Block until every open stream ended (True) or the timeout passed (False)."""
+        with self._lock:
+            return self._idle.wait_for(lambda: self._streams == 0, timeout=timeout)

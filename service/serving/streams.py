@@ -1,0 +1,311 @@
+"""From a tensor request to the pieces of an Arrow IPC stream.
+
+``plan_stream`` resolves and validates a request against a model before a single byte is
+sent (so errors become proper statuses, not broken streams). ``stream_messages`` then yields the
+stream message by message, each as bytes-like parts: small framing ``bytes`` and, for tensor
+data, ``memoryview`` slices of the shared mmap — the server never copies contiguous tensor data.
+Only strided sources (non-contiguous PyTorch views, shards along an inner axis) are gathered
+into a new buffer, one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from weightserve.client.errors import (
+    InvalidRequest,
+    ModelUnavailable,
+    ResourceExhausted,
+    RevisionMismatch,
+)
+from weightserve.client.wire.dtypes import wire_dtype
+from weightserve.client.wire.schema import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, ChunkHeader
+from weightserve.service.readers.base import TensorEntry
+from weightserve.service.serving.arrow_writer import END_OF_STREAM, chunk_message, schema_message
+from weightserve.service.sources.local import Model
+
+# GGML block geometry: elements per block and bytes per block, from the gguf package.
+try:
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    _BLOCKS = {t.name: GGML_QUANT_SIZES[t] for t in GGMLQuantizationType if t in GGML_QUANT_SIZES}
+except ImportError:  # pragma: no cover - gguf is a server dependency
+    _BLOCKS = {}
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Part ``index`` of ``count`` along ``axis`` (numpy.array_split semantics)."""
+
+    index: int
+    count: int
+    axis: int = 0
+
+    def __post_init__(self) -> None:
+        if self.count < 1 or not 0 <= self.index < self.count:
+            raise InvalidRequest(f"shard {self.index}/{self.count}: need 0 <= index < count")
+        if self.axis < 0:
+            raise InvalidRequest(f"shard axis must be >= 0, got {self.axis}")
+
+    def bounds(self, length: int) -> tuple[int, int]:
+        base, extra = divmod(length, self.count)
+        start = self.index * base + min(self.index, extra)
+        return start, start + base + (1 if self.index < extra else 0)
+
+
+@dataclass(frozen=True)
+class TensorRequest:
+    """What a client asked for, parsed from HTTP query/JSON or a gRPC message."""
+
+    names: tuple[str, ...] | None = None
+    prefix: str | None = None
+    shard: Shard | None = None
+    resume_tensor: str | None = None
+    resume_offset: int = 0
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    revision: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.names is None) == (self.prefix is None):
+            raise InvalidRequest("ask for either a list of tensor names or a prefix")
+        if not 0 < self.chunk_bytes <= MAX_CHUNK_BYTES:
+            raise InvalidRequest(f"chunk_bytes must be in 1..{MAX_CHUNK_BYTES}")
+        if self.resume_offset < 0:
+            raise InvalidRequest("resume_offset must be >= 0")
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """One tensor (or its requested slice) as it will go on the wire."""
+
+    entry: TensorEntry
+    dtype: str
+    shape: tuple[int, ...]
+    logical_shape: tuple[int, ...]
+    encoding: str | None
+    nbytes: int
+    start: int  # first byte to send (resume)
+    # Contiguous source: absolute byte range in the file. None -> gather with ``index``.
+    byte_offset: int | None
+    index: tuple[slice, ...] | None = None
+
+
+def _slice_entry(entry: TensorEntry, shard: Shard | None) -> PlannedTensor:
+    itemsize = wire_dtype(entry.dtype).itemsize
+    shape, logical = entry.shape, entry.logical_shape
+    if shard is None or shard.count == 1 or len(shape) <= shard.axis:
+        # Tensors with fewer dims than the axis (biases, norms, scalars) are replicated
+        # whole to every rank, as tensor parallelism does with them.
+        offset = entry.offset if entry.contiguous else None
+        return PlannedTensor(
+            entry,
+            entry.dtype,
+            shape,
+            logical,
+            entry.encoding,
+            entry.nbytes,
+            0,
+            offset,
+            None if entry.contiguous else (),
+        )
+    if wire_dtype(entry.dtype).bits % 8:
+        # Packed sub-byte elements (float4, float6): a slice can start inside a byte, and the
+        # byte arithmetic below assumes whole-byte items. Refuse rather than send wrong bytes.
+        raise InvalidRequest(
+            f"tensor {entry.name!r} has the packed dtype {entry.dtype} "
+            f"({wire_dtype(entry.dtype).bits} bits per element) and cannot be sharded; "
+            "request it whole"
+        )
+    axis = shard.axis
+    if entry.encoding is not None and axis == len(shape) - 1:
+        # Quantized blocks run along the last axis: split whole blocks, never inside one.
+        block_elems, block_bytes = _BLOCKS[entry.encoding]
+        lo, hi = shard.bounds(shape[-1] // block_bytes)
+        start, stop = lo * block_bytes, hi * block_bytes
+        new_logical = (*logical[:-1], (hi - lo) * block_elems)
+    else:
+        start, stop = shard.bounds(shape[axis])
+        new_logical = tuple(stop - start if i == axis else d for i, d in enumerate(logical))
+    new_shape = tuple(stop - start if i == axis else d for i, d in enumerate(shape))
+    nbytes = math.prod(new_shape) * itemsize
+    if entry.contiguous and all(d == 1 for d in shape[:axis]):
+        # Everything before the axis is trivial: the slice is one contiguous byte range.
+        row_bytes = math.prod(shape[axis + 1 :]) * itemsize
+        return PlannedTensor(
+            entry,
+            entry.dtype,
+            new_shape,
+            new_logical,
+            entry.encoding,
+            nbytes,
+            0,
+            entry.offset + start * row_bytes,
+        )
+    index = tuple(slice(start, stop) if i == axis else slice(None) for i in range(len(shape)))
+    return PlannedTensor(
+        entry, entry.dtype, new_shape, new_logical, entry.encoding, nbytes, 0, None, index
+    )
+
+
+def plan_stream(
+    model: Model, request: TensorRequest, max_names: int = 100_000
+) -> list[PlannedTensor]:
+    if request.revision and request.revision != model.revision:
+        raise RevisionMismatch(
+            f"model {model.id!r} is at revision {model.revision}, the request names "
+            f"{request.revision}; start the transfer again"
+        )
+    if request.names is not None:
+        if len(request.names) > max_names:
+            raise ResourceExhausted(
+                f"{len(request.names)} names in one request; the limit is {max_names}"
+            )
+        entries = [model.tensor(n) for n in request.names]
+    else:
+        entries = list(model.with_prefix(request.prefix or ""))
+    planned = [_slice_entry(e, request.shard) for e in entries]
+    if request.resume_tensor is not None:
+        names = [p.entry.name for p in planned]
+        if request.resume_tensor not in names:
+            raise InvalidRequest(f"resume tensor {request.resume_tensor!r} is not in this request")
+        at = names.index(request.resume_tensor)
+        first = planned[at]
+        if request.resume_offset > first.nbytes:
+            raise InvalidRequest(
+                f"resume offset {request.resume_offset} is past the end of "
+                f"{first.entry.name!r} ({first.nbytes} bytes)"
+            )
+        planned = [_with_start(first, request.resume_offset), *planned[at + 1 :]]
+    # Map every file the stream reads now, so it reads them as they are at its start (a file
+    # renamed over later does not mix into it) and a replaced file fails here, as a status.
+    model.pin(p.entry.file for p in planned)
+    return planned
+
+
+def _with_start(p: PlannedTensor, start: int) -> PlannedTensor:
+    return PlannedTensor(
+        p.entry,
+        p.dtype,
+        p.shape,
+        p.logical_shape,
+        p.encoding,
+        p.nbytes,
+        start,
+        p.byte_offset,
+        p.index,
+    )
+
+
+def _source_bytes(model: Model, p: PlannedTensor) -> memoryview:
+    """The tensor's (slice's) bytes: a view of the mmap, or one gathered buffer if strided."""
+    entry = p.entry
+    if p.byte_offset is not None:
+        whole = model.mapped(entry.file).view()
+        if p.byte_offset + p.nbytes > len(whole):
+            raise ModelUnavailable(f"model {model.id!r}: {entry.file.name} shrank since indexing")
+        return whole[p.byte_offset : p.byte_offset + p.nbytes]
+    itemsize = wire_dtype(entry.dtype).itemsize
+    mapped = model.mapped(entry.file)
+    raw = np.frombuffer(mapped.view(), dtype=np.uint8)
+    mapped.ensure_unchanged(mapped.size)  # the gather below reads the mapping in user space
+    strides = entry.strides or tuple(
+        math.prod(entry.shape[i + 1 :]) for i in range(len(entry.shape))
+    )
+    # A trailing byte axis lets one gather serve every dtype, bfloat16 and float8 included.
+    elements = np.lib.stride_tricks.as_strided(
+        raw[entry.offset :],
+        shape=(*entry.shape, itemsize),
+        strides=(*(s * itemsize for s in strides), 1),
+        writeable=False,
+    )
+    if p.index:
+        elements = elements[(*p.index, slice(None))]
+    gathered = np.ascontiguousarray(elements).data.cast("B")
+    mapped.ensure_unchanged(mapped.size)  # so the copy is of one version (see MappedFile.digest)
+    return gathered
+
+
+def stream_length(planned: Sequence[PlannedTensor], chunk_bytes: int) -> int:
+    """Exact byte length of the stream, so HTTP can send Content-Length (no chunked framing)."""
+    total = len(schema_message()) + len(END_OF_STREAM)
+    for p in planned:
+        for offset, n in _chunk_bounds(p, chunk_bytes):
+            header = ChunkHeader(
+                p.entry.name, p.dtype, p.shape, p.logical_shape, p.encoding, offset, p.nbytes, 0, n
+            )
+            prefix, suffix = chunk_message(header)
+            total += len(prefix) + n + len(suffix)
+    return total
+
+
+def _chunk_bounds(p: PlannedTensor, chunk_bytes: int) -> Iterator[tuple[int, int]]:
+    if p.nbytes == 0:
+        yield 0, 0
+        return
+    offset = p.start
+    if offset == p.nbytes:
+        return
+    while offset < p.nbytes:
+        n = min(chunk_bytes, p.nbytes - offset)
+        yield offset, n
+        offset += n
+
+
+def stream_chunks(
+    model: Model,
+    planned: Sequence[PlannedTensor],
+    chunk_bytes: int,
+    on_tensor: Callable[[], None] | None = None,
+) -> Iterator[tuple[ChunkHeader, memoryview]]:
+    """Every chunk of the stream in order: its row header (digest included) and its bytes,
+    a view of the mmap (or of the gathered buffer for strided sources). ``on_tensor`` is
+    called once a tensor's last chunk has been taken (for the tensors-served metric)."""
+    for p in planned:
+        source = _source_bytes(model, p) if p.nbytes else memoryview(b"")
+        mapped = model.mapped(p.entry.file) if p.byte_offset is not None else None
+        for offset, n in _chunk_bounds(p, chunk_bytes):
+            if mapped is not None and n:
+                # Before reading (a truncated page is SIGBUS); digest() checks again after.
+                mapped.ensure_unchanged(p.byte_offset + offset + n)  # type: ignore[operator]
+            data = source[offset : offset + n]
+            if mapped is not None:  # contiguous bytes of the file: the digest may be known
+                digest = mapped.digest(p.byte_offset + offset, data)  # type: ignore[operator]
+            else:
+                digest = xxhash.xxh3_64_intdigest(data)
+            header = ChunkHeader(
+                p.entry.name,
+                p.dtype,
+                p.shape,
+                p.logical_shape,
+                p.encoding,
+                offset,
+                p.nbytes,
+                digest,
+                n,
+            )
+            yield header, data
+            if on_tensor is not None and header.is_last:
+                on_tensor()
+
+
+def stream_messages(
+    model: Model,
+    planned: Sequence[PlannedTensor],
+    chunk_bytes: int,
+    on_tensor: Callable[[], None] | None = None,
+) -> Iterator[tuple[bytes | memoryview, ...]]:
+    """The whole Arrow IPC stream, one IPC message at a time, each as its parts.
+
+    Tensor data parts are views of the mmap. HTTP writes the parts one by one; gRPC joins a
+    message's parts into one protobuf message.
+    """
+    yield (schema_message(),)
+    for header, data in stream_chunks(model, planned, chunk_bytes, on_tensor):
+        prefix, suffix = chunk_message(header)
+        yield (prefix, data, suffix) if suffix else (prefix, data)
+    yield (END_OF_STREAM,)

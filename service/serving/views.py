@@ -1,0 +1,77 @@
+"""The JSON/protobuf-neutral description of models: what /v1/models and GetModel return."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import Callable
+from typing import Any
+
+from weightserve.service.readers.base import TensorEntry
+from weightserve.service.sources.local import Catalog, Model
+from weightserve.service.sources.origin import OriginCatalog
+
+
+def server_version() -> str:
+    try:
+        return importlib.metadata.version("weightserve")
+    except importlib.metadata.PackageNotFoundError:  # running from a source tree
+        return "0+unknown"
+
+
+def tensor_info(entry: TensorEntry) -> dict[str, Any]:
+    return {
+        "name": entry.name,
+        "dtype": entry.dtype,
+        "shape": list(entry.shape),
+        "logical_shape": list(entry.logical_shape),
+        "encoding": entry.encoding,
+        "nbytes": entry.nbytes,
+    }
+
+
+def model_summary(model: Model) -> dict[str, Any]:
+    return {
+        "id": model.id,
+        "format": model.format,
+        "revision": model.revision,
+        "tensor_count": len(model.tensors),
+        "total_bytes": model.total_bytes,
+    }
+
+
+def model_files(model: Model) -> list[dict[str, Any]]:
+    """The model's files: name relative to the model (as the revision names them) and size."""
+    return [{"name": name, "size": size} for name, size in model.file_names()]
+
+
+def model_info(model: Model) -> dict[str, Any]:
+    return {
+        **model_summary(model),
+        "files": model_files(model),
+        "alignment": model.contents.alignment,
+        "metadata": model.metadata,
+        "tensors": [tensor_info(e) for e in model.tensors.values()],
+    }
+
+
+def model_list(
+    catalog: Catalog, may_read: Callable[[str], bool] = lambda _: True
+) -> dict[str, Any]:
+    """Models (and refused models) the caller may read; the others are not even named.
+    Over a node cache, each model has a ``state`` (``cached``, ``filling``, ``remote``) and
+    the origin's models not cached yet are listed too."""
+    summaries = [model_summary(m) for m in catalog.models.values() if may_read(m.id)]
+    if isinstance(catalog, OriginCatalog):
+        for summary in summaries:
+            summary["state"] = "cached"
+        summaries += catalog.remote_summaries(may_read)
+    return {
+        "models": summaries,
+        "problems": [
+            {"model": p.model, "file": p.file, "reason": p.reason}
+            for p in catalog.problems.values()
+            if may_read(p.model)
+        ],
+        # Other weight sets of a model (ID:fp16, ID:pytorch, ...): indexed on first request.
+        "variants": sorted(v for v in catalog.variants if may_read(v)),
+    }

@@ -1,0 +1,660 @@
+"""A node's fill cache: whole models copied from an origin (object storage, an upstream
+weightserve) into a local directory on first use, then served from there like a local root.
+
+Layout under the cache directory::
+
+    data/NAME                       each file under its origin name ('/'-separated)
+    data/DIR/.BASE.partial-RANDOM   a file being fetched, renamed to NAME once verified
+    state/QUOTED-ID.json            per model: each whole file's version and size
+    lock                            held by the one process that owns the directory
+
+A file is visible under its name only once the origin verified it and it reached the disk
+(fsync, then rename); the state file names a file only after its rename, so a restart reuses
+exactly the files that are whole and removes everything else (partials, unrecorded files).
+One lock guards the bookkeeping; fetches run outside it, one fill per model at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import re
+import secrets
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
+
+from weightserve.client.errors import (
+    CacheTooSmall,
+    ModelNotFound,
+    ModelUnavailable,
+    OriginUnavailable,
+    ResourceExhausted,
+    WeightserveError,
+)
+from weightserve.service.sources.local import SPLIT_GGUF_NAME
+
+if TYPE_CHECKING:
+    from weightserve.service.sources.origins import Origin, OriginFile
+
+log = logging.getLogger("weightserve.node_cache")
+
+STATE_FORMAT = 1
+PARTIAL_MARK = ".partial-"
+# How long a client refused for a full cache (every model in use) should wait: long enough
+# for a stream to end, short enough that a freed cache is used soon.
+FULL_RETRY_SECONDS = 5.0
+# Local disk errors: the cache, not the origin, is at fault, and the message says so.
+_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", re.IGNORECASE)
+_UNITS = {
+    "": 1,
+    "b": 1,
+    **{p + s: 1000**i for i, p in enumerate("kmgtpe", 1) for s in ("", "b")},
+    **{p + s: 1024**i for i, p in enumerate("kmgtpe", 1) for s in ("i", "ib")},
+}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from ``500GiB``, ``1.5TB``, ``64Mi`` or a plain number of bytes.
+
+    Binary units (KiB, MiB, GiB, TiB, or Ki, Mi, Gi as Kubernetes writes them) are powers of
+    1024, decimal ones (KB, MB, GB, TB, or K, M, G) powers of 1000; case does not matter.
+    """
+    if isinstance(text, int):
+        return text
+    match = _SIZE.fullmatch(text)
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _UNITS:
+        raise ValueError(
+            f"{text!r} is not a size: write a number of bytes, optionally with a unit "
+            "such as 500GiB, 64MiB or 2TB"
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+@dataclass
+class CacheStats:
+    """Counters since start (and two gauges) for the server's metrics."""
+
+    origin_listings: int = 0
+    origin_fetches: int = 0  # one per file fetched (the origin may use several ranged reads)
+    origin_failures: int = 0  # listings and fetches that raised
+    origin_bytes: int = 0
+    fills: int = 0  # fills started; fill_failures of them failed
+    fill_failures: int = 0
+    fill_seconds: float = 0.0
+    hits: int = 0  # ensure() found the model whole
+    misses: int = 0  # ensure() filled the model or waited for a fill
+    evictions: int = 0
+    evicted_bytes: int = 0
+    bytes_used: int = 0  # gauge, set by snapshot()
+    models_cached: int = 0  # gauge, set by snapshot()
+
+
+@dataclass(frozen=True)
+class FillProgress:
+    """How far a running fill is, so a server can keep its waiting clients alive."""
+
+    model_id: str
+    bytes_done: int
+    bytes_total: int
+    started: float  # time.monotonic() at its start
+
+
+@dataclass
+class _ModelState:
+    files: dict[str, tuple[int, str]] = field(default_factory=dict)  # name -> (size, version)
+    complete: bool = False  # every file of the model's last listing is among ``files``
+    last_used: float = 0.0  # time.time(); the state file's mtime across restarts
+
+    @property
+    def size(self) -> int:
+        return sum(size for size, _ in self.files.values())
+
+
+@dataclass
+class _Fill:
+    total: int
+    remaining: int  # bytes of this fill's files not yet renamed into place (reserved space)
+    started: float = field(default_factory=time.monotonic)
+    done_bytes: int = 0
+    finished: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+class NodeCache:
+    """Whole models of ``origin`` kept in ``cache_dir`` within ``size_limit_bytes``.
+
+    A model is the set of origin files the caller names for an id: the id is the model's path
+    below the origin's prefix, and each file is the id itself (a single-file model) or lies
+    under ``ID/`` (the parts of a split GGUF lie beside it). Models are filled whole on first use, evicted whole, least recently used
+    first; never while in use (``using``), being filled, or pinned.
+    """
+
+    def __init__(
+        self,
+        origin: Origin,
+        cache_dir: str | os.PathLike[str],
+        size_limit_bytes: int,
+        *,
+        concurrency: int = 8,
+        part_bytes: int = 16 << 20,
+        pins: Iterable[str] = (),
+    ) -> None:
+        if size_limit_bytes <= 0:
+            raise ValueError(f"the cache size must be positive, not {size_limit_bytes} bytes")
+        self.origin = origin
+        self.directory = Path(cache_dir)
+        self.data_dir = self.directory / "data"
+        self._state_dir = self.directory / "state"
+        self.size_limit_bytes = size_limit_bytes
+        self.concurrency = concurrency
+        self.part_bytes = part_bytes
+        self.pins = frozenset(_checked_name(pin, "pinned model id") for pin in pins)
+        self.stats = CacheStats()
+        self._lock = threading.Lock()
+        self._states: dict[str, _ModelState] = {}
+        self._fills: dict[str, _Fill] = {}
+        self._holds: dict[str, int] = {}
+        for directory in (self.data_dir, self._state_dir):
+            directory.mkdir(parents=True, exist_ok=True)
+        self._lock_file = _lock_directory(self.directory)
+        self._load()
+
+    # -- public API --------------------------------------------------------------------------
+
+    def model_path(self, model_id: str) -> Path:
+        """Where the model lies in the cache: its directory, or its file for a one-file model."""
+        return self.data_dir / _checked_name(model_id, "model id")
+
+    def ensure(self, model_id: str, files: list[OriginFile] | None = None) -> Path:
+        """The model's path in the cache, filled first if any of its files is missing or stale.
+
+        ``files`` is the origin's current listing of the model: files whose version or size
+        differ from the cached ones are fetched again, the others kept. ``None`` means the
+        listing is not at hand (the origin could not be listed): a cached model is returned as
+        it is, an uncached one is listed and filled. Concurrent calls for one model run one
+        fill; the others wait for it and see its error if it fails.
+        """
+        model_path = self.model_path(model_id)
+        if files is not None:
+            _check_files(model_id, files)
+            if not files:
+                raise ModelNotFound(
+                    f"model {model_id!r}: the listing given for it names no file; list the "
+                    f"origin {self.origin.description} again"
+                )
+        waited = False
+        while True:
+            stale: list[OriginFile] | None = None  # None: the listing is needed first
+            with self._lock:
+                fill = self._fills.get(model_id)
+                if fill is None:
+                    state = self._states.get(model_id)
+                    if files is not None:
+                        stale = self._stale(state, files)
+                    elif state is not None and state.complete:
+                        stale = []
+                    if stale == []:
+                        if files is not None:
+                            self._record_whole(model_id, files)
+                        self._count_use(model_id, hit=not waited)
+                    elif stale is not None:
+                        assert files is not None
+                        fill = self._start_fill(model_id, files, stale)
+                        break
+            if stale == []:
+                self.touch(model_id)
+                return model_path
+            if fill is None:
+                files = self._list_model(model_id)
+                continue
+            # Another thread fills this model: wait for it, then look again (a hit now).
+            fill.finished.wait()
+            if fill.error is not None:
+                raise fill.error
+            waited = True
+        assert files is not None and stale
+        self._run_fill(model_id, files, stale, fill)
+        return model_path
+
+    @contextlib.contextmanager
+    def using(self, model_id: str, files: list[OriginFile] | None = None) -> Iterator[Path]:
+        """``ensure`` the model and keep it from eviction until the block ends (a stream)."""
+        with self._lock:
+            self._holds[model_id] = self._holds.get(model_id, 0) + 1
+        try:
+            yield self.ensure(model_id, files)
+        finally:
+            with self._lock:
+                self._holds[model_id] -= 1
+                if not self._holds[model_id]:
+                    del self._holds[model_id]
+            self.touch(model_id)
+
+    def touch(self, model_id: str) -> None:
+        """Mark the model used now (least-recently-used order survives a restart)."""
+        with self._lock:
+            state = self._states.get(model_id)
+            if state is None:
+                return
+            state.last_used = time.time()
+        with contextlib.suppress(OSError):
+            os.utime(self._state_path(model_id), (state.last_used, state.last_used))
+
+    def warm(self, listing: list[OriginFile] | None = None) -> None:
+        """Fill the pinned models (at start). Without a ``listing`` the origin is listed once;
+        if that fails, pinned models already cached are kept as they are."""
+        if not self.pins:
+            return
+        if listing is None:
+            with contextlib.suppress(OriginUnavailable):
+                listing = self._list_origin()
+        for pin in sorted(self.pins):
+            files = None if listing is None else _model_files(pin, listing)
+            if files == []:
+                raise ModelNotFound(
+                    f"pinned model {pin!r}: the origin {self.origin.description} holds no file "
+                    f"named {pin!r} or under {pin + '/'!r}"
+                )
+            self.ensure(pin, files)
+
+    def progress(self, model_id: str) -> FillProgress | None:
+        """The running fill of the model, or None when none runs."""
+        with self._lock:
+            fill = self._fills.get(model_id)
+            if fill is None:
+                return None
+            return FillProgress(model_id, fill.done_bytes, fill.total, fill.started)
+
+    def cached_models(self) -> list[str]:
+        """Ids of the models held whole (servable even while the origin is down)."""
+        with self._lock:
+            return sorted(m for m, state in self._states.items() if state.complete)
+
+    def bytes_used(self) -> int:
+        with self._lock:
+            return self._bytes_used()
+
+    def snapshot(self) -> CacheStats:
+        """A consistent copy of the counters, with the gauges filled in."""
+        with self._lock:
+            models = sum(state.complete for state in self._states.values())
+            return replace(self.stats, bytes_used=self._bytes_used(), models_cached=models)
+
+    def close(self) -> None:
+        """Release the cache directory for another process (a restarted server)."""
+        self._lock_file.close()
+
+    def __enter__(self) -> NodeCache:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- filling -----------------------------------------------------------------------------
+
+    def _list_origin(self) -> list[OriginFile]:
+        with self._lock:
+            self.stats.origin_listings += 1
+        try:
+            return self.origin.list_files()
+        except BaseException:
+            with self._lock:
+                self.stats.origin_failures += 1
+            raise
+
+    def _list_model(self, model_id: str) -> list[OriginFile]:
+        files = _model_files(model_id, self._list_origin())
+        if not files:
+            raise ModelNotFound(
+                f"model {model_id!r}: the origin {self.origin.description} holds no file named "
+                f"{model_id!r} or under {model_id + '/'!r}"
+            )
+        return files
+
+    def _stale(self, state: _ModelState | None, files: list[OriginFile]) -> list[OriginFile]:
+        """The files that must be fetched: absent, of another version, or not whole on disk."""
+        recorded = state.files if state is not None else {}
+        stale = []
+        for file in files:
+            if recorded.get(file.name) != (file.size, file.version):
+                stale.append(file)
+                continue
+            try:
+                whole = (self.data_dir / file.name).stat().st_size == file.size
+            except OSError:
+                whole = False
+            if not whole:
+                stale.append(file)
+        return stale
+
+    def _start_fill(self, model_id: str, files: list[OriginFile], stale: list[OriginFile]) -> _Fill:
+        """Make room (under the lock) and register the fill that this thread will run."""
+        total = sum(f.size for f in files)
+        if total > self.size_limit_bytes:
+            raise CacheTooSmall(
+                f"model {model_id!r} is {_bytes(total)}, larger than the whole node cache "
+                f"({_bytes(self.size_limit_bytes)}, --cache-size): give the cache more room "
+                "or serve this model from another server"
+            )
+        self._evict_for(model_id, total)
+        fill = _Fill(total=sum(f.size for f in stale), remaining=sum(f.size for f in stale))
+        self._fills[model_id] = fill
+        self._states.setdefault(model_id, _ModelState(last_used=time.time()))
+        self.stats.fills += 1
+        self.stats.misses += 1
+        return fill
+
+    def _run_fill(
+        self, model_id: str, files: list[OriginFile], stale: list[OriginFile], fill: _Fill
+    ) -> None:
+        try:
+            for file in sorted(stale, key=lambda f: f.name):
+                self._fetch_file(model_id, file, fill)
+            self._finish(model_id, files)
+        except BaseException as e:
+            fill.error = e
+            with self._lock:
+                self.stats.fill_failures += 1
+            log.warning("filling model %r from %s failed: %s", model_id, self.origin.description, e)
+            raise
+        finally:
+            with self._lock:
+                del self._fills[model_id]
+                self.stats.fill_seconds += time.monotonic() - fill.started
+            fill.finished.set()
+
+    def _fetch_file(self, model_id: str, file: OriginFile, fill: _Fill) -> None:
+        target = self.data_dir / file.name
+        partial = target.with_name(f".{target.name}{PARTIAL_MARK}{secrets.token_hex(6)}")
+
+        def on_bytes(n: int) -> None:
+            with self._lock:
+                fill.done_bytes += n
+                self.stats.origin_bytes += n
+
+        with self._lock:
+            self.stats.origin_fetches += 1
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                self.origin.fetch(
+                    file,
+                    partial,
+                    concurrency=self.concurrency,
+                    part_bytes=self.part_bytes,
+                    on_bytes=on_bytes,
+                )
+            except BaseException:
+                with self._lock:
+                    self.stats.origin_failures += 1
+                raise
+            size = partial.stat().st_size
+            if size != file.size:
+                raise OriginUnavailable(
+                    f"{self.origin.description}: {file.name} arrived with {size} bytes where "
+                    f"the listing said {file.size}; the object may be changing, try again"
+                )
+            _fsync(partial)
+            with self._lock:
+                state = self._states[model_id]
+                # Forget the old version before its bytes are replaced: a crash in between
+                # must not leave the new bytes recorded as the old version, nor the model as
+                # whole while it mixes versions.
+                if state.files.pop(file.name, None) is not None or state.complete:
+                    state.complete = False
+                    self._save(model_id)
+                os.replace(partial, target)
+                state.files[file.name] = (file.size, file.version)
+                fill.remaining -= file.size
+                self._save(model_id)
+        except WeightserveError:
+            raise
+        except OSError as e:
+            if e.errno in _DISK_ERRNOS:
+                raise ModelUnavailable(
+                    f"model {model_id!r}: the node cache {self.directory} could not store "
+                    f"{file.name}: {e.strerror}; free space or give the cache another directory"
+                ) from e
+            raise OriginUnavailable(
+                f"{self.origin.description}: fetching {file.name} failed: {e}"
+            ) from e
+        except Exception as e:
+            raise OriginUnavailable(
+                f"{self.origin.description}: fetching {file.name} failed: {type(e).__name__}: {e}"
+            ) from e
+        finally:
+            partial.unlink(missing_ok=True)
+
+    def _finish(self, model_id: str, files: list[OriginFile]) -> None:
+        with self._lock:
+            self._record_whole(model_id, files)
+
+    def _record_whole(self, model_id: str, files: list[OriginFile]) -> None:
+        """Record the model whole (under the lock); drop files its listing no longer has."""
+        state = self._states[model_id]
+        names = {f.name for f in files}
+        gone = [name for name in state.files if name not in names]
+        if state.complete and not gone:
+            return
+        for name in gone:
+            del state.files[name]
+            self._remove_data(name)
+        state.complete = True
+        self._save(model_id)
+
+    # -- eviction ----------------------------------------------------------------------------
+
+    def _bytes_used(self) -> int:
+        used = 0
+        for model_id, state in self._states.items():
+            fill = self._fills.get(model_id)
+            used += state.size + (fill.remaining if fill else 0)
+        return used
+
+    def _evict_for(self, model_id: str, total: int) -> None:
+        """Evict least-recently-used models until ``total`` bytes of ``model_id`` fit."""
+        others = self._bytes_used() - (
+            self._states[model_id].size if model_id in self._states else 0
+        )
+        while others + total > self.size_limit_bytes:
+            candidates = [
+                (state.last_used, victim)
+                for victim, state in self._states.items()
+                if victim != model_id
+                and victim not in self.pins
+                and victim not in self._holds
+                and victim not in self._fills
+            ]
+            if not candidates:
+                pinned = sum(self._states[p].size for p in self.pins if p in self._states)
+                temporary = pinned + total <= self.size_limit_bytes
+                raise ResourceExhausted(
+                    f"the node cache ({_bytes(self.size_limit_bytes)}) has no room for model "
+                    f"{model_id!r} ({_bytes(total)}): {_bytes(others)} are held by models "
+                    + (
+                        "being streamed or filled; try again shortly"
+                        if temporary
+                        else f"pinned ({_bytes(pinned)}); unpin some or give the cache more room"
+                    ),
+                    retry_after=FULL_RETRY_SECONDS if temporary else None,
+                )
+            _, victim = min(candidates)
+            others -= self._evict(victim)
+
+    def _evict(self, model_id: str) -> int:
+        # The state file goes first: a crash midway leaves unrecorded files, removed at start.
+        state = self._states.pop(model_id)
+        self._state_path(model_id).unlink(missing_ok=True)
+        for name in state.files:
+            self._remove_data(name)
+        self.stats.evictions += 1
+        self.stats.evicted_bytes += state.size
+        log.info("evicted model %r (%s) from the node cache", model_id, _bytes(state.size))
+        return state.size
+
+    def _remove_data(self, name: str) -> None:
+        path = self.data_dir / name
+        path.unlink(missing_ok=True)
+        # Empty directories left behind would shadow nothing but clutter listings.
+        for parent in path.parents:
+            if parent == self.data_dir or not parent.is_relative_to(self.data_dir):
+                break
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+
+    # -- state files -------------------------------------------------------------------------
+
+    def _count_use(self, model_id: str, *, hit: bool) -> None:
+        if hit:
+            self.stats.hits += 1
+        else:
+            self.stats.misses += 1  # waited for another caller's fill
+
+    def _state_path(self, model_id: str) -> Path:
+        return self._state_dir / (urllib.parse.quote(model_id, safe="") + ".json")
+
+    def _save(self, model_id: str) -> None:
+        state = self._states[model_id]
+        document = {
+            "format": STATE_FORMAT,
+            "model": model_id,
+            "complete": state.complete,
+            "files": {
+                name: {"size": size, "version": version}
+                for name, (size, version) in sorted(state.files.items())
+            },
+        }
+        path = self._state_path(model_id)
+        temporary = path.with_name(f".{path.name}{PARTIAL_MARK}{secrets.token_hex(6)}")
+        with open(temporary, "w", encoding="utf-8") as f:
+            json.dump(document, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+
+    def _load(self) -> None:
+        """Read the state files; remove partials and files no whole model records."""
+        for path in sorted(self._state_dir.iterdir()):
+            if PARTIAL_MARK in path.name or path.suffix != ".json":
+                path.unlink(missing_ok=True)
+                continue
+            try:
+                document = json.loads(path.read_text(encoding="utf-8"))
+                if document.get("format") != STATE_FORMAT:
+                    raise ValueError(f"unknown format {document.get('format')!r}")
+                model_id = _checked_name(document["model"], "model id")
+                files = {
+                    _checked_name(name, "file name"): (int(entry["size"]), str(entry["version"]))
+                    for name, entry in document["files"].items()
+                }
+                complete = bool(document["complete"])
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                log.warning("ignoring unreadable node cache state %s: %s", path, e)
+                path.unlink(missing_ok=True)
+                continue
+            state = _ModelState(files, complete, last_used=path.stat().st_mtime)
+            for name, (size, _) in list(files.items()):
+                try:
+                    whole = (self.data_dir / name).stat().st_size == size
+                except OSError:
+                    whole = False
+                if not whole:
+                    del state.files[name]
+                    state.complete = False
+            self._states[model_id] = state
+        recorded = {name for state in self._states.values() for name in state.files}
+        for root, _, names in os.walk(self.data_dir):
+            for name in names:
+                path = Path(root, name)
+                if path.relative_to(self.data_dir).as_posix() not in recorded:
+                    log.info("removing %s from the node cache: no whole model records it", path)
+                    self._remove_data(path.relative_to(self.data_dir).as_posix())
+
+
+def _belongs(model_id: str, name: str) -> bool:
+    """Whether the file ``name`` is part of the model: the id itself, a file under ``ID/``,
+    or, for a split GGUF ``DIR/NAME.gguf``, one of its parts ``DIR/NAME-00001-of-00003.gguf``
+    beside it (where a local root has them too)."""
+    if name == model_id or name.startswith(model_id + "/"):
+        return True
+    directory, _, base = model_id.rpartition("/")
+    part_directory, _, part_name = name.rpartition("/")
+    part = SPLIT_GGUF_NAME.fullmatch(part_name)
+    return part is not None and part_directory == directory and part["name"] + ".gguf" == base
+
+
+def _model_files(model_id: str, listing: list[OriginFile]) -> list[OriginFile]:
+    return [f for f in listing if _belongs(model_id, f.name)]
+
+
+def _check_files(model_id: str, files: list[OriginFile]) -> None:
+    for file in files:
+        _checked_name(file.name, "file name")
+        if not _belongs(model_id, file.name):
+            raise ValueError(
+                f"file {file.name!r} is not part of model {model_id!r}: a model's files are "
+                f"{model_id!r} itself, lie under {model_id + '/'!r}, or are its split GGUF parts"
+            )
+
+
+def _checked_name(name: str, what: str) -> str:
+    """``name`` if it is a plain relative '/'-separated path, else a clear error: a name from
+    an origin must never reach outside the cache directory or pass for a partial file."""
+    parts = name.split("/")
+    if (
+        not name
+        or "\\" in name
+        or "\0" in name
+        or any(part in ("", ".", "..") for part in parts)
+        or PARTIAL_MARK in parts[-1]
+    ):
+        raise ModelUnavailable(
+            f"{what} {name!r} cannot be kept in the node cache: it must be a relative path "
+            f"with '/' between non-empty parts, no '.' or '..' part, and no {PARTIAL_MARK!r}"
+        )
+    return name
+
+
+def _lock_directory(directory: Path) -> BinaryIO:
+    lock = open(directory / "lock", "a+b")  # noqa: SIM115 - held for the cache's lifetime
+    try:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.close()
+        raise ModelUnavailable(
+            f"the node cache directory {directory} is in use by another process; give each "
+            "server its own --cache-dir"
+        ) from None
+    return lock
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _bytes(n: int) -> str:
+    """Bytes exactly, and in the largest binary unit that fits, for error messages."""
+    scaled, unit = float(n), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if scaled < 1024 or unit == "TiB":
+            break
+        scaled /= 1024
+    return f"{n} bytes" if unit == "B" else f"{n} bytes ({scaled:.1f} {unit})"

@@ -1,0 +1,346 @@
+"""A catalog whose models come from an origin (object storage, an upstream weightserve) through
+the node's fill cache (service/sources/node_cache.py).
+
+The origin's listing names the models, by the local root's rules applied to file names alone:
+a directory holding weight files (``*.safetensors``, ``*.bin``, ``*.pt``, ``*.pth``) is a model
+with every file below it except sub-directories that are models themselves; each ``*.gguf``
+file is a model (the parts of a split GGUF, ``NAME-00001-of-00002.gguf`` ..., are one,
+``NAME.gguf``); weight files directly under the prefix are models named by their file. A
+model is filled on its first request, then the cache's data directory is indexed exactly as a
+local root (index files, variants, side files), so a filled model is served like a local one.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import difflib
+import logging
+import shutil
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from weightserve.client.errors import (
+    ModelFilling,
+    ModelNotFound,
+    ModelUnavailable,
+    OriginChanged,
+    OriginUnavailable,
+)
+from weightserve.client.wire.routes import RESERVED_PART
+from weightserve.service.sources.local import (
+    GGUF_SUFFIXES,
+    ID_SEPARATORS,
+    PYTORCH_SUFFIXES,
+    SAFETENSORS_SUFFIXES,
+    SPLIT_GGUF_FORMAT,
+    SPLIT_GGUF_NAME,
+    TRAINER_FILES,
+    WEIGHT_SUFFIXES,
+    Catalog,
+    Model,
+    Problem,
+    validate_model_id,
+)
+from weightserve.service.sources.node_cache import NodeCache
+from weightserve.service.sources.origins import Origin, OriginFile
+from weightserve.service.sources.revisions import DigestStore
+
+log = logging.getLogger("weightserve.service")
+
+# How long a request waits for the fill it triggered or joined before it is answered 503
+# with the fill's progress and a Retry-After: a handler thread is not held for a whole fill,
+# and the client's retry budget covers the rest.
+FILL_WAIT_SECONDS = 10.0
+FILL_RETRY_AFTER_SECONDS = 2.0
+# Without --cache-size: this fraction of the cache file system's free space at start (plus
+# what the cache already holds), so the node keeps room for everything else on that disk.
+DEFAULT_CACHE_FRACTION = 0.9
+
+
+@dataclass(frozen=True)
+class RemoteModel:
+    """A model of the origin's listing, by name alone (not indexed until it is filled)."""
+
+    id: str
+    files: tuple[OriginFile, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @property
+    def format(self) -> str:
+        suffixes = {PurePosixPath(f.name).suffix for f in self.files}
+        if suffixes & set(SAFETENSORS_SUFFIXES):
+            return "safetensors"
+        if suffixes & set(GGUF_SUFFIXES):
+            return "gguf"
+        return "pytorch" if suffixes & set(PYTORCH_SUFFIXES) else ""
+
+
+def _servable_name(name: str) -> bool:
+    """Names the local catalog would skip or refuse are not offered (hidden files, the
+    reserved path part, the id separators)."""
+    parts = name.split("/")
+    return not any(
+        part.startswith(".") or part == RESERVED_PART or any(c in part for c in ID_SEPARATORS)
+        for part in parts[:-1]
+    ) and not parts[-1].startswith(".")
+
+
+def group_models(listing: list[OriginFile]) -> tuple[dict[str, RemoteModel], dict[str, Problem]]:
+    """Model id -> its files, from the origin's file names (the rules in the module docstring),
+    and the models refused: a split GGUF (``NAME-00001-of-00002.gguf`` ...) is one model,
+    ``NAME.gguf``, offered only when every part is listed, as from a local root."""
+    files = [f for f in listing if _servable_name(f.name)]
+    weight_dirs = set()
+    for f in files:
+        directory, _, base = f.name.rpartition("/")
+        if (
+            directory
+            and PurePosixPath(base).suffix in WEIGHT_SUFFIXES
+            and base not in TRAINER_FILES
+        ):
+            weight_dirs.add(directory)
+    grouped: dict[str, list[OriginFile]] = {}
+    splits: dict[tuple[str, int], dict[int, OriginFile]] = {}
+    for f in files:
+        directory, _, base = f.name.rpartition("/")
+        suffix = PurePosixPath(base).suffix
+        if suffix in GGUF_SUFFIXES:
+            part = SPLIT_GGUF_NAME.fullmatch(base)
+            if part is None:
+                grouped[f.name] = [f]
+            else:
+                model_id = f"{directory}/{part['name']}.gguf".lstrip("/")
+                splits.setdefault((model_id, int(part["count"])), {})[int(part["number"])] = f
+            continue
+        if not directory:
+            if suffix in WEIGHT_SUFFIXES:
+                grouped[f.name] = [f]
+            continue
+        parts = directory.split("/")
+        for depth in range(len(parts), 0, -1):  # the deepest model directory holds the file
+            owner = "/".join(parts[:depth])
+            if owner in weight_dirs:
+                grouped.setdefault(owner, []).append(f)
+                break
+    problems: dict[str, Problem] = {}
+    for (model_id, count), numbered in splits.items():
+        missing = [n for n in range(1, count + 1) if n not in numbered]
+        if missing or count == 0:
+            first = numbered[min(numbered)]
+            stem = model_id.rpartition("/")[2].removesuffix(".gguf")
+            shown = ", ".join(SPLIT_GGUF_FORMAT.format(stem, n, count) for n in missing[:3])
+            problems[model_id] = Problem(
+                model_id,
+                first.name,
+                f"split GGUF {model_id} has {len(numbered)} of its {count} parts at the origin; "
+                f"missing {shown}{' ...' if len(missing) > 3 else ''} (a split model is served "
+                "only whole)",
+            )
+        elif model_id not in grouped:  # a plain NAME.gguf beside the parts keeps its id
+            grouped[model_id] = [numbered[n] for n in sorted(numbered)]
+    models = {model_id: RemoteModel(model_id, tuple(fs)) for model_id, fs in grouped.items()}
+    return models, problems
+
+
+def _base_id(model_id: str) -> str:
+    """The cache's model of an id: ``org/name:fp16`` and ``org/name`` are both ``org/name``."""
+    return model_id.split(ID_SEPARATORS[1], 1)[0]
+
+
+def default_cache_size(cache_dir: Any) -> int:
+    """DEFAULT_CACHE_FRACTION of the free space where the cache lies, plus what it holds."""
+    held = sum(p.stat().st_size for p in cache_dir.rglob("*") if p.is_file())
+    return max(1, int((shutil.disk_usage(cache_dir).free + held) * DEFAULT_CACHE_FRACTION))
+
+
+class OriginCatalog(Catalog):
+    """The models of ``cache.origin``: cached ones indexed from ``cache.data_dir`` (as a local
+    root), the others filled on their first request."""
+
+    # Declared again: mypy cannot infer Catalog's attributes through the import cycle with
+    # models_view.
+    models: dict[str, Model]
+    problems: dict[str, Problem]
+    variants: dict[str, tuple[str, Path, list[Path]]]
+
+    def __init__(
+        self,
+        cache: NodeCache,
+        recheck_seconds: float = 1.0,
+        digests: DigestStore | None = None,
+        fill_wait_seconds: float = FILL_WAIT_SECONDS,
+    ) -> None:
+        # Set before Catalog.__init__, which scans (and so lists the origin) at once.
+        self.cache = cache
+        self.origin: Origin = cache.origin
+        self.fill_wait_seconds = fill_wait_seconds
+        self.remote: dict[str, RemoteModel] = {}
+        self.remote_problems: dict[str, Problem] = {}  # refused by the origin's listing
+        self.origin_error: OriginUnavailable | None = None  # the last listing's failure
+        self._fills: dict[str, concurrent.futures.Future[None]] = {}
+        self._fills_lock = threading.Lock()
+        self._ensured: dict[str, tuple[OriginFile, ...]] = {}  # the listing each fill matched
+        super().__init__(cache.data_dir, recheck_seconds=recheck_seconds, digests=digests)
+
+    def answers_now(self, model_id: str | None = None) -> bool:
+        """Never: ``get`` may fill from the origin and takes the cache's lock."""
+        return False
+
+    @property
+    def description(self) -> str:
+        return self.origin.description
+
+    # -- scanning ----------------------------------------------------------------------------
+
+    def scan(self) -> None:
+        """List the origin again, then index the cache. An origin that cannot be listed keeps
+        the last listing (cached models are served all the same) and is logged."""
+        try:
+            listing = self.origin.list_files()
+        except OriginUnavailable as e:
+            if self.origin_error is None:
+                log.warning("origin %s cannot be listed: %s", self.origin.description, e)
+            self.origin_error = e
+        else:
+            self.remote, self.remote_problems = group_models(listing)
+            if self.origin_error is not None:
+                log.info("origin %s can be listed again", self.origin.description)
+            self.origin_error = None
+        self._scan_cache()
+
+    def _scan_cache(self) -> None:
+        """Index the cache's data directory; only whole models are served (a fill in progress
+        has some files in place already)."""
+        super().scan()
+        whole = set(self.cache.cached_models())
+        with self._lock:
+            self.models = {i: m for i, m in self.models.items() if _base_id(i) in whole}
+            self.problems = {i: p for i, p in self.problems.items() if _base_id(i) in whole}
+            self.variants = {i: v for i, v in self.variants.items() if _base_id(i) in whole}
+            for model_id, problem in self.remote_problems.items():
+                self.problems.setdefault(model_id, problem)
+
+    # -- lookup ------------------------------------------------------------------------------
+
+    def state_of(self, model_id: str) -> str:
+        """``cached``, ``filling`` or ``remote`` (listed by the origin, not in the cache)."""
+        if self.cache.progress(model_id) is not None:
+            return "filling"
+        return "cached" if model_id in self.models else "remote"
+
+    def remote_summaries(self, may_read: Callable[[str], bool]) -> list[dict[str, Any]]:
+        """The listed models not cached yet, as model summaries with their state."""
+        return [
+            {
+                "id": m.id,
+                "format": m.format,
+                "revision": "",  # known once filled: it is the content's digest
+                "tensor_count": 0,
+                "total_bytes": m.total_bytes,
+                "state": self.state_of(m.id),
+            }
+            for m in sorted(self.remote.values(), key=lambda m: m.id)
+            if m.id not in self.models and may_read(m.id)
+        ]
+
+    def get(self, model_id: str, may_read: Callable[[str], bool] | None = None) -> Model:
+        """The model, filled into the cache first if it is not there (see ``_fill``)."""
+        validate_model_id(model_id)
+        base = _base_id(model_id)
+        remote = self.remote.get(base)
+        cached = base in self.cache.cached_models()
+        if not cached and self.origin_error is not None:
+            # Not tried again per request: the rescan lists the origin again.
+            raise OriginUnavailable(
+                f"model {model_id!r} is not in this node's cache and the origin cannot be "
+                f"listed: {self.origin_error}"
+            )
+        refused = self.remote_problems.get(model_id)
+        if remote is None and not cached and refused is not None:
+            raise ModelUnavailable(f"model {model_id!r} is refused: {refused.reason}")
+        if remote is None and not cached:
+            msg = f"No model {model_id!r} at the origin {self.origin.description}."
+            known = [*self.models, *self.remote]
+            visible = [m for m in known if may_read is None or may_read(m)]
+            close = difflib.get_close_matches(model_id, visible, n=1)
+            if close:
+                msg += f" Did you mean {close[0]!r}?"
+            raise ModelNotFound(msg)
+        files = remote.files if remote is not None else None
+        if cached and (files is None or self._ensured.get(base) == files):
+            self.cache.ensure(base)  # a hit: counted, and marked used for eviction order
+        else:
+            self._fill(base, files)
+        if base not in self.models and model_id not in self.variants:
+            self._scan_cache()
+        return super().get(model_id, may_read)
+
+    def _fill(self, model_id: str, files: tuple[OriginFile, ...] | None) -> None:
+        """Fill the model (one fill for every concurrent request, whatever its transport) and
+        index it; a request waits ``fill_wait_seconds`` at most, then is told to retry with
+        the fill's progress, while the fill goes on."""
+        with self._fills_lock:
+            pending = self._fills.get(model_id)
+            if pending is None:
+                pending = concurrent.futures.Future()
+                self._fills[model_id] = pending
+                threading.Thread(
+                    target=self._run_fill,
+                    args=(model_id, files, pending),
+                    name=f"weightserve-fill-{model_id}",
+                    daemon=True,
+                ).start()
+        try:
+            pending.result(timeout=self.fill_wait_seconds)
+        except concurrent.futures.TimeoutError:
+            progress = self.cache.progress(model_id)
+            done = (
+                f"{progress.bytes_done} of {progress.bytes_total} bytes"
+                if progress is not None
+                else "nearly done"
+            )
+            raise ModelFilling(
+                f"model {model_id!r} is being copied into this node's cache from "
+                f"{self.origin.description} ({done}); retry shortly",
+                retry_after=FILL_RETRY_AFTER_SECONDS,
+            ) from None
+
+    def _run_fill(
+        self,
+        model_id: str,
+        files: tuple[OriginFile, ...] | None,
+        pending: concurrent.futures.Future[None],
+    ) -> None:
+        try:
+            try:
+                self.cache.ensure(model_id, list(files) if files is not None else None)
+            except OriginChanged as e:
+                # An object changed since it was listed: list again, fill the new version.
+                log.info("origin changed while filling %r (%s); listing it again", model_id, e)
+                self.scan()
+                remote = self.remote.get(model_id)
+                files = remote.files if remote is not None else None
+                self.cache.ensure(model_id, list(files) if files is not None else None)
+            if files is not None:
+                self._ensured[model_id] = files
+            self._scan_cache()
+        except BaseException as e:
+            pending.set_exception(e)
+        else:
+            pending.set_result(None)
+        finally:
+            with self._fills_lock:
+                self._fills.pop(model_id, None)
+
+    @contextlib.contextmanager
+    def using(self, model_id: str) -> Iterator[None]:
+        """Keep the model's files from eviction while a stream reads them."""
+        with self.cache.using(_base_id(model_id)):
+            yield

@@ -1,0 +1,593 @@
+"""Origins a node cache fills from: object storage through ``pyarrow.fs`` (``s3://``, ``gs://``,
+``file://``) or another weightserve (``http(s)://``, an upstream tier), listed file by file and
+fetched with parallel ranged reads.
+
+    origin = open_origin("s3://bucket/models?endpoint_override=127.0.0.1:8333&scheme=http")
+    for file in origin.list_files():          # OriginFile(name, size, version)
+        origin.fetch(file, tmp_path)           # the caller renames tmp_path when it returns
+
+Failures are translated here, at this one boundary: OriginUnavailable (the origin cannot be
+reached or keeps failing, after bounded retries with backoff) and OriginChanged (the object
+changed or vanished while it was fetched). Neither message carries credentials.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import errno
+import logging
+import os
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, TypeVar
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import pyarrow.fs as pafs
+import xxhash
+
+from weightserve.client.errors import (
+    NotFound,
+    OriginChanged,
+    OriginUnavailable,
+    PermissionDenied,
+    TransportError,
+    Unauthenticated,
+    WeightserveError,
+)
+from weightserve.client.transports.base import HttpTransport, TLSOptions
+from weightserve.client.wire.routes import parse_url
+from weightserve.service.sources.local import SPLIT_GGUF_NAME
+
+log = logging.getLogger("weightserve.service")
+
+T = TypeVar("T")
+DEFAULT_CONCURRENCY = 8
+DEFAULT_PART_BYTES = 16 << 20
+# An upstream's answer is received in pieces of this size: memory per worker stays bounded
+# whatever the part size.
+RECEIVE_BYTES = 1 << 20
+# HEAD requests in flight while listing an object store (one per object, for its ETag).
+LIST_CONCURRENCY = 16
+GCS_RETRY_SECONDS = 20  # how long the GCS client retries unless the URI says otherwise
+UPSTREAM_READ_TIMEOUT = 30.0  # longest silence tolerated from an upstream weightserve
+
+
+@dataclass(frozen=True)
+class OriginFile:
+    name: str  # path below the origin's prefix, '/'-separated
+    size: int
+    # Changes whenever the object changes: the S3 ETag where the store gives one, else
+    # size and mtime; an upstream weightserve's ETag (xxh3-128 of the content).
+    version: str
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Bounded retries: ``attempts`` tries in all, waiting ``first_wait`` seconds after the
+    first failure, doubled after each further one up to ``longest_wait`` (jittered)."""
+
+    attempts: int = 4
+    first_wait: float = 0.2
+    longest_wait: float = 2.0
+
+    def waits(self) -> Iterator[float]:
+        wait = self.first_wait
+        for _ in range(self.attempts - 1):
+            yield wait * random.uniform(0.5, 1.0)
+            wait = min(wait * 2, self.longest_wait)
+
+
+class Origin(Protocol):
+    description: str  # for errors and logs, no credentials
+
+    def list_files(self) -> list[OriginFile]: ...
+
+    def fetch(
+        self,
+        file: OriginFile,
+        dest: Path,
+        *,
+        concurrency: int = DEFAULT_CONCURRENCY,
+        part_bytes: int = DEFAULT_PART_BYTES,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> None: ...
+
+
+class _Retryable(Exception):
+    """A failure worth trying again (network, a server error); wraps the cause."""
+
+
+def open_origin(
+    uri: str,
+    *,
+    token: str | None = None,
+    tls: TLSOptions | None = None,
+    retry: RetryPolicy | None = None,
+) -> Origin:
+    """The origin ``uri`` names:
+
+    - ``s3://bucket/prefix?endpoint_override=HOST:PORT&scheme=http&region=...`` and
+      ``gs://bucket/prefix``: ``pyarrow.fs.FileSystem.from_uri`` syntax and query options;
+      credentials are found the way pyarrow finds them (environment, profiles, instance or
+      workload identity).
+    - ``file:///absolute/dir``.
+    - ``http(s)://HOST:PORT``: another weightserve, read through its files API with
+      ``token`` and ``tls``; file names are ``MODEL_ID/FILE_NAME``. ``retry`` bounds its
+      retries; an object store's own client retries with backoff (bounded) instead.
+    """
+    scheme = urlsplit(uri).scheme
+    if scheme in ("http", "https"):
+        return UpstreamOrigin(uri, token=token, tls=tls, retry=retry or RetryPolicy())
+    if scheme in ("s3", "gs", "gcs", "file"):
+        return FileSystemOrigin(uri)
+    raise ValueError(
+        f"unsupported origin {_redact_uri(uri)!r}: use s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, "
+        "file:///ABSOLUTE/DIR or http(s)://HOST:PORT of another weightserve"
+    )
+
+
+def _redact_uri(uri: str) -> str:
+    """``uri`` without user info or query (where credentials may be written)."""
+    parts = urlsplit(uri)
+    host = parts.hostname or ""
+    if parts.port:
+        host += f":{parts.port}"
+    return f"{parts.scheme}://{host}{parts.path}"
+
+
+def _secrets_of(uri: str) -> list[str]:
+    parts = urlsplit(uri)
+    found = [unquote(s) for s in (parts.username, parts.password) if s]
+    for key, values in parse_qs(parts.query).items():
+        if any(word in key.lower() for word in ("key", "secret", "token", "password")):
+            found += values
+    return [s for s in found if s]
+
+
+# ------------------------------------------------------------------------ object storage
+
+
+class FileSystemOrigin:
+    """Objects below a prefix of a ``pyarrow.fs`` file system (S3, GCS, local)."""
+
+    def __init__(self, uri: str) -> None:
+        self._secrets = _secrets_of(uri)
+        parts = urlsplit(uri)
+        if parts.scheme in ("gs", "gcs") and "retry_limit_seconds" not in parse_qs(parts.query):
+            # The GCS client's own default retries for minutes: bound it.
+            uri += ("&" if parts.query else "?") + f"retry_limit_seconds={GCS_RETRY_SECONDS}"
+        endpoint = parse_qs(parts.query).get("endpoint_override", [""])[0]
+        self.description = _redact_uri(uri).rstrip("/")
+        if endpoint:
+            endpoint_scheme = parse_qs(parts.query).get("scheme", ["https"])[0]
+            self.description += f" (endpoint {endpoint_scheme}://{endpoint})"
+        try:
+            self.fs, path = pafs.FileSystem.from_uri(uri)
+        except (ValueError, OSError) as e:  # ArrowInvalid is a ValueError
+            raise ValueError(f"origin {self.description}: {self._scrub(str(e))}") from e
+        self.prefix = path.rstrip("/")
+        self._local = self.fs.type_name == "local"
+
+    def _scrub(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def _attempt(self, what: str, action: Callable[[], T]) -> T:
+        """``action``, its I/O errors as OriginUnavailable; a missing object stays
+        FileNotFoundError. Not retried here: the store's own client already retries with
+        backoff (the AWS SDK gives up on a refused connection after about 6 s; GCS after
+        ``retry_limit_seconds``), and retrying that again would multiply the wait."""
+        try:
+            return action()
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            raise OriginUnavailable(
+                f"origin {self.description} failed to {what}: {self._scrub(str(e))}; models "
+                "already cached are still served, check that the origin is reachable and its "
+                "credentials"
+            ) from e
+
+    def _version(self, info: pafs.FileInfo, source: pafs.NativeFile | None) -> str:
+        """The object's ETag where the store gives one (an S3 HEAD), else size and mtime."""
+        if source is not None:
+            etag = (source.metadata() or {}).get("ETag")
+            if etag:
+                return etag.decode().removeprefix("W/").strip('"')
+        return f"{info.size}-{info.mtime_ns}"
+
+    def _stat(self, key: str, source: pafs.NativeFile | None = None) -> tuple[int, str]:
+        """(size, version) of one object as the store says now; from ``source``, an open
+        object, where that tells (an S3 object opened is a HEAD answered)."""
+        if self._local:
+            info = self.fs.get_file_info(key)
+            if info.type != pafs.FileType.File:
+                raise FileNotFoundError(key)
+            return info.size, self._version(info, None)
+        if source is not None:
+            return source.size(), self._version(pafs.FileInfo(key), source)
+        with self.fs.open_input_file(key) as opened:
+            return opened.size(), self._version(pafs.FileInfo(key), opened)
+
+    def list_files(self) -> list[OriginFile]:
+        selector = pafs.FileSelector(self.prefix, recursive=True)
+        try:
+            infos = self._attempt("list its objects", lambda: self.fs.get_file_info(selector))
+        except FileNotFoundError as e:
+            raise OriginUnavailable(
+                f"origin {self.description}: the prefix does not exist ({self._scrub(str(e))}); "
+                "check the bucket and prefix"
+            ) from e
+        objects = [i for i in infos if i.type == pafs.FileType.File]
+        start = len(self.prefix) + 1 if self.prefix else 0
+
+        def describe(info: pafs.FileInfo) -> OriginFile | None:
+            name = info.path[start:]
+            if self._local:
+                return OriginFile(name, info.size, self._version(info, None))
+            try:
+                size, version = self._attempt(f"read {name}'s ETag", lambda: self._stat(info.path))
+            except FileNotFoundError:
+                return None  # deleted since it was listed
+            return OriginFile(name, size, version)
+
+        if self._local:
+            found = [describe(i) for i in objects]
+        else:
+            with concurrent.futures.ThreadPoolExecutor(LIST_CONCURRENCY) as pool:
+                found = list(pool.map(describe, objects))
+        return sorted((f for f in found if f is not None), key=lambda f: f.name)
+
+    def fetch(
+        self,
+        file: OriginFile,
+        dest: Path,
+        *,
+        concurrency: int = DEFAULT_CONCURRENCY,
+        part_bytes: int = DEFAULT_PART_BYTES,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> None:
+        key = self._key(file.name)
+
+        def check_unchanged(when: str, source: pafs.NativeFile | None = None) -> None:
+            try:
+                size, version = self._attempt(
+                    f"read {file.name}'s ETag", lambda: self._stat(key, source)
+                )
+            except FileNotFoundError as e:
+                raise OriginChanged(
+                    f"origin {self.description}: {file.name} vanished {when}; list it again"
+                ) from e
+            if (size, version) != (file.size, file.version):
+                raise OriginChanged(
+                    f"origin {self.description}: {file.name} changed {when} (size {file.size} -> "
+                    f"{size}, version {file.version} -> {version}); list it again"
+                )
+
+        # Each thread reads through a handle of its own (seek, then read_buffer: the bytes
+        # land in one Arrow buffer, no further copy); a handle opened is a HEAD on S3, so
+        # every one checks the version too.
+        idle: queue.SimpleQueue[pafs.NativeFile] = queue.SimpleQueue()
+        opened: list[pafs.NativeFile] = []
+
+        def open_checked(when: str) -> pafs.NativeFile:
+            try:
+                source = self._attempt(f"open {file.name}", lambda: self.fs.open_input_file(key))
+            except FileNotFoundError as e:
+                raise OriginChanged(
+                    f"origin {self.description}: {file.name} vanished {when}; list it again"
+                ) from e
+            opened.append(source)
+            check_unchanged(when, source)
+            return source
+
+        def copy_part(fd: int, offset: int, length: int) -> None:
+            try:
+                source = idle.get_nowait()
+            except queue.Empty:
+                source = open_checked("while it was fetched")
+
+            def read() -> pafs.Buffer:
+                source.seek(offset)
+                return source.read_buffer(length)
+
+            try:
+                buffer = self._attempt(
+                    f"read bytes {offset}-{offset + length - 1} of {file.name}", read
+                )
+            finally:
+                idle.put(source)
+            if buffer.size != length:
+                raise OriginChanged(
+                    f"origin {self.description}: {file.name} ended at {offset + buffer.size}, "
+                    f"before its listed size {file.size}; list it again"
+                )
+            _pwrite_all(fd, memoryview(buffer), offset)
+            if on_bytes is not None:
+                on_bytes(length)
+
+        try:
+            idle.put(open_checked("since it was listed"))
+            _fetch_parts(dest, file.size, copy_part, concurrency, part_bytes)
+        finally:
+            for source in opened:
+                source.close()
+        try:
+            # Ranged GETs do not pin the object's version: check it did not change meanwhile.
+            check_unchanged("while it was fetched")
+        except BaseException:
+            _remove(dest)
+            raise
+
+
+# ------------------------------------------------------------------ an upstream weightserve
+
+
+class UpstreamOrigin:
+    """The files of every model of another weightserve, through its files API (HTTP Range
+    requests); names are ``MODEL_ID/FILE_NAME``, versions the files' ETags (xxh3-128)."""
+
+    def __init__(
+        self,
+        uri: str,
+        *,
+        token: str | None = None,
+        tls: TLSOptions | None = None,
+        retry: RetryPolicy,
+        timeout: float = UPSTREAM_READ_TIMEOUT,
+    ) -> None:
+        address, model = parse_url(uri)
+        if model is not None:
+            raise ValueError(
+                f"an upstream origin is a server address, http(s)://HOST:PORT, not a model URL: "
+                f"{_redact_uri(uri)!r}"
+            )
+        self.description = f"weightserve at {address.url}"
+        self.retry = retry
+        self.transport = HttpTransport(address, token=token, tls=tls, timeout=timeout)
+        # Origin file name -> (model id, file name) on the upstream, from the last listing.
+        self._sources: dict[str, tuple[str, str]] = {}
+        self._models_lock = threading.Lock()
+
+    def _attempt(self, what: str, action: Callable[[], T]) -> T:
+        """``action``, retried with backoff on transport failures and temporary refusals;
+        not-found, refused tokens and other final answers are not retried."""
+        last: WeightserveError | None = None
+        for wait in [*self.retry.waits(), None]:
+            try:
+                return action()
+            except (Unauthenticated, PermissionDenied) as e:
+                raise OriginUnavailable(
+                    f"origin {self.description} refused to {what}: {e}; check the token the "
+                    "node uses for its upstream"
+                ) from e
+            except (NotFound, OriginChanged):
+                raise
+            except (TransportError, _Retryable) as e:
+                last = e
+            except WeightserveError as e:
+                if e.retry_after is None:
+                    raise OriginUnavailable(
+                        f"origin {self.description} failed to {what}: {e}"
+                    ) from e
+                last = e
+            if wait is None:
+                break
+            log.info(
+                "origin %s: %s failed (%s); again in %.2f s", self.description, what, last, wait
+            )
+            time.sleep(wait)
+        raise OriginUnavailable(
+            f"origin {self.description} failed to {what} after {self.retry.attempts} attempts: "
+            f"{last}; models already cached are still served, check that the upstream is "
+            "reachable"
+        ) from last
+
+    def list_files(self) -> list[OriginFile]:
+        listing = self._attempt("list its models", self.transport.list_models)
+        ids = sorted(m["id"] for m in listing.get("models", []))
+
+        def files_of(model: str) -> list[tuple[OriginFile, str, str]]:
+            try:
+                files = self._attempt(
+                    f"list the files of {model}", lambda: self.transport.list_files(model)
+                )
+            except NotFound:
+                return []  # removed since it was listed
+            names = [f["name"] for f in files["files"]]
+            # A file model (``dir/x.gguf``, split parts ``dir/x-00001-of-00002.gguf`` ...) lists
+            # its files relative to its directory: they go beside the id, as in the upstream's
+            # root, so the node gives the model the same id.
+            directory = _file_model_directory(model, names)
+            return [
+                (
+                    OriginFile(
+                        f"{directory}{f['name']}"
+                        if directory is not None
+                        else f"{model}/{f['name']}",
+                        f["size"],
+                        f["etag"],
+                    ),
+                    model,
+                    f["name"],
+                )
+                for f in files["files"]
+            ]
+
+        with concurrent.futures.ThreadPoolExecutor(LIST_CONCURRENCY) as pool:
+            found = [f for files in pool.map(files_of, ids) for f in files]
+        with self._models_lock:
+            self._sources = {file.name: (model, name) for file, model, name in found}
+        return sorted((file for file, _, _ in found), key=lambda f: f.name)
+
+    def _split(self, name: str) -> tuple[str, str]:
+        """(model id, file name on the upstream) of an origin file name, as last listed."""
+        for refresh in (False, True):
+            if refresh:
+                self.list_files()
+            with self._models_lock:
+                source = self._sources.get(name)
+            if source is not None:
+                return source
+        raise OriginChanged(
+            f"origin {self.description} holds no model that {name} belongs to any more; "
+            "list it again"
+        )
+
+    def fetch(
+        self,
+        file: OriginFile,
+        dest: Path,
+        *,
+        concurrency: int = DEFAULT_CONCURRENCY,
+        part_bytes: int = DEFAULT_PART_BYTES,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> None:
+        model, name = self._split(file.name)
+
+        def receive(fd: int, offset: int, length: int) -> None:
+            source = self.transport.open_file(model, name, offset, length)
+            try:
+                if (source.etag, source.size) != (file.version, file.size):
+                    raise OriginChanged(
+                        f"origin {self.description}: {file.name} changed since it was listed "
+                        f"(size {file.size} -> {source.size}, etag {file.version} -> "
+                        f"{source.etag}); list it again"
+                    )
+                buffer = memoryview(bytearray(min(RECEIVE_BYTES, length)))
+                done = 0
+                while done < length:
+                    got = source.readinto(buffer[: length - done])
+                    if got == 0:
+                        raise _Retryable(
+                            f"{file.name}: the answer ended after {done} of {length} bytes"
+                        )
+                    _pwrite_all(fd, buffer[:got], offset + done)
+                    done += got
+                    if on_bytes is not None:
+                        on_bytes(got)
+            finally:
+                source.close()
+
+        def copy_part(fd: int, offset: int, length: int) -> None:
+            try:
+                self._attempt(
+                    f"read bytes {offset}-{offset + length - 1} of {file.name}",
+                    lambda: receive(fd, offset, length),
+                )
+            except NotFound as e:
+                raise OriginChanged(
+                    f"origin {self.description}: {file.name} vanished; list it again"
+                ) from e
+
+        _fetch_parts(dest, file.size, copy_part, concurrency, part_bytes)
+        # Every part came with the listed ETag; the whole file must hash to it too.
+        digest = _xxh3_128_file(dest)
+        if digest != file.version:
+            _remove(dest)
+            raise OriginChanged(
+                f"origin {self.description}: {file.name} arrived with digest {digest}, not the "
+                f"listed {file.version}; list it again"
+            )
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+def _file_model_directory(model: str, names: list[str]) -> str | None:
+    """``DIR/`` (or ``""`` at the top) when ``model`` is a file model of the upstream: its
+    files are the id's last part itself or that GGUF's split parts, named without a folder.
+    None for a directory model, whose files go under ``model/``."""
+    directory, _, base = model.rpartition("/")
+    if not names or any("/" in n for n in names):
+        return None
+    for name in names:
+        part = SPLIT_GGUF_NAME.fullmatch(name)
+        if name != base and (part is None or part["name"] + ".gguf" != base):
+            return None
+    return directory + "/" if directory else ""
+
+
+# ------------------------------------------------------------------------- parallel parts
+
+
+def _fetch_parts(
+    dest: Path,
+    size: int,
+    copy_part: Callable[[int, int, int], None],
+    concurrency: int,
+    part_bytes: int,
+) -> None:
+    """Preallocate ``dest`` to ``size`` bytes and run ``copy_part(fd, offset, length)`` for
+    every part on ``concurrency`` threads. On any failure the other parts stop and ``dest``
+    is removed, so nothing half-written is left behind."""
+    if concurrency < 1 or part_bytes < 1:
+        raise ValueError(f"concurrency ({concurrency}) and part_bytes ({part_bytes}) must be >= 1")
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _preallocate(fd, size)
+        parts = [(offset, min(part_bytes, size - offset)) for offset in range(0, size, part_bytes)]
+        failed = threading.Event()
+
+        def run(offset: int, length: int) -> None:
+            if not failed.is_set():  # a part already failed: the file is lost anyway
+                try:
+                    copy_part(fd, offset, length)
+                except BaseException:
+                    failed.set()
+                    raise
+
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(concurrency, len(parts)))) as pool:
+            futures = [pool.submit(run, offset, length) for offset, length in parts]
+            concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+            for future in futures:
+                future.cancel()
+        for future in futures:
+            if not future.cancelled() and future.exception() is not None:
+                raise future.exception()  # type: ignore[misc]
+    except BaseException:
+        os.close(fd)
+        _remove(dest)
+        raise
+    os.close(fd)
+
+
+def _preallocate(fd: int, size: int) -> None:
+    """Reserve the blocks now: a full disk fails here, not after half the download."""
+    if size == 0:
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        os.ftruncate(fd, size)  # a file system without fallocate: a sparse file
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        written = os.pwrite(fd, data, offset)
+        data, offset = data[written:], offset + written
+
+
+def _xxh3_128_file(path: Path) -> str:
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while block := f.read(16 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)

@@ -1,0 +1,229 @@
+"""Arrow Flight endpoint for bulk tensor data: the StreamTensors stream, moved by C++.
+
+grpcio hands every message through Python: the server copies each chunk into a message and
+the client copies it 3-4 times more, under the GIL (docs/performance.md). Flight (Arrow's
+gRPC service, ``pyarrow.flight``) sends record batches whose buffers are views of the mmap,
+and its client assembles them without Python. The gRPC service stays the control plane
+(models, index, health, reflection) and advertises this endpoint in ``GetServerInfo``.
+
+``DoGet`` takes a serialized ``weightserve.v1.TensorRequest`` as its ticket and streams one
+record batch per chunk in the schema of client/wire/schema.py, so any Flight client (pyarrow,
+Arrow Java, arrow-rs) can read weights with no weightserve code. A client that sends the
+``weightserve-flight-batches: lean-1`` header (the weightserve client does) gets *lean*
+batches instead: one zero-copy ``uint8`` column per chunk, the rest of the row in the batch's
+``app_metadata`` (client/transports/flight.py), in 4 MiB chunks unless the request names a size. That is
+one body buffer per message and no per-row arrays to build in Python (bench/flight_minimal.py
+measures the floor). Auth, limits, draining, errors and metrics are those of the other
+transports. An error carries ``extra_info``, JSON
+``{"error": class name, "message": text}`` (plus ``"retry_after": seconds`` on a temporary
+refusal), which the weightserve client turns back into the same exception as on HTTP and gRPC.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.flight as flight
+from google.protobuf.message import DecodeError
+
+from weightserve.client.errors import (
+    InvalidRequest,
+    ModelUnavailable,
+    WeightserveError,
+    status_for,
+)
+from weightserve.client.transports.flight import (
+    FORMAT_HEADER,
+    LEAN_CHUNK_BYTES,
+    LEAN_FORMAT,
+    LEAN_SCHEMA,
+    encode_chunk_header,
+)
+from weightserve.client.wire.proto.weightserve.v1 import weightserve_pb2 as pb
+from weightserve.client.wire.schema import TENSOR_SCHEMA, ChunkHeader
+from weightserve.service.serving.auth import authorize
+from weightserve.service.serving.state import ServiceState
+from weightserve.service.serving.streams import stream_chunks
+from weightserve.service.sources.local import Model
+from weightserve.service.transports.grpc import peer_host, request_from_proto
+
+log = logging.getLogger("weightserve.flight")
+
+_SHAPE_TYPE = TENSOR_SCHEMA.field("shape").type
+# Requests are a few names or a prefix; a ticket this large is not a tensor request.
+MAX_TICKET_BYTES = 16 << 20
+
+_FLIGHT_ERRORS = {
+    "UNAUTHENTICATED": flight.FlightUnauthenticatedError,
+    "PERMISSION_DENIED": flight.FlightUnauthorizedError,
+    "UNAVAILABLE": flight.FlightUnavailableError,
+}
+
+
+def flight_error(exc: WeightserveError) -> flight.FlightError:
+    """The Flight error for one of ours; ``extra_info`` names our class for the client."""
+    _, code = status_for(exc)
+    fields: dict[str, object] = {"error": type(exc).__name__, "message": str(exc)}
+    if exc.retry_after is not None:  # a temporary refusal: seconds to wait before retrying
+        fields["retry_after"] = exc.retry_after
+    detail = json.dumps(fields).encode()
+    return _FLIGHT_ERRORS.get(code, flight.FlightServerError)(str(exc), extra_info=detail)
+
+
+def chunk_batch(header: ChunkHeader, data: memoryview) -> pa.RecordBatch:
+    """One row of the tensor schema; ``data`` is wrapped, not copied."""
+    offsets = pa.py_buffer(struct.pack("<ii", 0, len(data)))
+    values = pa.Array.from_buffers(pa.binary(), 1, [None, offsets, pa.py_buffer(data)])
+    return pa.RecordBatch.from_arrays(
+        [
+            pa.array([header.name], pa.utf8()),
+            pa.array([header.dtype], pa.utf8()),
+            pa.array([header.shape], _SHAPE_TYPE),
+            pa.array([header.logical_shape], _SHAPE_TYPE),
+            pa.array([header.encoding], pa.utf8()),
+            pa.array([header.offset], pa.int64()),
+            pa.array([header.total_bytes], pa.int64()),
+            pa.array([header.digest], pa.uint64()),
+            values,
+        ],
+        schema=TENSOR_SCHEMA,
+    )
+
+
+def lean_batch(header: ChunkHeader, data: memoryview) -> tuple[pa.RecordBatch, bytes]:
+    """One chunk as a lean batch: ``data`` wrapped (not copied), the header as app_metadata."""
+    column = pa.Array.from_buffers(pa.uint8(), len(data), [None, pa.py_buffer(data)])
+    return pa.RecordBatch.from_arrays([column], schema=LEAN_SCHEMA), encode_chunk_header(header)
+
+
+class _Authorization(flight.ServerMiddleware):
+    def __init__(self, header: str | None, lean: bool = False) -> None:
+        self.header = header
+        self.lean = lean  # the client asked for lean batches
+
+
+class _AuthorizationFactory(flight.ServerMiddlewareFactory):
+    """Keeps the call's ``authorization`` header for ``do_get`` (checked there, per model),
+    and whether it asked for lean batches."""
+
+    def start_call(self, info: flight.CallInfo, headers: dict) -> _Authorization:
+        values = headers.get("authorization") or [None]
+        lean = LEAN_FORMAT in (headers.get(FORMAT_HEADER) or ())
+        return _Authorization(values[0], lean)
+
+
+class _Batches:
+    """The record batches of one stream, holding its stream slot until the stream is done.
+
+    A class rather than a generator: Flight may drop a stream before asking for its first
+    batch (the client went away), and an unstarted generator never runs its ``finally``.
+    """
+
+    def __init__(
+        self,
+        service: FlightService,
+        model: Model,
+        chunks: Iterator[tuple[ChunkHeader, memoryview]],
+        slot: AbstractContextManager[Any],
+        context: flight.ServerCallContext,
+        started: float,
+        lean: bool = False,
+    ) -> None:
+        self.service, self.model, self.chunks = service, model, chunks
+        self.batch = lean_batch if lean else chunk_batch
+        self.slot, self.context = slot, context
+        self.sent = 0
+        self.started = started  # when do_get began (time.perf_counter)
+        self.open = True
+
+    def __iter__(self) -> _Batches:
+        return self
+
+    def __next__(self) -> pa.RecordBatch | tuple[pa.RecordBatch, bytes]:
+        if not self.open or self.context.is_cancelled():
+            self.close()
+            raise StopIteration
+        if self.service.closing:  # shutting down and past the grace period: cut the stream
+            hint = self.service.state.limits.retry_after
+            error = ModelUnavailable("the server is shutting down; retry", retry_after=hint)
+            self.close(error)
+            raise flight_error(error)
+        try:
+            header, data = next(self.chunks)
+        except StopIteration:
+            self.close(finished=True)
+            raise
+        except WeightserveError as e:  # e.g. a file truncated while being served
+            log.warning("Flight stream of model %s broke: %s", self.model.id, e)
+            self.close(e)
+            raise flight_error(e) from None
+        except Exception:
+            self.close(internal=True)
+            raise
+        self.sent += len(data)
+        return self.batch(header, data)
+
+    def close(
+        self, error: WeightserveError | None = None, finished: bool = False, internal: bool = False
+    ) -> None:
+        """Ends the stream once: frees its slot and counts it. With no argument, the client
+        went away (or Flight dropped the stream) before the end."""
+        if not self.open:
+            return
+        self.open = False
+        self.slot.__exit__(None, None, None)
+        metrics = self.service.state.metrics
+        metrics.bytes_served.labels("flight", self.model.id).inc(self.sent)
+        if finished:
+            metrics.flight.succeeded("stream", "OK", time.perf_counter() - self.started)
+        elif error is not None:
+            metrics.flight.failed("stream", status_for(error)[1], type(error).__name__)
+        elif internal:
+            metrics.flight.failed("stream", "UNKNOWN", "Internal")
+        else:
+            metrics.flight.failed("stream", "CANCELLED", "Cancelled")
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class FlightService(flight.FlightServerBase):
+    def __init__(self, state: ServiceState, location: str, **tls: object) -> None:
+        super().__init__(location, middleware={"auth": _AuthorizationFactory()}, **tls)
+        self.state = state
+        self.closing = False  # set by WeightServer.stop once the grace period is over
+
+    def do_get(self, context: flight.ServerCallContext, ticket: flight.Ticket) -> object:
+        state = self.state
+        started = time.perf_counter()
+        try:
+            if len(ticket.ticket) > MAX_TICKET_BYTES:
+                raise InvalidRequest(f"ticket of {len(ticket.ticket)} bytes is too large")
+            try:
+                message = pb.TensorRequest.FromString(ticket.ticket)
+            except DecodeError:
+                raise InvalidRequest("the ticket is not a weightserve.v1.TensorRequest") from None
+            call = context.get_middleware("auth")
+            access = authorize(state.tokens, call.header)
+            model = state.readable_model(access, message.model)
+            if call.lean and not message.chunk_bytes:
+                message.chunk_bytes = LEAN_CHUNK_BYTES
+            request = request_from_proto(message)
+            client = access.client_key(peer_host(context.peer()))
+            planned, slot = state.begin_stream(model, request, "flight", client)
+        except WeightserveError as e:
+            # Counted under the error table's code, not Flight's coarser status on the wire.
+            state.metrics.flight.failed("stream", status_for(e)[1], type(e).__name__)
+            raise flight_error(e) from None
+
+        tensors = state.metrics.tensors_served.labels("flight", model.id)
+        chunks = stream_chunks(model, planned, request.chunk_bytes, tensors.inc)
+        batches = _Batches(self, model, chunks, slot, context, started, call.lean)
+        return flight.GeneratorStream(LEAN_SCHEMA if call.lean else TENSOR_SCHEMA, batches)

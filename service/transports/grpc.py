@@ -1,0 +1,480 @@
+"""The gRPC transport: the same catalog and streams as HTTP, plus health and reflection.
+
+StreamTensors sends the Arrow IPC stream as ArrowData messages, one per IPC message. Its
+responses are encoded by hand (field 1, length-delimited) so each chunk is copied once, into
+the message, instead of twice through a protobuf object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import Any
+from urllib.parse import unquote
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from weightserve.client.errors import InvalidRequest, WeightserveError, status_for
+from weightserve.client.wire.proto.weightserve.v1 import weightserve_pb2 as pb
+from weightserve.client.wire.schema import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
+from weightserve.service.serving import files
+from weightserve.service.serving import views as models_view
+from weightserve.service.serving.arrow_writer import END_OF_STREAM
+from weightserve.service.serving.auth import Access, authorize
+from weightserve.service.serving.state import ServiceState
+from weightserve.service.serving.streams import (
+    Shard,
+    TensorRequest,
+    plan_stream,
+    stream_chunks,
+    stream_messages,
+)
+from weightserve.service.serving.views import server_version
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WeightService"].full_name
+ERROR_METADATA_KEY = "weightserve-error"
+# gRPC's standard trailer for "retry after this many milliseconds", on temporary refusals.
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
+# A chunk message plus its framing; the client and server both allow this much per message.
+MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + (1 << 20)
+
+# GetTensor: the largest tensor it sends when the request names no limit, and in any case.
+GET_TENSOR_DEFAULT_BYTES = 1 << 20
+GET_TENSOR_MAX_BYTES = 4 << 20
+
+log = logging.getLogger("weightserve.grpc")
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def encode_arrow_data(parts: tuple | list) -> bytes:
+    """ArrowData{data = concatenation of parts}, in protobuf wire format, one copy."""
+    size = sum(len(p) for p in parts)
+    return b"".join([b"\x0a", _varint(size), *parts])
+
+
+def _abort(context: grpc.ServicerContext, exc: WeightserveError) -> None:
+    _, code = status_for(exc)
+    trailing = [(ERROR_METADATA_KEY, type(exc).__name__)]
+    if exc.retry_after is not None:  # a temporary refusal (stream limit, draining)
+        trailing.append((RETRY_PUSHBACK_KEY, str(round(exc.retry_after * 1000))))
+    context.set_trailing_metadata(tuple(trailing))
+    context.abort(getattr(grpc.StatusCode, code), str(exc))
+
+
+def request_from_proto(msg: pb.TensorRequest) -> TensorRequest:
+    """The request a TensorRequest message (StreamTensors, or a Flight ticket) asks for.
+
+    ``use_prefix`` chooses between ``names`` and ``prefix``; a field the choice would ignore
+    is refused rather than dropped, so a forgotten flag is an error, not an empty stream.
+    """
+    if msg.use_prefix and msg.names:
+        raise InvalidRequest(
+            f"the request lists {len(msg.names)} tensor names and also sets use_prefix; "
+            "send either names (with use_prefix false) or a prefix (with use_prefix true)"
+        )
+    if not msg.use_prefix and msg.prefix:
+        also = " and leave names empty" if msg.names else ""
+        raise InvalidRequest(
+            f"the request has prefix {msg.prefix!r} but use_prefix is false, which selects "
+            f"by names only; set use_prefix to true to stream the tensors under the prefix{also}"
+        )
+    shard = None
+    if msg.shard_count > 1:
+        shard = Shard(msg.shard_index, msg.shard_count, msg.shard_axis)
+    return TensorRequest(
+        names=tuple(msg.names) if not msg.use_prefix else None,
+        prefix=msg.prefix if msg.use_prefix else None,
+        shard=shard,
+        resume_tensor=msg.resume_tensor or None,
+        resume_offset=msg.resume_offset,
+        chunk_bytes=msg.chunk_bytes or DEFAULT_CHUNK_BYTES,
+        revision=msg.revision or None,
+    )
+
+
+def peer_host(peer: str) -> str:
+    """The client's address from a gRPC peer string, without its port, spelled as HTTP spells
+    it, so one client's streams count against one per-client limit on every transport:
+    'ipv4:127.0.0.1:5000' -> '127.0.0.1', 'ipv6:%5B::1%5D:5000' -> '::1'."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return unquote(rest).rsplit(":", 1)[0].strip("[]")
+    return peer
+
+
+class _IdleCutter:
+    """Cancels streams whose client has taken no message for ``timeout`` seconds.
+
+    While a client reads nothing, HTTP/2 flow control blocks the handler inside grpc, holding
+    a worker thread and a stream slot; HTTP cuts such streams after the same
+    ``Limits.idle_timeout``. One watcher thread per server, running only while streams are open.
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self._streams: dict[int, tuple[grpc.ServicerContext, list[float]]] = {}
+        self._running = False
+
+    def watch(self, context: grpc.ServicerContext) -> list[float]:
+        """A one-item list holding the time of the stream's last progress; keep it current."""
+        stamp = [time.monotonic()]
+        with self._lock:
+            self._streams[id(stamp)] = (context, stamp)
+            if not self._running:
+                self._running = True
+                watcher = threading.Thread(target=self._run, name="weightserve-idle", daemon=True)
+                watcher.start()
+        return stamp
+
+    def forget(self, stamp: list[float]) -> None:
+        with self._lock:
+            self._streams.pop(id(stamp), None)
+
+    def _run(self) -> None:
+        period = min(1.0, self.timeout / 4)
+        while True:
+            time.sleep(period)
+            now = time.monotonic()
+            with self._lock:
+                if not self._streams:
+                    self._running = False
+                    return
+                stale = [c for c, s in self._streams.values() if now - s[0] > self.timeout]
+            for context in stale:
+                log.warning(
+                    "gRPC stream to %s cut: the client read nothing for %.1f s",
+                    context.peer(),
+                    self.timeout,
+                )
+                context.cancel()
+
+
+def _unary_call(operation: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A unary handler counted under ``operation`` whatever its outcome; the WeightserveError
+    it raises becomes the gRPC status the error table gives it."""
+
+    def decorate(answer: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(answer)
+        def handler(service: WeightService, request: Any, context: grpc.ServicerContext) -> Any:
+            calls = service.state.metrics.grpc
+            started = time.perf_counter()
+            try:
+                response = answer(service, request, context)
+            except WeightserveError as e:
+                calls.failed(operation, status_for(e)[1], type(e).__name__)
+                _abort(context, e)
+            except Exception:
+                calls.failed(operation, "UNKNOWN", "Internal")  # grpc answers UNKNOWN
+                raise
+            calls.succeeded(operation, "OK", time.perf_counter() - started)
+            return response
+
+        return handler
+
+    return decorate
+
+
+class WeightService:
+    def __init__(self, state: ServiceState) -> None:
+        self.state = state
+        self.idle = _IdleCutter(state.limits.idle_timeout)
+
+    def _access(self, context: grpc.ServicerContext) -> Access:
+        metadata = dict(context.invocation_metadata())
+        return authorize(self.state.tokens, metadata.get("authorization"))
+
+    @_unary_call("list_models")
+    def ListModels(self, request: pb.ListModelsRequest, context: grpc.ServicerContext) -> Any:
+        listing = models_view.model_list(self.state.catalog, self._access(context).may_read)
+        return pb.ListModelsResponse(
+            models=[pb.ModelSummary(**m) for m in listing["models"]],
+            problems=[pb.ModelProblem(**p) for p in listing["problems"]],
+        )
+
+    @_unary_call("model_info")
+    def GetModel(self, request: pb.GetModelRequest, context: grpc.ServicerContext) -> Any:
+        model = self.state.readable_model(self._access(context), request.model)
+        info = models_view.model_info(model)
+        return pb.ModelInfo(
+            id=info["id"],
+            format=info["format"],
+            revision=info["revision"],
+            alignment=info["alignment"],
+            metadata_json=json.dumps(info["metadata"]),
+            tensors=[
+                pb.TensorInfo(
+                    name=t["name"],
+                    dtype=t["dtype"],
+                    shape=t["shape"],
+                    logical_shape=t["logical_shape"],
+                    encoding=t["encoding"] or "",
+                    nbytes=t["nbytes"],
+                )
+                for t in info["tensors"]
+            ],
+        )
+
+    @_unary_call("server_info")
+    def GetServerInfo(self, request: pb.GetServerInfoRequest, context: grpc.ServicerContext) -> Any:
+        state = self.state
+        return pb.ServerInfo(
+            version=server_version(),
+            flight_port=state.flight_port,
+            instance=state.instance,
+            http_port=state.http_port,
+            uds=state.uds or "",
+        )
+
+    @_unary_call("stream")
+    def GetTensor(self, request: pb.GetTensorRequest, context: grpc.ServicerContext) -> Any:
+        """One small tensor in one answer: the access, plan, stream slot and metrics of a
+        one-tensor stream, without a stream's per-message cost."""
+        state = self.state
+        access = self._access(context)
+        model = state.readable_model(access, request.request.model)
+        asked = request_from_proto(request.request)
+        if asked.names is None or len(asked.names) != 1:
+            raise InvalidRequest(
+                "GetTensor sends one tensor: give exactly one name (use_prefix false); "
+                "use StreamTensors for several"
+            )
+        wanted = request.max_bytes if request.max_bytes > 0 else GET_TENSOR_DEFAULT_BYTES
+        limit = min(wanted, GET_TENSOR_MAX_BYTES)
+        one = dataclasses.replace(asked, resume_tensor=None, resume_offset=0, chunk_bytes=limit)
+        (planned,) = plan_stream(model, one, state.limits.max_names)
+        if planned.nbytes > limit:
+            return pb.TensorData(
+                name=planned.entry.name, total_bytes=planned.nbytes, too_large=True
+            )
+        client = access.client_key(peer_host(context.peer()))
+        with state.reading_slot(model, {planned.entry.file}, "grpc", client):
+            tensors = state.metrics.tensors_served.labels("grpc", model.id)
+            ((header, data),) = stream_chunks(model, [planned], one.chunk_bytes, tensors.inc)
+            answer = pb.TensorData(
+                name=header.name,
+                dtype=header.dtype,
+                shape=header.shape,
+                logical_shape=header.logical_shape,
+                encoding=header.encoding or "",
+                total_bytes=header.total_bytes,
+                digest=header.digest,
+                data=bytes(data),
+            )
+        state.metrics.bytes_served.labels("grpc", model.id).inc(header.nbytes)
+        return answer
+
+    @_unary_call("model_info")
+    def ListFiles(self, request: pb.GetModelRequest, context: grpc.ServicerContext) -> Any:
+        listing = files.file_list(self.state.readable_model(self._access(context), request.model))
+        return pb.FileList(
+            id=listing["id"],
+            revision=listing["revision"],
+            commit=listing["commit"],
+            files=[pb.FileInfo(**f) for f in listing["files"]],
+        )
+
+    def ReadFile(self, request: pb.FileRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """A file's bytes as FileChunk messages; the same slot, idle cut and metrics as
+        StreamTensors (operation ``file``)."""
+        state = self.state
+        calls = state.metrics.grpc
+        started = time.perf_counter()
+        try:
+            access = self._access(context)
+            model = state.readable_model(access, request.model)
+            files.check_revision(model, request.revision)
+            file = files.repo_file(model, request.name)
+            byte_range = files.file_range(model, file, request.offset, request.length or None)
+            etag = model.file_digest(file.path)
+            files.pin_file(model, file)
+            client = access.client_key(peer_host(context.peer()))
+            slot = state.reading_slot(model, {file.path}, "grpc", client)
+            slot.__enter__()
+        except WeightserveError as e:
+            calls.failed("file", status_for(e)[1], type(e).__name__)
+            _abort(context, e)
+        context.send_initial_metadata(
+            (
+                ("etag", etag),
+                ("x-file-size", str(file.size)),
+                ("x-weightserve-revision", model.revision),
+            )
+        )
+        sent = 0
+        outcome = ("CANCELLED", "Cancelled")  # unless it finishes or breaks
+        progress = self.idle.watch(context)
+        try:
+            for chunk in files.file_chunks(model, file, byte_range):
+                if not context.is_active():
+                    return
+                message = encode_arrow_data((chunk,))  # FileChunk has ArrowData's layout
+                sent += len(chunk)
+                progress[0] = time.monotonic()
+                yield message
+                progress[0] = time.monotonic()
+            outcome = ("OK", "")
+        except WeightserveError as e:  # e.g. a file truncated while being served
+            log.warning("gRPC file %s of model %s broke: %s", file.name, model.id, e)
+            outcome = (status_for(e)[1], type(e).__name__)
+            _abort(context, e)
+        except Exception:
+            outcome = ("UNKNOWN", "Internal")
+            raise
+        finally:
+            slot.__exit__(None, None, None)
+            self._stream_ended("file", model.id, progress, sent, outcome, started)
+
+    def _stream_ended(
+        self,
+        operation: str,
+        model_id: str,
+        progress: list[float],
+        sent: int,
+        outcome: tuple[str, str],
+        started: float,
+    ) -> None:
+        """The bookkeeping of a server-streaming call's end: idle watch, bytes, metrics."""
+        self.idle.forget(progress)
+        self.state.metrics.bytes_served.labels("grpc", model_id).inc(sent)
+        code, error = outcome
+        if code == "OK":
+            self.state.metrics.grpc.succeeded(operation, code, time.perf_counter() - started)
+        else:
+            if error == "Cancelled" and time.monotonic() - progress[0] > self.idle.timeout:
+                error = "IdleTimeout"  # _IdleCutter cancelled it
+            self.state.metrics.grpc.failed(operation, code, error)
+
+    def StreamTensors(
+        self, request: pb.TensorRequest, context: grpc.ServicerContext
+    ) -> Iterator[bytes]:
+        state = self.state
+        calls = state.metrics.grpc
+        started = time.perf_counter()
+        try:
+            access = self._access(context)
+            model = state.readable_model(access, request.model)
+            tensor_request = request_from_proto(request)
+            planned, slot = state.begin_stream(
+                model, tensor_request, "grpc", access.client_key(peer_host(context.peer()))
+            )
+        except WeightserveError as e:
+            calls.failed("stream", status_for(e)[1], type(e).__name__)
+            _abort(context, e)
+        sent = 0
+        outcome = ("CANCELLED", "Cancelled")  # (code, error) unless it finishes or breaks
+        progress = self.idle.watch(context)
+        try:
+            tensors = state.metrics.tensors_served.labels("grpc", model.id)
+            chunk_bytes = tensor_request.chunk_bytes
+            for parts in stream_messages(model, planned, chunk_bytes, tensors.inc):
+                if not context.is_active():
+                    return
+                message = encode_arrow_data(parts)
+                if len(parts) > 1:
+                    sent += len(parts[1])  # tensor data bytes, not framing
+                elif parts[0] is END_OF_STREAM:
+                    # Complete once the end marker is handed over: a client that has read it
+                    # may cancel before grpc asks this generator for more.
+                    outcome = ("OK", "")
+                progress[0] = time.monotonic()
+                yield message  # returns once grpc has sent it: the client is reading
+                progress[0] = time.monotonic()
+        except WeightserveError as e:  # e.g. a file truncated while being served
+            log.warning("gRPC stream of model %s broke: %s", model.id, e)
+            outcome = (status_for(e)[1], type(e).__name__)
+            _abort(context, e)
+        except Exception:
+            outcome = ("UNKNOWN", "Internal")
+            raise
+        finally:
+            slot.__exit__(None, None, None)
+            self._stream_ended("stream", model.id, progress, sent, outcome, started)
+
+
+def create_grpc_server(
+    state: ServiceState,
+    address: str,
+    max_workers: int | None = None,
+    credentials: grpc.ServerCredentials | None = None,
+) -> tuple[grpc.Server, int]:
+    """A started-ready (not started) grpc.Server bound to address; returns (server, port)."""
+    options = [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", 4 << 20),
+        ("grpc.so_reuseport", 0),
+    ]
+    workers = max_workers or state.limits.max_streams + 8
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=options)
+    service = WeightService(state)
+    handlers = {
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            service.ListModels,
+            request_deserializer=pb.ListModelsRequest.FromString,
+            response_serializer=pb.ListModelsResponse.SerializeToString,
+        ),
+        "GetModel": grpc.unary_unary_rpc_method_handler(
+            service.GetModel,
+            request_deserializer=pb.GetModelRequest.FromString,
+            response_serializer=pb.ModelInfo.SerializeToString,
+        ),
+        "GetServerInfo": grpc.unary_unary_rpc_method_handler(
+            service.GetServerInfo,
+            request_deserializer=pb.GetServerInfoRequest.FromString,
+            response_serializer=pb.ServerInfo.SerializeToString,
+        ),
+        "ListFiles": grpc.unary_unary_rpc_method_handler(
+            service.ListFiles,
+            request_deserializer=pb.GetModelRequest.FromString,
+            response_serializer=pb.FileList.SerializeToString,
+        ),
+        "ReadFile": grpc.unary_stream_rpc_method_handler(
+            service.ReadFile,
+            request_deserializer=pb.FileRequest.FromString,
+            response_serializer=lambda b: b,  # already encoded FileChunk
+        ),
+        "GetTensor": grpc.unary_unary_rpc_method_handler(
+            service.GetTensor,
+            request_deserializer=pb.GetTensorRequest.FromString,
+            response_serializer=pb.TensorData.SerializeToString,
+        ),
+        "StreamTensors": grpc.unary_stream_rpc_method_handler(
+            service.StreamTensors,
+            request_deserializer=pb.TensorRequest.FromString,
+            response_serializer=lambda b: b,  # already encoded ArrowData
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    port = (
+        server.add_secure_port(address, credentials)
+        if credentials
+        else server.add_insecure_port(address)
+    )
+    server.health_servicer = health_servicer  # type: ignore[attr-defined]
+    return server, port

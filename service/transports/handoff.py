@@ -1,0 +1,274 @@
+"""The same-node zero-copy handoff: checkpoint file descriptors over a Unix domain socket.
+
+A client on the same node asks for tensors as it would for a stream; instead of bytes it gets
+the server's open descriptors of the files that hold them (SCM_RIGHTS), with each tensor's
+file, offset, length and chunk digests. The client maps the files read-only, so every process
+on the node reads the one page-cache copy the server reads, and a load copies nothing through
+a socket. The wire (one connection, any number of requests, each frame a 4-byte big-endian
+length and a JSON object) is documented in docs/protocol.md ("Same-node handoff").
+
+What the server checks is what every transport checks: the token and its model grants (a
+descriptor opens a whole file, so only files of models the token may read are handed out), the
+stream limits (a handoff holds a stream slot until the client says it has verified the bytes),
+the revision a request pins, and the file being the version indexed. The peer's credentials
+(SO_PEERCRED) name the client for per-client limits and logs, and may be limited to a set of
+user ids.
+
+Descriptors point at the inode the server indexed: a file renamed over later is never seen
+through them, and a request after the rename gets the new file and the new revision. While the
+client verifies, the server holds its read lease on the files (``MappedFile.hold``), so an
+in-place writer waits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import socketserver
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from weightserve.client.errors import InvalidRequest, PermissionDenied, WeightserveError, status_for
+from weightserve.client.wire.handoff import (
+    FDS_PER_MESSAGE,
+    MAX_FRAME_BYTES,
+    HandoffProtocolError,
+    encode_frame,
+    read_frame,
+)
+from weightserve.client.wire.schema import DEFAULT_CHUNK_BYTES
+from weightserve.service.serving.auth import authorize
+from weightserve.service.serving.state import ServiceState
+from weightserve.service.serving.streams import Shard, TensorRequest, plan_stream, stream_chunks
+from weightserve.service.serving.views import server_version
+
+log = logging.getLogger("weightserve.handoff")
+
+# How long a handoff's stream slot (and read lease) waits for the client to say it verified
+# the bytes; a client that says nothing for this long is cut off.
+VERIFY_TIMEOUT = 120.0
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a Unix socket, from the kernel."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    pid, uid, gid = _PEERCRED.unpack(raw)
+    return pid, uid, gid
+
+
+def _request_from(message: dict[str, Any]) -> TensorRequest:
+    names = message.get("names")
+    prefix = message.get("prefix")
+    shard = message.get("shard")
+    if names is not None and (
+        not isinstance(names, list) or not all(isinstance(n, str) for n in names)
+    ):
+        raise InvalidRequest("names must be a list of strings")
+    if prefix is not None and not isinstance(prefix, str):
+        raise InvalidRequest("prefix must be a string")
+    if shard is not None:
+        if not (isinstance(shard, list) and len(shard) == 2 and all(type(x) is int for x in shard)):
+            raise InvalidRequest("shard must be [index, count]")
+        axis = message.get("axis", 0)
+        if type(axis) is not int:
+            raise InvalidRequest("axis must be an integer")
+        shard = Shard(shard[0], shard[1], axis)
+    revision = message.get("revision")
+    return TensorRequest(
+        names=tuple(names) if names is not None else None,
+        prefix=prefix,
+        shard=shard,
+        revision=revision if isinstance(revision, str) and revision else None,
+    )
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    server: HandoffServer
+
+    def handle(self) -> None:
+        sock: socket.socket = self.request
+        pid, uid, gid = peer_credentials(sock)
+        owner = self.server
+        refused = None
+        if owner.allowed_uids is not None and uid not in owner.allowed_uids:
+            log.warning("handoff: refused a connection from uid %d (pid %d)", uid, pid)
+            refused = PermissionDenied(
+                f"user id {uid} may not use this socket; the server allows "
+                f"{sorted(owner.allowed_uids)} (--uds-uids)"
+            )
+        peer = f"uid {uid} pid {pid}"
+        while True:
+            try:
+                message = read_frame(sock)
+            except (HandoffProtocolError, OSError):
+                return
+            if message is None:
+                return
+            op = message.get("op")
+            if refused is not None:  # answered, not cut: the client says why it cannot use it
+                _send(sock, _error(refused))
+            elif op == "hello":
+                _send(sock, owner.hello())
+            elif op == "open":
+                if not owner.serve_open(sock, message, peer):
+                    return
+            else:
+                _send(sock, _error(InvalidRequest(f"unknown handoff operation {op!r}")))
+
+
+def _error(e: WeightserveError) -> dict[str, Any]:
+    return {"error": {"class": type(e).__name__, "message": str(e), "retry_after": e.retry_after}}
+
+
+def _send(sock: socket.socket, message: dict[str, Any]) -> None:
+    sock.sendall(encode_frame(message))
+
+
+def _send_with_fds(sock: socket.socket, frame: bytes, fds: list[int]) -> None:
+    if not fds:
+        sock.sendall(frame)
+        return
+    # The descriptors ride on the frame's first bytes; more than the kernel takes in one
+    # message (SCM_MAX_FD) follow on one-byte messages of their own.
+    first, rest = fds[:FDS_PER_MESSAGE], fds[FDS_PER_MESSAGE:]
+    sent = socket.send_fds(sock, [frame], first)
+    if sent < len(frame):
+        sock.sendall(frame[sent:])
+    for i in range(0, len(rest), FDS_PER_MESSAGE):
+        socket.send_fds(sock, [b"F"], rest[i : i + FDS_PER_MESSAGE])
+
+
+class HandoffServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    """The handoff endpoint on ``path`` (a Unix socket, replaced if a stale one is there)."""
+
+    daemon_threads = True
+    allow_reuse_address = False
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        state: ServiceState,
+        instance: str,
+        mode: int = 0o666,
+        allowed_uids: frozenset[int] | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.state = state
+        self.instance = instance
+        self.allowed_uids = allowed_uids
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        super().__init__(str(self.path), _Handler)
+        os.chmod(self.path, mode)
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> HandoffServer:
+        self._thread = threading.Thread(
+            target=self.serve_forever, name="weightserve-handoff", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.shutdown()
+        self.server_close()
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+    def hello(self) -> dict[str, Any]:
+        return {"instance": self.instance, "version": server_version()}
+
+    def serve_open(self, sock: socket.socket, message: dict[str, Any], peer: str) -> bool:
+        """One handoff: plan, take a slot and the files' leases, send the descriptors, hold
+        the slot until the client says it verified the bytes. False: the client went away."""
+        state = self.state
+        calls = state.metrics.handoff
+        started = time.perf_counter()
+        try:
+            with self._handing_off(message, peer) as (frame, fds, model_id, nbytes):
+                _send_with_fds(sock, frame, fds)
+                # The client maps and checks the bytes now; the leases make an in-place
+                # writer wait until it is done.
+                sock.settimeout(VERIFY_TIMEOUT)
+                try:
+                    done = read_frame(sock)
+                except (HandoffProtocolError, OSError):
+                    done = None
+                finally:
+                    with contextlib.suppress(OSError):
+                        sock.settimeout(None)
+                state.metrics.bytes_served.labels("handoff", model_id).inc(nbytes)
+        except WeightserveError as e:
+            calls.failed("stream", status_for(e)[1], type(e).__name__)
+            _send(sock, _error(e))
+            return True
+        calls.succeeded("stream", "OK", time.perf_counter() - started)
+        return done is not None
+
+    @contextlib.contextmanager
+    def _handing_off(
+        self, message: dict[str, Any], peer: str
+    ) -> Iterator[tuple[bytes, list[int], str, int]]:
+        state = self.state
+        token = message.get("token")
+        access = authorize(state.tokens, f"Bearer {token}" if token else None)
+        model_id = message.get("model")
+        if not isinstance(model_id, str):
+            raise InvalidRequest("a handoff names a model")
+        model = state.readable_model(access, model_id)
+        request = _request_from(message)
+        planned = plan_stream(model, request, state.limits.max_names)
+        in_files = [p for p in planned if p.byte_offset is not None]
+        # Empty tensors need no file (an empty file has no mapping to pass on).
+        files = list(dict.fromkeys(p.entry.file for p in in_files if p.nbytes))
+        client = access.client_key(peer)
+        with state.reading_slot(model, set(files), "handoff", client):
+            index = {f: i for i, f in enumerate(files)}
+            tensors = []
+            nbytes = 0
+            for p in in_files:
+                # The stream's own chunking and digests: computed once per mapping and shared
+                # with every HTTP, gRPC and handoff client of the same bytes.
+                digests = [h.digest for h, _ in stream_chunks(model, [p], DEFAULT_CHUNK_BYTES)]
+                tensors.append(
+                    {
+                        "name": p.entry.name,
+                        "dtype": p.dtype,
+                        "shape": list(p.shape),
+                        "logical_shape": list(p.logical_shape),
+                        "encoding": p.encoding,
+                        "file": index[p.entry.file] if p.nbytes else None,
+                        "offset": p.byte_offset,
+                        "nbytes": p.nbytes,
+                        "chunk_bytes": DEFAULT_CHUNK_BYTES,
+                        "digests": digests,
+                    }
+                )
+                nbytes += p.nbytes
+            mapped = [model.mapped(f) for f in files]
+            answer = {
+                "model": model.id,
+                "revision": model.revision,
+                "files": [
+                    {"name": f.name, "size": m.size, "stamp": list(m.content_stamp())}
+                    for f, m in zip(files, mapped, strict=True)
+                ],
+                "tensors": tensors,
+                # Gathered on the way out (strided sources, inner-axis shards): not a byte
+                # range of a file, so the client fetches these over a copying transport.
+                "copy": [p.entry.name for p in planned if p.byte_offset is None],
+            }
+            frame = encode_frame(answer)
+            if len(frame) > MAX_FRAME_BYTES:
+                raise InvalidRequest(
+                    f"the handoff answer for {len(planned)} tensors is too large; ask for "
+                    "fewer tensors at once"
+                )
+            yield frame, [m.fileno() for m in mapped], model.id, nbytes

@@ -1,0 +1,260 @@
+"""Read-only routes in the Hugging Face Hub's layout, so Hub clients download from weightserve.
+
+With ``HF_ENDPOINT=http://HOST:PORT``, ``huggingface_hub`` (``snapshot_download``,
+``hf_hub_download``) and whatever loads through it (transformers, sentence-transformers,
+vLLM, SGLang, TGI) fetch a model's files unchanged:
+
+- ``GET /api/models/{repo}`` and ``/api/models/{repo}/revision/{revision}``: model info,
+  ``sha`` the model's 40-hex commit, ``siblings`` its files;
+- ``GET /api/models/{repo}/tree/{revision}[/{path}]`` and ``POST .../paths-info/{revision}``:
+  file listings (one page, no pagination);
+- ``GET|HEAD /{repo}/resolve/{revision}/{filename}``: the file, with ``X-Repo-Commit``,
+  ``ETag``, ``Content-Length`` and Range, as the Hub answers for files it stores itself.
+
+A repo id is a model id (any depth). The revision ``main`` (or none) is the model as served;
+its commit or short revision name that content (anything else served is a 404
+``RevisionNotFound``); another name ``R`` is the model ``{repo}@R`` when the catalog has one.
+Errors carry the Hub's ``X-Error-Code`` (``RepoNotFound``, ``RevisionNotFound``,
+``EntryNotFound``) so the clients raise their usual exceptions.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import parse_qs, unquote
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from weightserve.client.errors import (
+    FileNotFound,
+    ModelNotFound,
+    NotFound,
+    Unauthenticated,
+    WeightserveError,
+    status_for,
+)
+from weightserve.service.serving import files
+from weightserve.service.serving.auth import Access
+from weightserve.service.serving.state import ServiceState
+from weightserve.service.sources.local import Model
+from weightserve.service.transports.http.app import ERROR_KEY, OPERATION_KEY
+from weightserve.service.transports.http.files import file_response
+from weightserve.service.transports.http.routes import get_and_head
+
+DEFAULT_REVISION = "main"
+# A content revision as weightserve names it: the short revision or the 40-hex commit.
+_CONTENT_NAME = re.compile(r"[0-9a-f]{16}|[0-9a-f]{40}")
+_API_ACTIONS = ("revision", "tree", "paths-info")
+
+
+class RevisionNotFound(NotFound):
+    """A Hub revision that names no content the server holds for the repository."""
+
+
+_HUB_ERROR_CODES: dict[type[WeightserveError], str] = {
+    RevisionNotFound: "RevisionNotFound",
+    FileNotFound: "EntryNotFound",
+    ModelNotFound: "RepoNotFound",
+}
+
+
+def _hub_error(http: Request, exc: WeightserveError, commit: str | None = None) -> JSONResponse:
+    """An error as the Hub sends it: JSON ``{"error": message}``, ``X-Error-Code`` when the
+    Hub has one for it, ``X-Repo-Commit`` on a missing file (clients cache its absence)."""
+    http.scope[ERROR_KEY] = type(exc).__name__  # for CallMetrics
+    status, _ = status_for(exc)
+    message = str(exc)
+    headers = {"x-error-message": message.encode("ascii", "replace").decode()[:500]}
+    for cls, code in _HUB_ERROR_CODES.items():
+        if isinstance(exc, cls):
+            headers["x-error-code"] = code
+            break
+    if isinstance(exc, Unauthenticated) and http.headers.get("authorization"):
+        headers["x-error-message"] = "Invalid credentials in Authorization header"
+    if commit is not None:
+        headers["x-repo-commit"] = commit
+    if exc.retry_after is not None:
+        headers["retry-after"] = str(max(1, math.ceil(exc.retry_after)))
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+def _segments(http: Request, prefix: str) -> list[str]:
+    """The request path after ``prefix`` split at ``/`` as sent: the Hub's clients
+    percent-encode a revision's and a path's own slashes (``refs%2Fpr%2F1``)."""
+    raw = http.scope.get("raw_path") or http.url.path.encode()
+    path = raw.decode("latin-1").partition("?")[0]
+    return path[len(prefix) :].split("/") if path.startswith(prefix) else []
+
+
+class HubRepos:
+    """Repo ids and revisions of the Hub's URLs, resolved against the catalog."""
+
+    def __init__(self, state: ServiceState) -> None:
+        self.state = state
+
+    def known(self, repo_id: str) -> bool:
+        catalog = self.state.catalog
+        return (
+            repo_id in catalog.models
+            or repo_id in catalog.problems
+            or any(m.startswith(f"{repo_id}@") for m in list(catalog.models))
+        )
+
+    def split(self, parts: list[str], marker: Callable[[str], bool]) -> tuple[str, list[str]]:
+        """(repo id, the parts after it) for a path whose repo id is followed by a part that
+        ``marker`` accepts: the first such reading whose repo the catalog knows, else the
+        first reading (its unknown repo then gets a RepoNotFound)."""
+        readings = [
+            ("/".join(unquote(p) for p in parts[:i]), parts[i:])
+            for i in range(1, len(parts))
+            if marker(parts[i])
+        ]
+        for repo_id, rest in readings:
+            if self.known(repo_id):
+                return repo_id, rest
+        if readings:
+            return readings[0]
+        return "/".join(unquote(p) for p in parts), []
+
+    def model(self, caller: Access, repo_id: str, revision: str) -> Model:
+        """The model a repo id at a Hub revision names (see the module docstring)."""
+        state = self.state
+        if revision in ("", DEFAULT_REVISION):
+            return state.readable_model(caller, repo_id)
+        catalog = state.catalog
+        if _CONTENT_NAME.fullmatch(revision):
+            ids = [repo_id, *(m for m in list(catalog.models) if m.startswith(f"{repo_id}@"))]
+            for model_id in ids:
+                if model_id in catalog.models and caller.may_read(model_id):
+                    model = state.readable_model(caller, model_id)
+                    if revision in (model.revision, model.commit):
+                        return model
+        else:
+            alias = f"{repo_id}@{revision}"
+            if alias in catalog.models or alias in catalog.problems:
+                return state.readable_model(caller, alias)
+        main = state.readable_model(caller, repo_id)  # an unknown repo: RepoNotFound first
+        raise RevisionNotFound(
+            f"repository {repo_id!r} has no revision {revision!r} on this server: it serves "
+            f"'main' at commit {main.commit}"
+        )
+
+
+def _tree_entries(model: Model, under: str, recursive: bool) -> list[dict[str, Any]]:
+    """The Hub's tree listing of the files below ``under`` ("" for the top), with their
+    folders: files as ``{type: file, path, size, oid}``, folders as ``{type: directory}``."""
+    prefix = f"{under.strip('/')}/" if under.strip("/") else ""
+    entries: dict[str, dict[str, Any]] = {}
+    for f in model.repo_files.values():
+        if not f.name.startswith(prefix):
+            continue
+        rest = f.name[len(prefix) :].split("/")
+        folders = rest[:-1] if recursive else rest[:1] if len(rest) > 1 else []
+        for depth in range(len(folders)):
+            path = prefix + "/".join(rest[: depth + 1])
+            entries.setdefault(path, {"type": "directory", "oid": model.commit, "path": path})
+        if recursive or len(rest) == 1:
+            entries[f.name] = {
+                "type": "file",
+                "oid": model.file_digest(f.path),
+                "size": f.size,
+                "path": f.name,
+            }
+    if prefix and not entries:
+        raise FileNotFound(f"no folder {under!r} in model {model.id!r}")
+    return list(entries.values())
+
+
+def _model_info(model: Model, repo_id: str) -> dict[str, Any]:
+    """What ``huggingface_hub.ModelInfo`` reads; ``sha`` is the commit Hub clients pin."""
+    return {
+        "_id": model.commit[:24],
+        "id": repo_id,
+        "modelId": repo_id,
+        "sha": model.commit,
+        "private": False,
+        "gated": False,
+        "disabled": False,
+        "tags": [model.format],
+        "siblings": [
+            {"rfilename": f.name, "size": f.size, "blobId": model.file_digest(f.path)}
+            for f in model.repo_files.values()
+        ],
+    }
+
+
+def add_hub_routes(app: FastAPI, state: ServiceState, access: Callable[[Request], Access]) -> None:
+    """The Hub-compatible routes; registered last, so every other route keeps its paths (the
+    resolve route only matches a path with a ``resolve`` part after a model id's parts)."""
+    repos = HubRepos(state)
+
+    @get_and_head(app, "/api/models/{path:path}", tags=["hub"])
+    def hub_api(http: Request, path: str, recursive: str = "false") -> Response:
+        """Model info (`/api/models/{repo}`, `.../revision/{revision}`) and file listings
+        (`.../tree/{revision}[/{path}]`) in the Hugging Face Hub's format."""
+        http.scope[OPERATION_KEY] = "model_info"
+        parts = _segments(http, "/api/models/")
+        repo_id, rest = repos.split(parts, lambda p: p in _API_ACTIONS)
+        try:
+            caller = access(http)
+            action = rest[0] if rest else "revision"
+            revision = unquote(rest[1]) if len(rest) > 1 else DEFAULT_REVISION
+            if action not in ("revision", "tree") or (action == "revision" and len(rest) > 2):
+                raise NotFound(f"no Hub route /api/models/{path}")
+            model = repos.model(caller, repo_id, revision)
+            if action == "revision":
+                return JSONResponse(_model_info(model, repo_id))
+            under = "/".join(unquote(p) for p in rest[2:])
+            deep = recursive.lower() in ("true", "1")
+            return JSONResponse(_tree_entries(model, under, deep))
+        except WeightserveError as e:
+            return _hub_error(http, e)
+
+    @app.post("/api/models/{path:path}", tags=["hub"])
+    async def hub_paths_info(http: Request, path: str) -> Response:
+        """`POST /api/models/{repo}/paths-info/{revision}` with form field `paths` (repeated):
+        the listed files and folders, as the Hub answers."""
+        http.scope[OPERATION_KEY] = "model_info"
+        parts = _segments(http, "/api/models/")
+        repo_id, rest = repos.split(parts, lambda p: p == "paths-info")
+        form = parse_qs((await http.body()).decode("utf-8", "replace"))
+
+        def answer() -> Response:  # a file never hashed before is read for its digest
+            try:
+                caller = access(http)
+                if len(rest) != 2:
+                    raise NotFound(f"no Hub route POST /api/models/{path}")
+                model = repos.model(caller, repo_id, unquote(rest[1]))
+                wanted = {p.strip("/") for p in form.get("paths", [])}
+                listing = _tree_entries(model, "", recursive=True)
+                return JSONResponse([e for e in listing if e["path"] in wanted])
+            except WeightserveError as e:
+                return _hub_error(http, e)
+
+        return await run_in_threadpool(answer)
+
+    @get_and_head(app, "/{repo:model_id}/resolve/{rest:path}", tags=["hub"])
+    def hub_resolve(http: Request, repo: str, rest: str) -> Response:
+        """`/{repo}/resolve/{revision}/{filename}`: the file, with `X-Repo-Commit`, `ETag`,
+        `Content-Length` and Range, as the Hub answers."""
+        http.scope[OPERATION_KEY] = "file"
+        parts = _segments(http, "/")
+        repo_id, after = repos.split(parts, lambda p: p == "resolve")
+        commit = None
+        try:
+            caller = access(http)
+            if len(after) < 3:
+                raise FileNotFound(
+                    f"a Hub file URL is /REPO/resolve/REVISION/FILE, got {http.url.path}"
+                )
+            model = repos.model(caller, repo_id, unquote(after[1]))
+            commit = model.commit
+            file = files.repo_file(model, "/".join(unquote(p) for p in after[2:]))
+            return file_response(http, state, caller, model, file, {"x-repo-commit": commit})
+        except WeightserveError as e:
+            return _hub_error(http, e, commit)

@@ -32,6 +32,8 @@ ARROW_STREAM_MEDIA_TYPE = "application/vnd.apache.arrow.stream"
 # server's memory per open stream, with HTTP unchanged (bench/, docs/performance.md).
 DEFAULT_CHUNK_BYTES = 2 << 20
 MAX_CHUNK_BYTES = 64 << 20
+# The largest gRPC message either side sends or accepts: one chunk and its framing.
+MAX_GRPC_MESSAGE_BYTES = MAX_CHUNK_BYTES + (1 << 20)
 
 TENSOR_SCHEMA = pa.schema(
     [

@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve every model under ROOT over HTTP and gRPC.",
     )
     try:
-        from weightserve.service.cli import add_serve_arguments  # optional: the server extra
+        from weightserve.service.config import add_serve_arguments  # optional: the server extra
     except ImportError:
         # Without the server extra, `serve` takes any arguments and says what to install.
         serve.description = f"{serve.description} Needs the server extra: {_SERVER_EXTRA}"

@@ -25,17 +25,13 @@ import uvicorn
 
 from weightserve.client.errors import ModelUnavailable, WeightserveError
 from weightserve.client.transports.base import TLSOptions
+from weightserve.service.config import default_of
 from weightserve.service.serving.auth import TokenStore
 from weightserve.service.serving.state import Limits, ServiceState
 from weightserve.service.sources.local import Catalog
 from weightserve.service.sources.node_cache import NodeCache
 from weightserve.service.sources.origin import OriginCatalog, default_cache_size
-from weightserve.service.sources.origins import (
-    DEFAULT_CONCURRENCY,
-    DEFAULT_PART_BYTES,
-    OriginFile,
-    open_origin,
-)
+from weightserve.service.sources.origins import OriginFile, open_origin
 from weightserve.service.sources.revisions import DigestStore
 from weightserve.service.transports.flight import FlightService
 from weightserve.service.transports.grpc import SERVICE_NAME, create_grpc_server
@@ -48,22 +44,23 @@ log = logging.getLogger("weightserve.server")
 @dataclass
 class ServerConfig:
     root: str
-    host: str = "127.0.0.1"
-    http_port: int = 8080
-    grpc_port: int = 50051
+    host: str = default_of("host")
+    http_port: int = default_of("http_port")
+    grpc_port: int = default_of("grpc_port")
     # Arrow Flight for bulk data (gRPC clients use it when GetServerInfo offers it); None: off
-    flight_port: int | None = 50052
+    flight_port: int | None = default_of("flight_port")
     # The Flight port clients should dial when it differs from the bound one (port mapping,
     # a Kubernetes Service whose port is not the container's); None: the bound port.
     flight_public_port: int | None = None
-    grace_seconds: float = 30.0
+    grace_seconds: float = default_of("grace")
     limits: Limits | None = None
     token_file: str | None = None  # bearer tokens, one per line (see service/serving/auth.py)
     protect_metrics: bool = False  # /metrics needs a token too
     tls_cert: str | None = None  # PEM certificate chain: enables TLS on both transports
     tls_key: str | None = None
     tls_client_ca: str | None = None  # require client certificates signed by this CA (mTLS)
-    rescan_seconds: float = 30.0  # how often the root is searched for new or removed models
+    # How often the root is searched for new or removed models.
+    rescan_seconds: float = default_of("rescan")
     watch: bool = True  # rescan on file-system events too (inotify), not only periodically
     # Where file content digests are remembered across restarts (file-digests.sqlite); None:
     # in memory only, so each start reads every file once to compute revisions.
@@ -71,8 +68,8 @@ class ServerConfig:
     # When ``root`` is an origin URI (s3://, gs://, file://, http(s)://): the node cache in
     # CACHE_DIR/node-cache (see docs/origins.md). None: a fraction of the free disk space.
     cache_size: int | None = None
-    fill_concurrency: int = DEFAULT_CONCURRENCY
-    fill_part_size: int = DEFAULT_PART_BYTES
+    fill_concurrency: int = default_of("fill_concurrency")
+    fill_part_size: int = default_of("fill_part_size")
     pins: tuple[str, ...] = ()  # models filled at start and never evicted
     origin_token: str | None = None  # bearer token for an upstream weightserve
     # (CA, client certificate, key) PEM files for an https:// upstream; None: system CAs
@@ -81,7 +78,8 @@ class ServerConfig:
     # zero-copy descriptor handoff on UDS.handoff; None: none. Plain (no TLS): the kernel is
     # the transport, and peers are told apart by their credentials.
     uds: str | None = None
-    uds_mode: int = 0o666  # who may connect is decided by who can reach the directory
+    # Who may connect is decided by who can reach the directory.
+    uds_mode: int = default_of("uds_mode")
     uds_uids: tuple[int, ...] = ()  # if given, only these user ids get descriptors
 
 

@@ -22,7 +22,7 @@ from tests import fixtures_safetensors as fx
 from tests.test_cli import clean_env, free_port, run_cli, start_server
 from weightserve.client import Client, RemoteWeights
 from weightserve.client.errors import WrongTransport
-from weightserve.service.cli import SETTINGS
+from weightserve.service.config import SETTINGS
 from weightserve.service.server import ServerConfig, WeightServer
 
 REPO = Path(__file__).resolve().parents[1]

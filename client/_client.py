@@ -37,10 +37,15 @@ from weightserve.client.transports.base import (
     StreamParams,
     TLSOptions,
     Transport,
-    make_transport,
+    bearer_token,
 )
 from weightserve.client.transports.handoff import Handoff, HandoffClient
-from weightserve.client.transports.planes import PlaneChooser, Planes, data_plane_from
+from weightserve.client.transports.planes import (
+    PlaneChooser,
+    Planes,
+    data_plane_from,
+    make_transport,
+)
 from weightserve.client.wire.dtypes import numpy_dtype, wire_dtype
 from weightserve.client.wire.routes import ServerAddress, parse_url
 from weightserve.client.wire.schema import ChunkHeader
@@ -114,7 +119,7 @@ class Client:
         self.transport: Transport = make_transport(
             address, token=token, tls=tls, timeout=timeout, flight=flight
         )
-        token = token if token is not None else os.environ.get("WEIGHTSERVE_TOKEN") or None
+        token = bearer_token(token)
         if data_plane is None and flight is not None and address.transport == "grpc":
             data_plane = "flight" if flight else "grpc"  # the older switch says which one
         self.data_plane = data_plane_from(data_plane)

@@ -13,7 +13,7 @@ import pytest
 import xxhash
 
 from weightserve.client import Client
-from weightserve.client.transports.base import GrpcTransport
+from weightserve.client.transports.grpc import GrpcTransport
 from weightserve.client.wire.proto.weightserve.v1 import weightserve_pb2 as pb
 from weightserve.client.wire.proto.weightserve.v1 import weightserve_pb2_grpc as pb_grpc
 from weightserve.service.transports.grpc import ERROR_METADATA_KEY
@@ -102,7 +102,7 @@ def test_the_client_fetches_one_small_tensor_with_it(server, reference, monkeypa
 def test_a_tensor_the_server_calls_too_large_is_streamed(server, reference, monkeypatch) -> None:
     # The client's limit lowered below the tensor: the server answers too_large, the client
     # streams it and remembers its size, so the next request goes to the stream at once.
-    import weightserve.client.transports.base as transport_module
+    import weightserve.client.transports.grpc as transport_module
 
     monkeypatch.setattr(transport_module, "UNARY_TENSOR_BYTES", 100)
     refs = reference(MODEL)

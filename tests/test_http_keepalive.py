@@ -8,7 +8,7 @@ import socket
 import numpy as np
 
 from weightserve.client import Client
-from weightserve.client.transports.base import HttpTransport
+from weightserve.client.transports.http import HttpTransport
 
 
 def _count_connects(transport: HttpTransport, monkeypatch) -> list[int]:

@@ -26,7 +26,7 @@ from weightserve.client.errors import (
     RangeNotSatisfiable,
     RevisionMismatch,
 )
-from weightserve.client.transports.base import make_transport
+from weightserve.client.transports.planes import make_transport
 from weightserve.client.wire.routes import parse_url
 from weightserve.service.server import ServerConfig, WeightServer
 

@@ -1,4 +1,5 @@
-"""Which data plane carries a client's bulk tensor bytes.
+"""Which transport a URL names (``make_transport``), and which data plane carries a client's
+bulk tensor bytes.
 
 Metadata (model list, model info, files) always goes to the URL the client was given. Bulk
 data goes over the fastest plane the server advertises that this client can reach:
@@ -25,18 +26,29 @@ import threading
 from dataclasses import dataclass
 
 from weightserve.client.errors import TransportError, WeightserveError
-from weightserve.client.transports.base import (
-    GrpcTransport,
-    HttpTransport,
-    TLSOptions,
-    Transport,
-)
+from weightserve.client.transports.base import DEFAULT_READ_TIMEOUT, TLSOptions, Transport
+from weightserve.client.transports.grpc import GrpcTransport
 from weightserve.client.transports.handoff import HandoffClient, handoff_socket_path
+from weightserve.client.transports.http import HttpTransport
 from weightserve.client.wire.routes import ServerAddress
 
 log = logging.getLogger("weightserve.client")
 
 DATA_PLANES = ("auto", "network", "handoff", "http", "flight", "grpc")
+
+
+def make_transport(
+    address: ServerAddress,
+    token: str | None = None,
+    tls: TLSOptions | None = None,
+    timeout: float = DEFAULT_READ_TIMEOUT,
+    flight: bool | None = None,
+) -> Transport:
+    """The transport the URL's scheme names, for metadata (and for bulk data unless a faster
+    plane is found)."""
+    if address.transport == "http":
+        return HttpTransport(address, token=token, tls=tls, timeout=timeout)
+    return GrpcTransport(address, token=token, tls=tls, timeout=timeout, flight=flight)
 
 
 def data_plane_from(value: str | None) -> str:
@@ -116,11 +128,8 @@ class PlaneChooser:
     def _info(self) -> dict | None:
         """What the server advertises ({} from a server that predates it); None when it could
         not be asked now (unreachable for a moment): the fetch itself then retries."""
-        server_info = getattr(self.transport, "server_info", None)
-        if server_info is None:
-            return {}
         try:
-            return server_info()
+            return self.transport.server_info()
         except WeightserveError as e:
             log.debug("server info from %s: %s", self.transport.address.url, e)
             return None

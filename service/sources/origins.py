@@ -40,7 +40,8 @@ from weightserve.client.errors import (
     Unauthenticated,
     WeightserveError,
 )
-from weightserve.client.transports.base import HttpTransport, TLSOptions
+from weightserve.client.transports.base import TLSOptions
+from weightserve.client.transports.http import HttpTransport
 from weightserve.client.wire.routes import parse_url
 from weightserve.service.sources.local import SPLIT_GGUF_NAME
 

@@ -1,0 +1,396 @@
+"""The HTTP transport: plain http.client, whose responses ``readinto`` straight from the
+socket, over TCP, TLS or the server's Unix socket, with a small kept-alive pool."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import email.utils
+import http.client
+import json
+import socket
+import ssl
+import threading
+from contextlib import AbstractContextManager
+from typing import Any
+from urllib.parse import urlencode
+
+from weightserve.client.errors import (
+    ResourceExhausted,
+    ServerUnreachable,
+    TransportError,
+    WeightserveError,
+    WrongTransport,
+    error_from_wire,
+)
+from weightserve.client.receive.arrow_reader import ArrowChunkReader
+from weightserve.client.transports.base import (
+    DEFAULT_READ_TIMEOUT,
+    ByteSource,
+    ChunkReader,
+    FileSource,
+    StreamParams,
+    TLSOptions,
+    bearer_token,
+)
+from weightserve.client.wire.routes import ServerAddress, http_model_path
+
+IDLE_CONNECTIONS = 8  # kept-alive HTTP connections per transport
+
+
+class HttpTransport:
+    """Plain http.client: its responses ``readinto`` straight from the socket."""
+
+    def __init__(
+        self,
+        address: ServerAddress,
+        token: str | None = None,
+        tls: TLSOptions | None = None,
+        timeout: float = DEFAULT_READ_TIMEOUT,
+    ) -> None:
+        self.address = address
+        self.token = bearer_token(token)
+        self.timeout = timeout
+        self._ssl: ssl.SSLContext | None = None
+        # Connections kept alive between requests: a small request then costs no TCP (and
+        # no TLS) handshake. Taken by one request at a time; closed on any error.
+        self._idle: list[http.client.HTTPConnection] = []
+        self._pool_lock = threading.Lock()
+        if address.tls:
+            tls = tls or TLSOptions()
+            self._ssl = ssl.create_default_context(cafile=tls.ca_file)
+            if tls.cert_file:
+                self._ssl.load_cert_chain(tls.cert_file, tls.key_file)
+
+    def _connect(self) -> http.client.HTTPConnection:
+        if self.address.socket_path is not None:
+            return _UnixHTTPConnection(self.address.socket_path, self.timeout)
+        if self._ssl is not None:
+            return http.client.HTTPSConnection(
+                self.address.host, self.address.port, timeout=self.timeout, context=self._ssl
+            )
+        return http.client.HTTPConnection(
+            self.address.host, self.address.port, timeout=self.timeout
+        )
+
+    def _take(self) -> tuple[http.client.HTTPConnection, bool]:
+        """A kept-alive connection if one is idle (True), else a new one (False)."""
+        with self._pool_lock:
+            if self._idle:
+                return self._idle.pop(), True
+        return self._connect(), False
+
+    def release(self, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse) -> None:
+        """Keep the connection for the next request if its response was read to the end."""
+        if resp.isclosed() and not resp.will_close:
+            with self._pool_lock:
+                if len(self._idle) < IDLE_CONNECTIONS:
+                    self._idle.append(conn)
+                    return
+        conn.close()
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        body: dict | None = None,
+        extra_headers: dict[str, str] | None = None,
+        ok: tuple[int, ...] = (200,),
+    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        headers = {"accept": "application/json, application/vnd.apache.arrow.stream"}
+        headers.update(extra_headers or {})
+        if self.token:
+            headers["authorization"] = f"Bearer {self.token}"
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode()
+            headers["content-type"] = "application/json"
+        while True:
+            conn, reused = self._take()
+            try:
+                if conn.sock is None:
+                    conn.connect()
+                    if conn.sock.family != socket.AF_UNIX:  # type: ignore[attr-defined]
+                        # http.client sends headers and body in two writes; without NODELAY the
+                        # body waits for the server's delayed ACK (40 ms) when kept alive.
+                        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # type: ignore[attr-defined]
+                conn.request(method, path, body=data, headers=headers)
+                resp = conn.getresponse()
+                break
+            except ssl.SSLError as e:  # an OSError, but no outage: waiting will not fix it
+                conn.close()
+                raise TransportError(
+                    f"TLS with weightserve at {self.address.url} failed: {e}; check the CA it "
+                    "is verified with (TLSOptions.ca_file) and the client certificate"
+                ) from e
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as e:
+                conn.close()
+                if reused:
+                    continue  # the server closed an idle kept-alive connection: use a new one
+                if isinstance(e, http.client.RemoteDisconnected):
+                    # A new connection closed without an answer: not an outage (that refuses
+                    # the connection) but a TLS port spoken to in plain text, or a refused
+                    # client certificate.
+                    raise TransportError(
+                        f"weightserve at {self.address.url} closed the connection without "
+                        "answering: is it a TLS port (use https://), or does it require a "
+                        "client certificate it accepts?"
+                    ) from e
+                raise ServerUnreachable(
+                    f"cannot reach weightserve at {self.address.url}: {e}"
+                ) from e
+            except (ConnectionRefusedError, TimeoutError, OSError) as e:
+                conn.close()
+                raise ServerUnreachable(
+                    f"cannot reach weightserve at {self.address.url}: {e}"
+                ) from e
+            except http.client.HTTPException as e:
+                conn.close()
+                raise _broken_exchange(self.address, e) from e
+        if resp.status not in ok:
+            raw = resp.read()
+            conn.close()
+            raise _http_error(
+                resp.status,
+                raw,
+                f"{method} {self.address.url}{path}",
+                resp.getheader("retry-after"),
+            )
+        return conn, resp
+
+    def _json(self, path: str, missing: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The JSON at ``path``; with ``missing`` given, that instead of a 404's error."""
+        conn, resp = self._request("GET", path, ok=(200,) if missing is None else (200, 404))
+        try:
+            raw = resp.read()
+        except (OSError, http.client.HTTPException) as e:
+            conn.close()
+            raise TransportError(f"{self.address.url}{path}: {e}") from e
+        self.release(conn, resp)
+        return json.loads(raw) if resp.status == 200 else dict(missing or {})
+
+    def list_models(self) -> dict[str, Any]:
+        return self._json("/v1/models")
+
+    def server_info(self) -> dict[str, Any]:
+        """The server's data planes (``GET /v1/server``); {} from a server without it."""
+        return self._json("/v1/server", missing={})
+
+    def model_info(self, model: str) -> dict[str, Any]:
+        return self._json(http_model_path(model))
+
+    def open_stream(self, model: str, params: StreamParams) -> ByteSource:
+        if (
+            params.names is not None
+            and len(params.names) == 1
+            and params.shard is None
+            and params.resume_tensor is None
+            and params.chunk_bytes is None
+        ):
+            # One whole tensor: its own GET route, which the server answers on its fastest
+            # path (service/transports/http/app.py, TensorLane), where a stream request is a JSON POST.
+            path = http_model_path(model, "tensors", params.names[0])
+            if params.revision:
+                path += "?" + urlencode({"revision": params.revision})
+            conn, resp = self._request("GET", path)
+            return _HttpSource(self, conn, resp)
+        body: dict[str, Any] = {
+            "names": list(params.names) if params.names is not None else None,
+            "prefix": params.prefix,
+            "axis": params.axis,
+            "resume_tensor": params.resume_tensor,
+            "resume_offset": params.resume_offset,
+            "revision": params.revision,
+        }
+        if params.shard:
+            body["shard"] = f"{params.shard[0]}/{params.shard[1]}"
+        if params.chunk_bytes:
+            body["chunk_bytes"] = params.chunk_bytes
+        conn, resp = self._request("POST", http_model_path(model, "stream"), body)
+        return _HttpSource(self, conn, resp)
+
+    def open_chunks(self, model: str, params: StreamParams) -> ChunkReader:
+        return ArrowChunkReader(self.open_stream(model, params))
+
+    def list_files(self, model: str) -> dict[str, Any]:
+        """``{id, revision, commit, files: [{name, size, etag}]}``: the model's repository."""
+        return self._json(http_model_path(model, "files"))
+
+    def open_file(
+        self,
+        model: str,
+        name: str,
+        offset: int = 0,
+        length: int | None = None,
+        revision: str | None = None,
+    ) -> FileSource:
+        """The bytes of one file of the model from ``offset`` (``length`` bytes, None: to
+        the end), through an HTTP Range request; ``revision`` fails the request with
+        RevisionMismatch once the model is at another one."""
+        if offset < 0 or (length is not None and length < 0):
+            raise ValueError(f"offset ({offset}) and length ({length}) must be >= 0")
+        path = http_model_path(model, "files", name)
+        if revision:
+            path += "?" + urlencode({"revision": revision})
+        headers = {}
+        if offset or length is not None:
+            last = "" if length is None else str(offset + length - 1)
+            headers["range"] = f"bytes={offset}-{last}"
+        if length == 0:  # no Range says "no bytes": ask for the headers alone
+            conn, resp = self._request("HEAD", path, ok=(200,))
+            resp.read()
+            self.release(conn, resp)
+            return _HttpFileSource(self, conn, resp, offset, 0, empty=True)
+        conn, resp = self._request("GET", path, extra_headers=headers, ok=(200, 206, 416))
+        if resp.status == 416:
+            # Asking from the very end of a file is a finished download, not an error.
+            raw = resp.read()
+            conn.close()
+            size = (resp.getheader("content-range") or "").rpartition("/")[2]
+            if size.isdigit() and int(size) == offset:
+                return _HttpFileSource(self, conn, resp, offset, 0, empty=True)
+            raise _http_error(resp.status, raw, f"GET {self.address.url}{path}")
+        if resp.status == 200 and offset:
+            # The server ignored the range (it may: RFC 9110); never hand out wrong bytes.
+            resp.close()
+            conn.close()
+            raise TransportError(
+                f"GET {self.address.url}{path}: asked for bytes from {offset}, the server "
+                "answered with the whole file"
+            )
+        return _HttpFileSource(self, conn, resp, offset, int(resp.getheader("content-length", 0)))
+
+    def receiving(self, nbytes: int) -> AbstractContextManager[None]:
+        """Around a load of ``nbytes``: nothing to prepare, data lands in place."""
+        return contextlib.nullcontext()
+
+    def close(self) -> None:
+        with self._pool_lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP/1.1 over a Unix socket (a server's ``--uds``): same requests, no TCP."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.socket_path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.socket_path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+class _HttpSource:
+    def __init__(
+        self,
+        transport: HttpTransport,
+        conn: http.client.HTTPConnection,
+        resp: http.client.HTTPResponse,
+    ) -> None:
+        self.transport, self.conn, self.resp = transport, conn, resp
+        self.where = transport.address.url
+        self.closed = False
+
+    def readinto(self, view: memoryview) -> int:
+        try:
+            return self.resp.readinto(view)
+        except (OSError, http.client.HTTPException) as e:
+            raise TransportError(f"stream from {self.where} broke: {e!r}") from e
+
+    def close(self) -> None:
+        if self.closed:  # a second close must not pool the connection twice
+            return
+        self.closed = True
+        # Read to its end (the receiver stops at the end marker, the last byte): keep the
+        # connection; cut short: close it, the rest of the body is not worth reading.
+        if self.resp.isclosed():
+            self.transport.release(self.conn, self.resp)
+        else:
+            self.resp.close()
+            self.conn.close()
+
+
+class _HttpFileSource(_HttpSource):
+    """A file's bytes from a 200 or 206 answer, with what its headers say about the file."""
+
+    def __init__(
+        self,
+        transport: HttpTransport,
+        conn: http.client.HTTPConnection,
+        resp: http.client.HTTPResponse,
+        offset: int,
+        length: int,
+        empty: bool = False,
+    ) -> None:
+        super().__init__(transport, conn, resp)
+        self.offset, self.length, self.empty = offset, length, empty
+        self.closed = empty  # the answer was read already (and its connection released)
+        self.etag = (resp.getheader("etag") or "").removeprefix("W/").strip('"')
+        self.revision = resp.getheader("x-weightserve-revision") or ""
+        total = (resp.getheader("content-range") or "").rpartition("/")[2]
+        if total.isdigit():
+            self.size = int(total)
+        elif resp.status == 200 and resp.getheader("content-length", "").isdigit():
+            self.size = int(resp.getheader("content-length", "0"))
+        else:
+            self.size = offset
+
+    def readinto(self, view: memoryview) -> int:
+        return 0 if self.empty else super().readinto(view)
+
+
+def _retry_after_seconds(value: str | None) -> float | None:
+    """An HTTP ``Retry-After`` value (seconds, or an HTTP date) in seconds from now."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return max(0.0, (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds())
+
+
+def _broken_exchange(address: ServerAddress, e: http.client.HTTPException) -> WeightserveError:
+    """What a reply that is not HTTP/1.x means: WrongTransport when it is the first frame of
+    an HTTP/2 server (a SETTINGS frame, type 4, on stream 0), which is what a gRPC or Arrow
+    Flight port answers; TransportError otherwise."""
+    line = getattr(e, "line", "")  # http.client.BadStatusLine: the reply's first line, latin-1
+    head = line[:9].encode("latin-1", errors="replace") if isinstance(line, str) else b""
+    if len(head) == 9 and head[3] == 0x04 and head[5:] == b"\0\0\0\0":
+        grpc_url = ServerAddress("grpc", address.tls, address.host, address.port).url
+        return WrongTransport(
+            f"{address.url} answered in HTTP/2 only: this is a gRPC port; use {grpc_url} "
+            f"(a model: {grpc_url}/MODEL), or the server's HTTP port for http:// URLs"
+        )
+    return TransportError(f"{address.url}: broken HTTP exchange: {e}")
+
+
+def _http_error(
+    status: int, raw: bytes, what: str, retry_after: str | None = None
+) -> WeightserveError:
+    hint = _retry_after_seconds(retry_after)
+    try:
+        err = json.loads(raw)["error"]
+        return error_from_wire(err["type"], err["message"], hint)
+    except (ValueError, KeyError, TypeError):
+        text = raw[:200].decode(errors="replace")
+        if status == 429 and hint is not None:  # a proxy's rate limit: temporary
+            return ResourceExhausted(f"{what}: HTTP 429: {text}", retry_after=hint)
+        if status >= 500:
+            return TransportError(f"{what}: HTTP {status}: {text}")
+        return WeightserveError(f"{what}: HTTP {status}: {text}")

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from weightserve.service.config import SETTINGS_BY_DEST, ConfigError, apply_environment
+from weightserve.service.logs import configure_logging
 from weightserve.service.serving.state import Limits
 from weightserve.service.sources.local import GGUF_SUFFIXES, PYTORCH_SUFFIXES, SAFETENSORS_SUFFIXES
 from weightserve.service.sources.origin import OriginCatalog
@@ -43,10 +44,7 @@ def run_serve(args: argparse.Namespace) -> int:
         apply_environment(args)
     except ConfigError as e:
         return _cannot_start(str(e))
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format='{"time":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","message":"%(message)s"}',
-    )
+    configure_logging(args.log_level)
     # Handlers first: a SIGTERM that arrives right after "ready" must still drain cleanly.
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -24,9 +24,10 @@ from weightserve.client.errors import (
     RevisionMismatch,
 )
 from weightserve.client.wire.dtypes import wire_dtype
-from weightserve.client.wire.schema import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, ChunkHeader
+from weightserve.client.wire.schema import ChunkHeader
 from weightserve.service.readers.base import TensorEntry
 from weightserve.service.serving.arrow_writer import END_OF_STREAM, chunk_message, schema_message
+from weightserve.service.serving.request import Shard, TensorRequest
 from weightserve.service.sources.local import Model
 
 # GGML block geometry: elements per block and bytes per block, from the gguf package.
@@ -36,47 +37,6 @@ try:
     _BLOCKS = {t.name: GGML_QUANT_SIZES[t] for t in GGMLQuantizationType if t in GGML_QUANT_SIZES}
 except ImportError:  # pragma: no cover - gguf is a server dependency
     _BLOCKS = {}
-
-
-@dataclass(frozen=True)
-class Shard:
-    """Part ``index`` of ``count`` along ``axis`` (numpy.array_split semantics)."""
-
-    index: int
-    count: int
-    axis: int = 0
-
-    def __post_init__(self) -> None:
-        if self.count < 1 or not 0 <= self.index < self.count:
-            raise InvalidRequest(f"shard {self.index}/{self.count}: need 0 <= index < count")
-        if self.axis < 0:
-            raise InvalidRequest(f"shard axis must be >= 0, got {self.axis}")
-
-    def bounds(self, length: int) -> tuple[int, int]:
-        base, extra = divmod(length, self.count)
-        start = self.index * base + min(self.index, extra)
-        return start, start + base + (1 if self.index < extra else 0)
-
-
-@dataclass(frozen=True)
-class TensorRequest:
-    """What a client asked for, parsed from HTTP query/JSON or a gRPC message."""
-
-    names: tuple[str, ...] | None = None
-    prefix: str | None = None
-    shard: Shard | None = None
-    resume_tensor: str | None = None
-    resume_offset: int = 0
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    revision: str | None = None
-
-    def __post_init__(self) -> None:
-        if (self.names is None) == (self.prefix is None):
-            raise InvalidRequest("ask for either a list of tensor names or a prefix")
-        if not 0 < self.chunk_bytes <= MAX_CHUNK_BYTES:
-            raise InvalidRequest(f"chunk_bytes must be in 1..{MAX_CHUNK_BYTES}")
-        if self.resume_offset < 0:
-            raise InvalidRequest("resume_offset must be >= 0")
 
 
 @dataclass(frozen=True)

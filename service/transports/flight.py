@@ -31,10 +31,8 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.flight as flight
-from google.protobuf.message import DecodeError
 
 from weightserve.client.errors import (
-    InvalidRequest,
     ModelUnavailable,
     WeightserveError,
     status_for,
@@ -46,19 +44,17 @@ from weightserve.client.transports.flight import (
     LEAN_SCHEMA,
     encode_chunk_header,
 )
-from weightserve.client.wire.proto.weightserve.v1 import weightserve_pb2 as pb
-from weightserve.client.wire.schema import TENSOR_SCHEMA, ChunkHeader
+from weightserve.client.wire.schema import DEFAULT_CHUNK_BYTES, TENSOR_SCHEMA, ChunkHeader
 from weightserve.service.serving.auth import authorize
+from weightserve.service.serving.request import from_proto, from_ticket
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.serving.streams import stream_chunks
 from weightserve.service.sources.local import Model
-from weightserve.service.transports.grpc import peer_host, request_from_proto
+from weightserve.service.transports.grpc import peer_host
 
 log = logging.getLogger("weightserve.flight")
 
 _SHAPE_TYPE = TENSOR_SCHEMA.field("shape").type
-# Requests are a few names or a prefix; a ticket this large is not a tensor request.
-MAX_TICKET_BYTES = 16 << 20
 
 _FLIGHT_ERRORS = {
     "UNAUTHENTICATED": flight.FlightUnauthenticatedError,
@@ -204,18 +200,11 @@ class FlightService(flight.FlightServerBase):
         state = self.state
         started = time.perf_counter()
         try:
-            if len(ticket.ticket) > MAX_TICKET_BYTES:
-                raise InvalidRequest(f"ticket of {len(ticket.ticket)} bytes is too large")
-            try:
-                message = pb.TensorRequest.FromString(ticket.ticket)
-            except DecodeError:
-                raise InvalidRequest("the ticket is not a weightserve.v1.TensorRequest") from None
+            message = from_ticket(ticket.ticket)
             call = context.get_middleware("auth")
             access = authorize(state.tokens, call.header)
             model = state.readable_model(access, message.model)
-            if call.lean and not message.chunk_bytes:
-                message.chunk_bytes = LEAN_CHUNK_BYTES
-            request = request_from_proto(message)
+            request = from_proto(message, LEAN_CHUNK_BYTES if call.lean else DEFAULT_CHUNK_BYTES)
             client = access.client_key(peer_host(context.peer()))
             planned, slot = state.begin_stream(model, request, "flight", client)
         except WeightserveError as e:

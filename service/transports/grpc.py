@@ -24,19 +24,14 @@ from grpc_reflection.v1alpha import reflection
 
 from weightserve.client.errors import InvalidRequest, WeightserveError, status_for
 from weightserve.client.wire.proto.weightserve.v1 import weightserve_pb2 as pb
-from weightserve.client.wire.schema import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
+from weightserve.client.wire.schema import MAX_CHUNK_BYTES
 from weightserve.service.serving import files
 from weightserve.service.serving import views as models_view
 from weightserve.service.serving.arrow_writer import END_OF_STREAM
 from weightserve.service.serving.auth import Access, authorize
+from weightserve.service.serving.request import from_proto
 from weightserve.service.serving.state import ServiceState
-from weightserve.service.serving.streams import (
-    Shard,
-    TensorRequest,
-    plan_stream,
-    stream_chunks,
-    stream_messages,
-)
+from weightserve.service.serving.streams import plan_stream, stream_chunks, stream_messages
 from weightserve.service.serving.views import server_version
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WeightService"].full_name
@@ -78,37 +73,6 @@ def _abort(context: grpc.ServicerContext, exc: WeightserveError) -> None:
         trailing.append((RETRY_PUSHBACK_KEY, str(round(exc.retry_after * 1000))))
     context.set_trailing_metadata(tuple(trailing))
     context.abort(getattr(grpc.StatusCode, code), str(exc))
-
-
-def request_from_proto(msg: pb.TensorRequest) -> TensorRequest:
-    """The request a TensorRequest message (StreamTensors, or a Flight ticket) asks for.
-
-    ``use_prefix`` chooses between ``names`` and ``prefix``; a field the choice would ignore
-    is refused rather than dropped, so a forgotten flag is an error, not an empty stream.
-    """
-    if msg.use_prefix and msg.names:
-        raise InvalidRequest(
-            f"the request lists {len(msg.names)} tensor names and also sets use_prefix; "
-            "send either names (with use_prefix false) or a prefix (with use_prefix true)"
-        )
-    if not msg.use_prefix and msg.prefix:
-        also = " and leave names empty" if msg.names else ""
-        raise InvalidRequest(
-            f"the request has prefix {msg.prefix!r} but use_prefix is false, which selects "
-            f"by names only; set use_prefix to true to stream the tensors under the prefix{also}"
-        )
-    shard = None
-    if msg.shard_count > 1:
-        shard = Shard(msg.shard_index, msg.shard_count, msg.shard_axis)
-    return TensorRequest(
-        names=tuple(msg.names) if not msg.use_prefix else None,
-        prefix=msg.prefix if msg.use_prefix else None,
-        shard=shard,
-        resume_tensor=msg.resume_tensor or None,
-        resume_offset=msg.resume_offset,
-        chunk_bytes=msg.chunk_bytes or DEFAULT_CHUNK_BYTES,
-        revision=msg.revision or None,
-    )
 
 
 def peer_host(peer: str) -> str:
@@ -252,7 +216,7 @@ class WeightService:
         state = self.state
         access = self._access(context)
         model = state.readable_model(access, request.request.model)
-        asked = request_from_proto(request.request)
+        asked = from_proto(request.request)
         if asked.names is None or len(asked.names) != 1:
             raise InvalidRequest(
                 "GetTensor sends one tensor: give exactly one name (use_prefix false); "
@@ -373,7 +337,7 @@ class WeightService:
         try:
             access = self._access(context)
             model = state.readable_model(access, request.model)
-            tensor_request = request_from_proto(request)
+            tensor_request = from_proto(request)
             planned, slot = state.begin_stream(
                 model, tensor_request, "grpc", access.client_key(peer_host(context.peer()))
             )

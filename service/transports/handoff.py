@@ -44,8 +44,9 @@ from weightserve.client.wire.handoff import (
 )
 from weightserve.client.wire.schema import DEFAULT_CHUNK_BYTES
 from weightserve.service.serving.auth import authorize
+from weightserve.service.serving.request import from_handoff
 from weightserve.service.serving.state import ServiceState
-from weightserve.service.serving.streams import Shard, TensorRequest, plan_stream, stream_chunks
+from weightserve.service.serving.streams import plan_stream, stream_chunks
 from weightserve.service.serving.views import server_version
 
 log = logging.getLogger("weightserve.handoff")
@@ -61,32 +62,6 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
     pid, uid, gid = _PEERCRED.unpack(raw)
     return pid, uid, gid
-
-
-def _request_from(message: dict[str, Any]) -> TensorRequest:
-    names = message.get("names")
-    prefix = message.get("prefix")
-    shard = message.get("shard")
-    if names is not None and (
-        not isinstance(names, list) or not all(isinstance(n, str) for n in names)
-    ):
-        raise InvalidRequest("names must be a list of strings")
-    if prefix is not None and not isinstance(prefix, str):
-        raise InvalidRequest("prefix must be a string")
-    if shard is not None:
-        if not (isinstance(shard, list) and len(shard) == 2 and all(type(x) is int for x in shard)):
-            raise InvalidRequest("shard must be [index, count]")
-        axis = message.get("axis", 0)
-        if type(axis) is not int:
-            raise InvalidRequest("axis must be an integer")
-        shard = Shard(shard[0], shard[1], axis)
-    revision = message.get("revision")
-    return TensorRequest(
-        names=tuple(names) if names is not None else None,
-        prefix=prefix,
-        shard=shard,
-        revision=revision if isinstance(revision, str) and revision else None,
-    )
 
 
 class _Handler(socketserver.BaseRequestHandler):
@@ -223,7 +198,7 @@ class HandoffServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         if not isinstance(model_id, str):
             raise InvalidRequest("a handoff names a model")
         model = state.readable_model(access, model_id)
-        request = _request_from(message)
+        request = from_handoff(message)
         planned = plan_stream(model, request, state.limits.max_names)
         in_files = [p for p in planned if p.byte_offset is not None]
         # Empty tensors need no file (an empty file has no mapping to pass on).

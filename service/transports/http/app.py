@@ -36,31 +36,18 @@ from weightserve.client.errors import (
     status_for,
 )
 from weightserve.client.wire.schema import ARROW_STREAM_MEDIA_TYPE, DEFAULT_CHUNK_BYTES
+from weightserve.service.serving import request as requests
 from weightserve.service.serving import views as models_view
 from weightserve.service.serving.auth import Access, authorize
+from weightserve.service.serving.request import TensorRequest
 from weightserve.service.serving.state import ServiceState
-from weightserve.service.serving.streams import (
-    Shard,
-    TensorRequest,
-    stream_length,
-    stream_messages,
-)
+from weightserve.service.serving.streams import stream_length, stream_messages
 from weightserve.service.serving.views import server_version
 from weightserve.service.transports.http import browser as web_app
 from weightserve.service.transports.http.docs import add_offline_docs
 from weightserve.service.transports.http.routes import Target, get_and_head, resolve_legacy
 
 log = logging.getLogger("weightserve.http")
-
-
-def parse_shard(shard: str | None, axis: int) -> Shard | None:
-    if not shard:
-        return None
-    try:
-        index, count = (int(x) for x in shard.split("/"))
-    except ValueError:
-        raise InvalidRequest(f"shard must look like 'k/n' (e.g. 0/4), got {shard!r}") from None
-    return Shard(index, count, axis)
 
 
 class StreamBody(BaseModel):
@@ -841,26 +828,6 @@ def create_app(state: ServiceState) -> FastAPI:
             and catalog.answers_now(model_id)
         )
 
-    def query_request(
-        name: list[str] | None = None,
-        prefix: str | None = None,
-        shard: str | None = None,
-        axis: int = 0,
-        resume_tensor: str | None = None,
-        resume_offset: int = 0,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        revision: str | None = None,
-    ) -> TensorRequest:
-        return TensorRequest(
-            names=tuple(name) if name else None,
-            prefix=prefix if not name else None,
-            shard=parse_shard(shard, axis),
-            resume_tensor=resume_tensor,
-            resume_offset=resume_offset,
-            chunk_bytes=chunk_bytes,
-            revision=revision,
-        )
-
     @get_and_head(app, "/v1/models/{model:model_id}/-/stream", **ARROW_ROUTE)
     async def stream_get(
         http: Request,
@@ -877,7 +844,7 @@ def create_app(state: ServiceState) -> FastAPI:
         revision: str | None = None,
     ) -> Response:
         """Tensor data as an Arrow IPC stream: by name list or by prefix."""
-        request = query_request(
+        request = requests.from_http(
             name, prefix, shard, axis, resume_tensor, resume_offset, chunk_bytes, revision
         )
         return await stream_response(http, model, request)
@@ -887,15 +854,7 @@ def create_app(state: ServiceState) -> FastAPI:
         http: Request, model: str, body: Annotated[StreamBody, Body()]
     ) -> Response:
         """The same stream, with the request in a JSON body (long name lists)."""
-        request = TensorRequest(
-            names=tuple(body.names) if body.names is not None else None,
-            prefix=body.prefix if body.names is None else None,
-            shard=parse_shard(body.shard, body.axis),
-            resume_tensor=body.resume_tensor,
-            resume_offset=body.resume_offset,
-            chunk_bytes=body.chunk_bytes,
-            revision=body.revision,
-        )
+        request = requests.from_http(**body.model_dump())
         return await stream_response(http, model, request)
 
     @get_and_head(app, "/v1/models/{model:model_id}/-/tensors/{name:path}", **ARROW_ROUTE)
@@ -909,7 +868,7 @@ def create_app(state: ServiceState) -> FastAPI:
     ) -> Response:
         """One tensor as an Arrow IPC stream (the name may hold `/`; percent-encode `%`, `?`,
         `#` and spaces)."""
-        request = TensorRequest(names=(name,), shard=parse_shard(shard, axis), revision=revision)
+        request = requests.from_http([name], shard=shard, axis=axis, revision=revision)
         return await stream_response(http, model, request)
 
     web_app.add_browser_routes(app, state, access)  # the page at / and its stats route
@@ -935,12 +894,15 @@ def create_app(state: ServiceState) -> FastAPI:
         if target.kind == "model":
             return model_info(target.model, http)
         if target.kind == "tensor":
-            shard = parse_shard(stream_query.get("shard"), stream_query.get("axis", 0))
-            request = TensorRequest(
-                names=(target.tensor or "",), shard=shard, revision=stream_query.get("revision")
+            # The tensor's own route takes only these (from either old form).
+            request = requests.from_http(
+                [target.tensor or ""],
+                shard=stream_query.get("shard"),
+                axis=stream_query.get("axis", 0),
+                revision=stream_query.get("revision"),
             )
             return start_stream(http, target.model, request)
-        return start_stream(http, target.model, query_request(**stream_query))
+        return start_stream(http, target.model, requests.from_http(**stream_query))
 
     @get_and_head(app, "/v1/models/{model:path}/stream", deprecated=True, **ARROW_ROUTE)
     def legacy_stream_get(
@@ -961,7 +923,7 @@ def create_app(state: ServiceState) -> FastAPI:
             http,
             f"{model}/stream",
             Target("stream", model),
-            name=name,
+            names=name,
             prefix=prefix,
             shard=shard,
             axis=axis,

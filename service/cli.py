@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from weightserve.service.config import SETTINGS_BY_DEST, ConfigError, apply_environment
 from weightserve.service.logs import configure_logging
 from weightserve.service.serving.state import Limits
-from weightserve.service.sources.local import GGUF_SUFFIXES, PYTORCH_SUFFIXES, SAFETENSORS_SUFFIXES
+from weightserve.service.sources.layout import GGUF_SUFFIXES, PYTORCH_SUFFIXES, SAFETENSORS_SUFFIXES
 from weightserve.service.sources.origin import OriginCatalog
 
 if TYPE_CHECKING:

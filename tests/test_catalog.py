@@ -17,7 +17,10 @@ from tests import fixtures_gguf as gx
 from tests import fixtures_safetensors as fx
 from weightserve.client.errors import InvalidRequest, ModelNotFound, ModelUnavailable
 from weightserve.service.readers.errors import BadMagic, TruncatedFile
-from weightserve.service.sources.local import Catalog, MappedFile, validate_model_id
+from weightserve.service.sources.chunk_digests import ChunkDigests, DigestBudget
+from weightserve.service.sources.layout import validate_model_id
+from weightserve.service.sources.local import Catalog
+from weightserve.service.sources.mapped import MappedFile
 
 try:
     from tests import fixtures_torch as tx
@@ -466,14 +469,10 @@ def test_chunk_digests_are_computed_once_per_mapping(tmp_path: Path, monkeypatch
 
     import xxhash
 
-    from weightserve.service.sources import local as catalog_module
-
-    monkeypatch.setattr(catalog_module, "MIN_CACHED_CHUNK", 1024)
-    monkeypatch.setattr(catalog_module, "DIGEST_BUDGET", catalog_module._DigestBudget())
-    budget = catalog_module.DIGEST_BUDGET
+    budget = DigestBudget(limit=5)
     path = tmp_path / "blob.bin"
     path.write_bytes(bytes(range(256)) * 64)
-    mapped = MappedFile(path)
+    mapped = MappedFile(path, digests=ChunkDigests(budget, min_chunk=1024))
     view = mapped.view()
     calls: list[int] = []
     real = xxhash.xxh3_64_intdigest
@@ -482,7 +481,7 @@ def test_chunk_digests_are_computed_once_per_mapping(tmp_path: Path, monkeypatch
         calls.append(len(data))
         return real(data)
 
-    monkeypatch.setattr(catalog_module.xxhash, "xxh3_64_intdigest", counting)
+    monkeypatch.setattr(xxhash, "xxh3_64_intdigest", counting)
     first = mapped.digest(1024, view[1024:5120])
     assert first == real(bytes(view[1024:5120]))
     assert mapped.digest(1024, view[1024:5120]) == first  # cached: no second read
@@ -493,10 +492,9 @@ def test_chunk_digests_are_computed_once_per_mapping(tmp_path: Path, monkeypatch
     assert calls == [4096, 1024, 512, 512]
     assert budget.used == 2
     path.write_bytes(b"\xff" * (256 * 64))  # replaced: a new mapping, new digests
-    renewed = MappedFile(path)
+    renewed = MappedFile(path, digests=ChunkDigests(budget, min_chunk=1024))
     assert renewed.digest(1024, renewed.view()[1024:5120]) == real(b"\xff" * 4096)
     assert budget.used == 3
-    monkeypatch.setattr(catalog_module, "MAX_CACHED_DIGESTS", 5)
     for start in range(0, 16384, 1024):
         renewed.digest(start, renewed.view()[start : start + 1024])
     assert budget.used == 5  # the shared budget bounds every mapping together

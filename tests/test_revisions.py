@@ -35,7 +35,8 @@ from weightserve.client._client import FetchOptions
 from weightserve.client.errors import WeightserveError
 from weightserve.service.server import ServerConfig, WeightServer
 from weightserve.service.sources.local import Catalog
-from weightserve.service.sources.revisions import DigestStore, file_stamp
+from weightserve.service.sources.revisions import DigestStore
+from weightserve.service.sources.stamps import file_stamp
 
 
 @pytest.fixture(autouse=True)

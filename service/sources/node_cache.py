@@ -40,7 +40,7 @@ from weightserve.client.errors import (
     ResourceExhausted,
     WeightserveError,
 )
-from weightserve.service.sources.local import SPLIT_GGUF_NAME
+from weightserve.service.sources.layout import SPLIT_GGUF_NAME
 
 if TYPE_CHECKING:
     from weightserve.service.sources.origins import Origin, OriginFile

@@ -31,7 +31,8 @@ from weightserve.client.errors import (
     OriginUnavailable,
 )
 from weightserve.client.wire.routes import RESERVED_PART
-from weightserve.service.sources.local import (
+from weightserve.service.sources.base import Problem
+from weightserve.service.sources.layout import (
     GGUF_SUFFIXES,
     ID_SEPARATORS,
     PYTORCH_SUFFIXES,
@@ -40,11 +41,10 @@ from weightserve.service.sources.local import (
     SPLIT_GGUF_NAME,
     TRAINER_FILES,
     WEIGHT_SUFFIXES,
-    Catalog,
-    Model,
-    Problem,
     validate_model_id,
 )
+from weightserve.service.sources.local import Catalog
+from weightserve.service.sources.model import Model
 from weightserve.service.sources.node_cache import NodeCache
 from weightserve.service.sources.origins import Origin, OriginFile
 from weightserve.service.sources.revisions import DigestStore

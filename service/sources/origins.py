@@ -43,7 +43,7 @@ from weightserve.client.errors import (
 from weightserve.client.transports.base import TLSOptions
 from weightserve.client.transports.http import HttpTransport
 from weightserve.client.wire.routes import parse_url
-from weightserve.service.sources.local import SPLIT_GGUF_NAME
+from weightserve.service.sources.layout import SPLIT_GGUF_NAME
 
 log = logging.getLogger("weightserve.service")
 

@@ -25,18 +25,12 @@ from pathlib import Path
 
 import xxhash
 
-log = logging.getLogger("weightserve.revisions")
+from weightserve.service.sources.stamps import FileStamp, file_stamp
 
-# st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns: any write, truncation, rename over or
-# chmod changes one of them (ctime catches a write that restores the old mtime).
-FileStamp = tuple[int, int, int, int, int]
+log = logging.getLogger("weightserve.revisions")
 
 HASH_BLOCK = 16 << 20  # bytes hashed per step: big enough to run at memory speed
 REVISION_CHARS = 16
-
-
-def file_stamp(st: os.stat_result) -> FileStamp:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 class FileChanged(OSError):
@@ -49,7 +43,7 @@ def hash_file(path: Path, stamp: FileStamp) -> str:
     with open(path, "rb") as f:
         if file_stamp(os.fstat(f.fileno())) != stamp:
             raise FileChanged(f"{path.name} changed before it could be hashed")
-        if stamp[2]:
+        if stamp.size:
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
                 view = memoryview(mapped)
                 try:

@@ -26,12 +26,13 @@ from weightserve.client.errors import (
     InvalidRequest,
     ModelNotFound,
     ModelUnavailable,
+    ResourceExhausted,
     RevisionMismatch,
     ServerUnreachable,
     TensorNotFound,
 )
 from weightserve.client.transports.base import StreamParams
-from weightserve.client.transports.flight import FlightPool
+from weightserve.client.transports.flight import FlightPool, translate
 from weightserve.client.wire.proto.weightserve.v1 import weightserve_pb2 as pb
 from weightserve.client.wire.schema import TENSOR_SCHEMA
 from weightserve.service.server import ServerConfig, WeightServer
@@ -390,3 +391,18 @@ def test_a_failed_start_leaves_nothing_listening(tmp_path: Path) -> None:
     assert srv.http_port
     with socket.socket() as probe:  # the HTTP listener was closed again
         eventually(lambda: probe.connect_ex(("127.0.0.1", srv.http_port)) != 0, 5, "closed")
+
+
+@pytest.mark.parametrize(
+    "detail",
+    [
+        {"type": "ResourceExhausted", "message": "4 streams open", "retry_after": 1.5},
+        # A server from before the one error shape named the class under "error".
+        {"error": "ResourceExhausted", "message": "4 streams open", "retry_after": 1.5},
+    ],
+)
+def test_extra_info_names_the_servers_class(detail: dict) -> None:
+    raised = flight.FlightUnavailableError("busy", extra_info=json.dumps(detail).encode())
+    error = translate(raised, "grpc+tcp://127.0.0.1:1")
+    assert type(error) is ResourceExhausted
+    assert str(error) == "4 streams open" and error.retry_after == 1.5

@@ -17,6 +17,7 @@ import shutil
 import socket
 import struct
 import tempfile
+import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,12 +29,14 @@ from safetensors.numpy import load_file, save_file
 from tests.conftest import ModelRoot
 from weightserve.client._client import Client, FetchOptions
 from weightserve.client.errors import (
+    ModelFilling,
     PermissionDenied,
     RevisionMismatch,
     TransportError,
     Unauthenticated,
 )
 from weightserve.client.transports.handoff import HandoffClient, handoff_socket_path
+from weightserve.client.wire.handoff import encode_frame, read_frame
 from weightserve.service.server import ServerConfig, WeightServer
 
 
@@ -460,4 +463,37 @@ def test_more_files_than_one_message_carries(tmp_path: Path) -> None:
             for i in range(300):
                 assert (got[f"layer.{i}.w"] == i).all(), i
     finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        {"type": "ModelFilling", "message": "copying 3 of 7 files", "retry_after": 2.5},
+        # A server from before the one error shape named the class under "class".
+        {"class": "ModelFilling", "message": "copying 3 of 7 files", "retry_after": 2.5},
+    ],
+)
+def test_an_error_frame_raises_the_servers_class(error: dict) -> None:
+    directory = socket_dir()
+    path = f"{directory}/h.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+
+    def answer() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            read_frame(conn)
+            conn.sendall(encode_frame({"error": error}))
+
+    answering = threading.Thread(target=answer)
+    answering.start()
+    try:
+        with pytest.raises(ModelFilling, match="copying 3 of 7 files") as raised:
+            HandoffClient(path, timeout=5).hello()
+        assert raised.value.retry_after == 2.5
+    finally:
+        answering.join(5)
+        listener.close()
         shutil.rmtree(directory, ignore_errors=True)

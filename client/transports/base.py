@@ -11,11 +11,12 @@ errors. This module holds the protocol and what the transports share.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from weightserve.client.wire.errors import WireError
 from weightserve.client.wire.routes import ServerAddress
 from weightserve.client.wire.schema import ChunkHeader
 
@@ -114,3 +115,15 @@ class TLSOptions:
 def bearer_token(token: str | None) -> str | None:
     """The token given, else ``WEIGHTSERVE_TOKEN``, else None."""
     return token if token is not None else os.environ.get("WEIGHTSERVE_TOKEN") or None
+
+
+def wire_error_from_json(fields: object, older_class_key: str) -> WireError | None:
+    """The error in a JSON error object (Flight's ``extra_info``, a handoff error frame), or
+    None when it holds none."""
+    found = WireError.from_json(fields)
+    # Servers from before the one error shape named the class under another key ("error" in
+    # Flight's extra_info, "class" in handoff frames): still read, so that a client newer
+    # than its server raises the same class.
+    if found is None and isinstance(fields, Mapping) and older_class_key in fields:
+        found = WireError.from_json({**fields, "type": fields[older_class_key]})
+    return found

@@ -28,12 +28,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from weightserve.client.errors import (
-    ServerUnreachable,
-    TransportError,
-    WeightserveError,
-    error_from_wire,
-)
+from weightserve.client.errors import ServerUnreachable, TransportError, WeightserveError
+from weightserve.client.transports.base import wire_error_from_json
 from weightserve.client.wire.schema import FIELD_NAMES, ChunkHeader
 
 # Lean batches: asked for with this call header; without it a server sends TENSOR_SCHEMA rows.
@@ -125,14 +121,10 @@ def translate(e: flight.FlightError, url: str) -> WeightserveError:
     try:
         detail = json.loads(e.extra_info or b"{}")
     except ValueError:
-        detail = {}
-    if isinstance(detail, dict) and "error" in detail:
-        hint = detail.get("retry_after")
-        return error_from_wire(
-            str(detail["error"]),
-            str(detail.get("message", "")),
-            float(hint) if isinstance(hint, (int, float)) else None,
-        )
+        detail = None
+    found = wire_error_from_json(detail, older_class_key="error")
+    if found is not None:
+        return found.exception()
     message = str(e).split(". Detail:", 1)[0]
     if isinstance(e, flight.FlightUnavailableError) and "connect" in message.lower():
         return ServerUnreachable(f"cannot reach the Flight endpoint {url}: {message}")

@@ -19,7 +19,6 @@ from weightserve.client.errors import (
     TransportError,
     WeightserveError,
     WrongTransport,
-    error_from_wire,
 )
 from weightserve.client.receive.arrow_reader import ArrowChunkReader
 from weightserve.client.transports.base import (
@@ -32,8 +31,9 @@ from weightserve.client.transports.base import (
     bearer_token,
 )
 from weightserve.client.transports.malloc import steady_heap
+from weightserve.client.wire.errors import RETRY_PUSHBACK_KEY, WireError, pushback_seconds
 from weightserve.client.wire.routes import ServerAddress
-from weightserve.client.wire.schema import ChunkHeader
+from weightserve.client.wire.schema import MAX_GRPC_MESSAGE_BYTES, ChunkHeader
 
 if TYPE_CHECKING:
     from weightserve.client.transports.flight import FlightPool
@@ -47,10 +47,6 @@ STEADY_HEAP_BYTES = 16 << 20
 # call on the channel, where a Flight DoGet or a StreamTensors stream costs more per request
 # (a 3.5 KB tensor: p50 0.73 ms against 0.85 ms over DoGet, measured on a loaded machine).
 UNARY_TENSOR_BYTES = 1 << 20
-MAX_GRPC_MESSAGE = (64 << 20) + (1 << 20)
-# gRPC's standard trailer for "retry after this many milliseconds" (the server sets it on
-# temporary refusals; grpc's own retry policy reads the same key).
-RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 # grpc core's words (UNAVAILABLE details) for a connection that was made and then refused:
 # a failed TLS handshake, or a TLS server closing a plain-text connection.
 _NOT_AN_OUTAGE = re.compile(r"handshake failed|Socket closed", re.IGNORECASE)
@@ -80,7 +76,7 @@ class GrpcTransport:
         )
         self._target = target
         options = [
-            ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
+            ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES),
             # grpc's reconnect backoff grows to 120 s by default, so a channel to a server
             # that was down a while would stay in failure long after it came back; our own
             # retries (client/_retry.py) pace the attempts instead.
@@ -157,10 +153,9 @@ class GrpcTransport:
     def _translate(self, e: Any) -> WeightserveError:
         grpc = self._grpc
         trailing = dict(e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else {}
-        kind = trailing.get("weightserve-error")
-        hint = _pushback_seconds(trailing.get(RETRY_PUSHBACK_KEY))
-        if kind:
-            return error_from_wire(kind, e.details(), hint)
+        found = WireError.from_grpc(e.details() or "", trailing)
+        if found is not None:  # the server named its exception: raise the same class
+            return found.exception()
         wrong_port = self._wrong_port(e)
         if wrong_port is not None:
             return wrong_port
@@ -184,11 +179,12 @@ class GrpcTransport:
             return TransportError(
                 f"gRPC stream from {self.address.url} broke: {e.code().name}: {e.details()}"
             )
-        return error_from_wire(
+        # A status without our class (a proxy, another gRPC server): the class its code means.
+        return WireError(
             _GRPC_CODE_CLASSES.get(e.code().name, "WeightserveError"),
             f"{self.address.url}: {e.code().name}: {e.details()}",
-            hint,
-        )
+            pushback_seconds(trailing.get(RETRY_PUSHBACK_KEY)),
+        ).exception()
 
     def _wrong_port(self, e: Any) -> WrongTransport | None:
         """WrongTransport when the port speaks another protocol: HTTP/1.1 (grpc core says
@@ -492,15 +488,6 @@ class _TensorDataReader:
 
     def close(self) -> None:
         self._answer = None
-
-
-def _pushback_seconds(value: str | bytes | None) -> float | None:
-    """gRPC's ``grpc-retry-pushback-ms`` trailer in seconds (a negative value: do not retry)."""
-    try:
-        ms = int(value) if value is not None else -1
-    except ValueError:
-        return None
-    return ms / 1000 if ms >= 0 else None
 
 
 _GRPC_CODE_CLASSES = {

@@ -30,13 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from weightserve.client.errors import (
-    ModelUnavailable,
-    TransportError,
-    WeightserveError,
-    error_from_wire,
-)
+from weightserve.client.errors import ModelUnavailable, TransportError, WeightserveError
 from weightserve.client.receive.stream import ReceivedTensor, chunk_checker, verify_policy
+from weightserve.client.transports.base import wire_error_from_json
 from weightserve.client.wire.handoff import (
     HandoffProtocolError,
     encode_frame,
@@ -154,7 +150,7 @@ class HandoffClient:
             sock.close()
         if answer is None:
             raise TransportError(f"handoff socket {self.path} closed the connection")
-        _raise_if_error(answer)
+        _raise_if_error(answer, self.path)
         return answer
 
     def open(
@@ -187,7 +183,7 @@ class HandoffClient:
             answer = read_frame(sock, fds)
             if answer is None:
                 raise TransportError(f"handoff socket {self.path} closed the connection")
-            _raise_if_error(answer)
+            _raise_if_error(answer, self.path)
             read_fds(sock, fds, len(answer["files"]))
             result = _map_and_check(answer, fds, verify)
             # The server holds the files' leases until now: an in-place writer waited.
@@ -202,10 +198,16 @@ class HandoffClient:
             sock.close()
 
 
-def _raise_if_error(answer: dict[str, Any]) -> None:
+def _raise_if_error(answer: dict[str, Any], path: str) -> None:
+    """The server's error, when its answer is one (``{"error": {"type", "message",
+    "retry_after"}}``), as the same class it raised."""
     error = answer.get("error")
-    if error:
-        raise error_from_wire(error["class"], error["message"], error.get("retry_after"))
+    if not error:
+        return
+    found = wire_error_from_json(error, older_class_key="class")
+    if found is None:
+        raise TransportError(f"handoff socket {path} answered an error this client cannot read")
+    raise found.exception()
 
 
 def _map_and_check(answer: dict[str, Any], fds: list[int], verify: str) -> Handoff:

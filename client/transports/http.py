@@ -4,8 +4,6 @@ socket, over TCP, TLS or the server's Unix socket, with a small kept-alive pool.
 from __future__ import annotations
 
 import contextlib
-import datetime
-import email.utils
 import http.client
 import json
 import socket
@@ -21,7 +19,6 @@ from weightserve.client.errors import (
     TransportError,
     WeightserveError,
     WrongTransport,
-    error_from_wire,
 )
 from weightserve.client.receive.arrow_reader import ArrowChunkReader
 from weightserve.client.transports.base import (
@@ -33,6 +30,7 @@ from weightserve.client.transports.base import (
     TLSOptions,
     bearer_token,
 )
+from weightserve.client.wire.errors import WireError, retry_after_seconds
 from weightserve.client.wire.routes import ServerAddress, http_model_path
 
 IDLE_CONNECTIONS = 8  # kept-alive HTTP connections per transport
@@ -348,23 +346,6 @@ class _HttpFileSource(_HttpSource):
         return 0 if self.empty else super().readinto(view)
 
 
-def _retry_after_seconds(value: str | None) -> float | None:
-    """An HTTP ``Retry-After`` value (seconds, or an HTTP date) in seconds from now."""
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=datetime.timezone.utc)
-    return max(0.0, (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds())
-
-
 def _broken_exchange(address: ServerAddress, e: http.client.HTTPException) -> WeightserveError:
     """What a reply that is not HTTP/1.x means: WrongTransport when it is the first frame of
     an HTTP/2 server (a SETTINGS frame, type 4, on stream 0), which is what a gRPC or Arrow
@@ -383,14 +364,19 @@ def _broken_exchange(address: ServerAddress, e: http.client.HTTPException) -> We
 def _http_error(
     status: int, raw: bytes, what: str, retry_after: str | None = None
 ) -> WeightserveError:
-    hint = _retry_after_seconds(retry_after)
+    """The server's error (the same class it raised), or for an answer that is not ours (a
+    proxy's page) an error named by its status."""
     try:
-        err = json.loads(raw)["error"]
-        return error_from_wire(err["type"], err["message"], hint)
-    except (ValueError, KeyError, TypeError):
-        text = raw[:200].decode(errors="replace")
-        if status == 429 and hint is not None:  # a proxy's rate limit: temporary
-            return ResourceExhausted(f"{what}: HTTP 429: {text}", retry_after=hint)
-        if status >= 500:
-            return TransportError(f"{what}: HTTP {status}: {text}")
-        return WeightserveError(f"{what}: HTTP {status}: {text}")
+        body = json.loads(raw)
+    except ValueError:
+        body = None
+    found = WireError.from_http(body, retry_after)
+    if found is not None:
+        return found.exception()
+    hint = retry_after_seconds(retry_after)
+    text = raw[:200].decode(errors="replace")
+    if status == 429 and hint is not None:  # a proxy's rate limit: temporary
+        return ResourceExhausted(f"{what}: HTTP 429: {text}", retry_after=hint)
+    if status >= 500:
+        return TransportError(f"{what}: HTTP {status}: {text}")
+    return WeightserveError(f"{what}: HTTP {status}: {text}")

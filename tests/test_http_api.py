@@ -13,8 +13,8 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from tests import fixtures_safetensors
-from tests._util import ARROW, Reply, http_request
+from tests.support import fixtures_safetensors
+from tests.support._util import ARROW, Reply, http_request
 
 
 @pytest.fixture(scope="module")

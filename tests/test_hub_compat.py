@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from tests._util import http_request
-from tests.conftest import child_environment, installed_file
+from tests.support._util import http_request
+from tests.support.environment import child_environment
+from tests.support.model_root import installed_file
 from weightserve.client.errors import (
     FileNotFound,
     PermissionDenied,
@@ -297,7 +298,7 @@ def test_hub_clients_load_through_the_server(
         WEIGHTSERVE_CACHE_DIR=str(tmp_path / "ws-cache"),
     )
     command = (
-        f"ip link set lo up && exec {sys.executable} -m tests._hub_client "
+        f"ip link set lo up && exec {sys.executable} -m tests.support._hub_client "
         f"{hub_root} {REPO_ID} {token_file} {FULL_TOKEN}"
     )
     done = subprocess.run(

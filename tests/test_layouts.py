@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from tests import fixtures_gguf as gx
-from tests import fixtures_safetensors as fx
-from tests.conftest import reference_gguf, reference_safetensors
+from tests.support import fixtures_gguf as gx
+from tests.support import fixtures_safetensors as fx
+from tests.support.references import reference_gguf, reference_safetensors
 from weightserve.client._client import Client
 from weightserve.client.errors import ModelNotFound, ModelUnavailable
 from weightserve.service.readers.errors import DuplicateTensor, SplitMismatch
@@ -264,7 +264,7 @@ def test_the_index_chooses_the_files_mistral_style(tmp_path: Path) -> None:
 
 @pytest.mark.torch
 def test_the_pytorch_index_chooses_the_files(tmp_path: Path) -> None:
-    tx = pytest.importorskip("tests.fixtures_torch")
+    tx = pytest.importorskip("tests.support.fixtures_torch")
     state = tx.dtype_tensors()
     weight_map = tx.write_sharded(tmp_path / "org" / "pt", state, 2)
     (tmp_path / "org" / "pt" / "consolidated.bin").write_bytes(b"not a checkpoint")

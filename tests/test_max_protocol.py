@@ -48,9 +48,9 @@ from max.graph.weights import (  # noqa: E402
 from max.graph.weights import load_weights as max_load_weights  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
-from tests import fixtures_gguf, fixtures_safetensors  # noqa: E402
-from tests._util import record_streams  # noqa: E402
-from tests.conftest import link_or_copy  # noqa: E402
+from tests.support import fixtures_gguf, fixtures_safetensors  # noqa: E402
+from tests.support._util import record_streams  # noqa: E402
+from tests.support.model_root import link_or_copy  # noqa: E402
 from weightserve.client import (  # noqa: E402
     Client,
     RandomWeights,

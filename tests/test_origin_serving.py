@@ -16,10 +16,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.numpy import load_file
 
-from tests import fixtures_gguf, fixtures_safetensors
-from tests._util import http_request
-from tests.byte_proxy import ByteCountingProxy
-from tests.s3_server import S3Server, s3_server_fixture  # noqa: F401 (fixture)
+from tests.support import fixtures_gguf, fixtures_safetensors
+from tests.support._util import http_request
+from tests.support.byte_proxy import ByteCountingProxy
+from tests.support.s3_server import S3Server
 from tests.test_layouts import write_split_gguf
 from tests.test_origins import write_repository
 from weightserve.client import Client

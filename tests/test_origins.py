@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests import fixtures_safetensors
-from tests.byte_proxy import ByteCountingProxy
-from tests.s3_server import S3Server, free_ports, s3_server_fixture  # noqa: F401 (fixture)
+from tests.support import fixtures_safetensors
+from tests.support.byte_proxy import ByteCountingProxy
+from tests.support.s3_server import S3Server, free_ports
 from weightserve.client.errors import ModelUnavailable, OriginChanged, OriginUnavailable
 from weightserve.service.sources.origins import Origin, OriginFile, RetryPolicy, open_origin
 

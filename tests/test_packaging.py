@@ -157,7 +157,7 @@ def test_fresh_venv_cli(installed: Installed) -> None:
 @pytest.mark.slow
 def test_fresh_venv_client_talks_to_a_server(installed: Installed, tmp_path: Path) -> None:
     """The installed client (no server deps) lists and fetches from a server run here."""
-    from tests import fixtures_safetensors as fx
+    from tests.support import fixtures_safetensors as fx
     from weightserve.service.server import ServerConfig, WeightServer
 
     fx.write_sharded(tmp_path / "root" / "org" / "sharded")

@@ -21,7 +21,8 @@ import xxhash
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from tests.conftest import ModelRoot, reference_gguf, reference_safetensors, reference_torch
+from tests.support.model_root import ModelRoot
+from tests.support.references import reference_gguf, reference_safetensors, reference_torch
 from tests.test_cli import run_cli
 from tests.test_faults import CuttingProxy
 from weightserve.client import Client

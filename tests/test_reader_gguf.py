@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from tests._util import entry_array, entry_bytes
-from tests.fixtures_gguf import (
+from tests.support._util import entry_array, entry_bytes
+from tests.support.fixtures_gguf import (
     METADATA,
     RawGGUF,
     Written,

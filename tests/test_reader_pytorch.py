@@ -24,8 +24,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests import fixtures_torch as ft  # noqa: E402
-from tests._util import entry_array, entry_bytes  # noqa: E402
+from tests.support import fixtures_torch as ft  # noqa: E402
+from tests.support._util import entry_array, entry_bytes  # noqa: E402
 from weightserve.service.readers.errors import (  # noqa: E402
     BadMagic,
     CompressedStorage,

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from safetensors import SafetensorError, deserialize, safe_open
 
-from tests import fixtures_safetensors as fx
-from tests._util import entry_bytes
+from tests.support import fixtures_safetensors as fx
+from tests.support._util import entry_bytes
 from weightserve.client.errors import CheckpointError
 from weightserve.client.wire.dtypes import BY_SAFETENSORS_CODE
 from weightserve.service.readers.base import ModelContents

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from tests._util import Reply, http_request
+from tests.support._util import Reply, http_request
 from weightserve.client import Client, RemoteWeights
 from weightserve.client.errors import InvalidRequest
 from weightserve.client.wire.routes import http_model_path, parse_url

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import fixtures_safetensors as fx
+from tests.support import fixtures_safetensors as fx
 from tests.test_cli import clean_env, free_port, run_cli, start_server
 from weightserve.client import Client, RemoteWeights
 from weightserve.client.errors import WrongTransport

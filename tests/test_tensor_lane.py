@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from urllib.parse import quote
 
-from tests._util import http_request
+from tests.support._util import http_request
 from weightserve.service.transports.http.app import TensorLane
 
 

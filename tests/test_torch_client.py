@@ -23,7 +23,7 @@ pytestmark = pytest.mark.torch
 from safetensors.torch import load_file as load_safetensors  # noqa: E402
 from safetensors.torch import save_file as save_safetensors  # noqa: E402
 
-from tests import fixtures_torch  # noqa: E402
+from tests.support import fixtures_torch  # noqa: E402
 from weightserve.client import RemoteWeights, WeightsFormat, load_weights, weights_format  # noqa: E402
 from weightserve.service.server import ServerConfig, WeightServer  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Bytes on the wire, over HTTP and gRPC, against each format's reference reader.
 
-Every tensor of every model of the shared root (see conftest.py) is fetched singly, by a name
+Every tensor of every model of the shared root (``model_root``) is fetched singly, by a name
 list and by prefix, and must be byte-identical to what ``safetensors.safe_open``,
 ``gguf.GGUFReader`` or ``torch.load(weights_only=True)`` return, with the same dtype and shape.
 Shards must equal ``numpy.array_split`` of the whole tensor (GGML blocks: split on block
@@ -26,8 +26,9 @@ import pyarrow as pa
 import pytest
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from tests._util import record_streams
-from tests.conftest import PACKED_DTYPES, Ref, child_environment, np_dtype
+from tests.support._util import record_streams
+from tests.support.environment import child_environment
+from tests.support.references import PACKED_DTYPES, Ref, np_dtype
 from weightserve.client._client import Client, FetchOptions
 from weightserve.client.errors import DataCorruption, InvalidRequest
 from weightserve.client.transports.base import StreamParams

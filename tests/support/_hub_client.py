@@ -3,7 +3,7 @@ weightserve on loopback, points ``HF_ENDPOINT`` at it and loads a model the ways
 (``snapshot_download``, ``hf_hub_download``, transformers, sentence-transformers), printing
 what it found as one JSON line for the test to check.
 
-    python -m tests._hub_client ROOT REPO_ID TOKEN_FILE TOKEN
+    python -m tests.support._hub_client ROOT REPO_ID TOKEN_FILE TOKEN
 """
 
 from __future__ import annotations

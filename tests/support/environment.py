@@ -1,0 +1,57 @@
+"""The process environment of a test session: child Python processes run inside this virtual
+environment whatever MAX set, and servers keep their caches in the session's temporary
+directory."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+
+def child_environment() -> dict[str, str]:
+    """The environment for a child Python process, passed explicitly.
+
+    Importing ``max.pipelines`` sets PYTHONEXECUTABLE and PYTHONPATH with C-level setenv (not
+    through ``os.environ``); a child started with ``env=None`` inherits them and runs outside
+    the virtual environment. ``os.environ`` never saw them, and any such variable is dropped.
+    """
+    drop = {"PYTHONEXECUTABLE", "PYTHONPATH", "PYTHONHOME", "MOJO_PYTHON_LIBRARY"}
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
+_LEAKED_BY_MAX = ("PYTHONEXECUTABLE", "PYTHONPATH", "PYTHONHOME", "MOJO_PYTHON_LIBRARY")
+_ENV_AT_START = {k: os.environ.get(k) for k in _LEAKED_BY_MAX}
+
+
+@pytest.fixture(autouse=True)
+def _restore_process_environment() -> Iterator[None]:
+    """Undo MAX's C-level setenv after each test, so any later subprocess (even one started
+    with ``env=None``) runs inside this virtual environment."""
+    yield
+    for key, value in _ENV_AT_START.items():
+        if value is None:
+            os.unsetenv(key)
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value  # also calls putenv
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Servers the tests start (in process or as ``weightserve serve``) keep file digests and
+    the demo under the session's temporary directory, never in the user's cache."""
+    before = os.environ.get("WEIGHTSERVE_CACHE_DIR")
+    os.environ["WEIGHTSERVE_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if before is None:
+        os.environ.pop("WEIGHTSERVE_CACHE_DIR", None)
+    else:
+        os.environ["WEIGHTSERVE_CACHE_DIR"] = before
+
+
+@pytest.fixture
+def child_env() -> dict[str, str]:
+    """``env=`` for subprocesses that run ``sys.executable`` (see child_environment)."""
+    return child_environment()

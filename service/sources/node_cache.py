@@ -40,7 +40,7 @@ from weightserve.client.errors import (
     ResourceExhausted,
     WeightserveError,
 )
-from weightserve.service.sources.layout import SPLIT_GGUF_NAME
+from weightserve.service.sources.layout import split_gguf_model
 
 if TYPE_CHECKING:
     from weightserve.service.sources.origins import Origin, OriginFile
@@ -137,8 +137,9 @@ class NodeCache:
 
     A model is the set of origin files the caller names for an id: the id is the model's path
     below the origin's prefix, and each file is the id itself (a single-file model) or lies
-    under ``ID/`` (the parts of a split GGUF lie beside it). Models are filled whole on first use, evicted whole, least recently used
-    first; never while in use (``using``), being filled, or pinned.
+    under ``ID/`` (the parts of a split GGUF lie beside it). Models are filled whole on first
+    use, evicted whole, least recently used first; never while in use (``using``), being
+    filled, or pinned.
     """
 
     def __init__(
@@ -589,12 +590,7 @@ def _belongs(model_id: str, name: str) -> bool:
     """Whether the file ``name`` is part of the model: the id itself, a file under ``ID/``,
     or, for a split GGUF ``DIR/NAME.gguf``, one of its parts ``DIR/NAME-00001-of-00003.gguf``
     beside it (where a local root has them too)."""
-    if name == model_id or name.startswith(model_id + "/"):
-        return True
-    directory, _, base = model_id.rpartition("/")
-    part_directory, _, part_name = name.rpartition("/")
-    part = SPLIT_GGUF_NAME.fullmatch(part_name)
-    return part is not None and part_directory == directory and part["name"] + ".gguf" == base
+    return name == model_id or name.startswith(model_id + "/") or split_gguf_model(name) == model_id
 
 
 def _model_files(model_id: str, listing: list[OriginFile]) -> list[OriginFile]:

@@ -20,7 +20,7 @@ import shutil
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from weightserve.client.errors import (
@@ -30,18 +30,15 @@ from weightserve.client.errors import (
     OriginChanged,
     OriginUnavailable,
 )
-from weightserve.client.wire.routes import RESERVED_PART
 from weightserve.service.sources.base import Problem
 from weightserve.service.sources.layout import (
-    GGUF_SUFFIXES,
-    ID_SEPARATORS,
-    PYTORCH_SUFFIXES,
-    SAFETENSORS_SUFFIXES,
-    SPLIT_GGUF_FORMAT,
-    SPLIT_GGUF_NAME,
-    TRAINER_FILES,
-    WEIGHT_SUFFIXES,
+    base_model_id,
+    checkpoint_format,
+    gguf_models,
+    is_served_name,
+    is_weight_file,
     validate_model_id,
+    weight_format,
 )
 from weightserve.service.sources.local import Catalog
 from weightserve.service.sources.model import Model
@@ -74,53 +71,30 @@ class RemoteModel:
 
     @property
     def format(self) -> str:
-        suffixes = {PurePosixPath(f.name).suffix for f in self.files}
-        if suffixes & set(SAFETENSORS_SUFFIXES):
-            return "safetensors"
-        if suffixes & set(GGUF_SUFFIXES):
-            return "gguf"
-        return "pytorch" if suffixes & set(PYTORCH_SUFFIXES) else ""
-
-
-def _servable_name(name: str) -> bool:
-    """Names the local catalog would skip or refuse are not offered (hidden files, the
-    reserved path part, the id separators)."""
-    parts = name.split("/")
-    return not any(
-        part.startswith(".") or part == RESERVED_PART or any(c in part for c in ID_SEPARATORS)
-        for part in parts[:-1]
-    ) and not parts[-1].startswith(".")
+        formats = {checkpoint_format(f.name) for f in self.files}
+        return next((f for f in ("safetensors", "gguf", "pytorch") if f in formats), "")
 
 
 def group_models(listing: list[OriginFile]) -> tuple[dict[str, RemoteModel], dict[str, Problem]]:
     """Model id -> its files, from the origin's file names (the rules in the module docstring),
     and the models refused: a split GGUF (``NAME-00001-of-00002.gguf`` ...) is one model,
     ``NAME.gguf``, offered only when every part is listed, as from a local root."""
-    files = [f for f in listing if _servable_name(f.name)]
-    weight_dirs = set()
-    for f in files:
-        directory, _, base = f.name.rpartition("/")
-        if (
-            directory
-            and PurePosixPath(base).suffix in WEIGHT_SUFFIXES
-            and base not in TRAINER_FILES
-        ):
-            weight_dirs.add(directory)
+    files = [f for f in listing if is_served_name(f.name)]
+    weight_dirs = {
+        directory
+        for f in files
+        if (directory := f.name.rpartition("/")[0]) and is_weight_file(f.name)
+    }
     grouped: dict[str, list[OriginFile]] = {}
-    splits: dict[tuple[str, int], dict[int, OriginFile]] = {}
+    plain, splits = gguf_models((f.name, f) for f in files)
+    for name, f in plain:
+        grouped[name] = [f]
     for f in files:
         directory, _, base = f.name.rpartition("/")
-        suffix = PurePosixPath(base).suffix
-        if suffix in GGUF_SUFFIXES:
-            part = SPLIT_GGUF_NAME.fullmatch(base)
-            if part is None:
-                grouped[f.name] = [f]
-            else:
-                model_id = f"{directory}/{part['name']}.gguf".lstrip("/")
-                splits.setdefault((model_id, int(part["count"])), {})[int(part["number"])] = f
+        if checkpoint_format(base) == "gguf":
             continue
         if not directory:
-            if suffix in WEIGHT_SUFFIXES:
+            if weight_format(base) is not None:
                 grouped[f.name] = [f]
             continue
         parts = directory.split("/")
@@ -130,28 +104,16 @@ def group_models(listing: list[OriginFile]) -> tuple[dict[str, RemoteModel], dic
                 grouped.setdefault(owner, []).append(f)
                 break
     problems: dict[str, Problem] = {}
-    for (model_id, count), numbered in splits.items():
-        missing = [n for n in range(1, count + 1) if n not in numbered]
-        if missing or count == 0:
-            first = numbered[min(numbered)]
-            stem = model_id.rpartition("/")[2].removesuffix(".gguf")
-            shown = ", ".join(SPLIT_GGUF_FORMAT.format(stem, n, count) for n in missing[:3])
-            problems[model_id] = Problem(
-                model_id,
-                first.name,
-                f"split GGUF {model_id} has {len(numbered)} of its {count} parts at the origin; "
-                f"missing {shown}{' ...' if len(missing) > 3 else ''} (a split model is served "
-                "only whole)",
+    for split in splits:
+        if not split.whole:
+            first = split.parts[min(split.parts)]
+            problems[split.model] = Problem(
+                split.model, first.name, split.refusal(" at the origin")
             )
-        elif model_id not in grouped:  # a plain NAME.gguf beside the parts keeps its id
-            grouped[model_id] = [numbered[n] for n in sorted(numbered)]
+        elif split.model not in grouped:  # a plain NAME.gguf beside the parts keeps its id
+            grouped[split.model] = split.ordered()
     models = {model_id: RemoteModel(model_id, tuple(fs)) for model_id, fs in grouped.items()}
     return models, problems
-
-
-def _base_id(model_id: str) -> str:
-    """The cache's model of an id: ``org/name:fp16`` and ``org/name`` are both ``org/name``."""
-    return model_id.split(ID_SEPARATORS[1], 1)[0]
 
 
 def default_cache_size(cache_dir: Any) -> int:
@@ -221,9 +183,9 @@ class OriginCatalog(Catalog):
         super().scan()
         whole = set(self.cache.cached_models())
         with self._lock:
-            self.models = {i: m for i, m in self.models.items() if _base_id(i) in whole}
-            self.problems = {i: p for i, p in self.problems.items() if _base_id(i) in whole}
-            self.variants = {i: v for i, v in self.variants.items() if _base_id(i) in whole}
+            self.models = {i: m for i, m in self.models.items() if base_model_id(i) in whole}
+            self.problems = {i: p for i, p in self.problems.items() if base_model_id(i) in whole}
+            self.variants = {i: v for i, v in self.variants.items() if base_model_id(i) in whole}
             for model_id, problem in self.remote_problems.items():
                 self.problems.setdefault(model_id, problem)
 
@@ -253,7 +215,7 @@ class OriginCatalog(Catalog):
     def get(self, model_id: str, may_read: Callable[[str], bool] | None = None) -> Model:
         """The model, filled into the cache first if it is not there (see ``_fill``)."""
         validate_model_id(model_id)
-        base = _base_id(model_id)
+        base = base_model_id(model_id)
         remote = self.remote.get(base)
         cached = base in self.cache.cached_models()
         if not cached and self.origin_error is not None:
@@ -342,5 +304,5 @@ class OriginCatalog(Catalog):
     @contextlib.contextmanager
     def using(self, model_id: str) -> Iterator[None]:
         """Keep the model's files from eviction while a stream reads them."""
-        with self.cache.using(_base_id(model_id)):
+        with self.cache.using(base_model_id(model_id)):
             yield

@@ -43,7 +43,7 @@ from weightserve.client.errors import (
 from weightserve.client.transports.base import TLSOptions
 from weightserve.client.transports.http import HttpTransport
 from weightserve.client.wire.routes import parse_url
-from weightserve.service.sources.layout import SPLIT_GGUF_NAME
+from weightserve.service.sources.layout import split_gguf_model
 
 log = logging.getLogger("weightserve.service")
 
@@ -512,10 +512,8 @@ def _file_model_directory(model: str, names: list[str]) -> str | None:
     directory, _, base = model.rpartition("/")
     if not names or any("/" in n for n in names):
         return None
-    for name in names:
-        part = SPLIT_GGUF_NAME.fullmatch(name)
-        if name != base and (part is None or part["name"] + ".gguf" != base):
-            return None
+    if any(name != base and split_gguf_model(name) != base for name in names):
+        return None
     return directory + "/" if directory else ""
 
 

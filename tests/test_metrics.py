@@ -296,8 +296,8 @@ def test_auth_failures_are_counted_on_every_transport(root: Path, tmp_path: Path
     ("fields", "words"),
     [
         ({"prefix": "layer."}, "use_prefix to true"),
-        ({"prefix": "layer.", "names": ["layer.0.w"]}, "leave names empty"),
-        ({"names": ["layer.0.w"], "use_prefix": True}, "either names"),
+        ({"prefix": "layer.", "names": ["layer.0.w"]}, "send one or the other"),
+        ({"names": ["layer.0.w"], "use_prefix": True}, "send one or the other"),
     ],
 )
 def test_a_request_whose_selection_would_drop_a_field_is_refused(
@@ -305,7 +305,8 @@ def test_a_request_whose_selection_would_drop_a_field_is_refused(
 ) -> None:
     """A prefix without ``use_prefix`` once streamed nothing, silently; now it is
     INVALID_ARGUMENT on gRPC and InvalidRequest (whose code that is) on Flight, saying what
-    to change. Names together with ``use_prefix`` would drop the names: refused too."""
+    to change. Names together with a prefix would drop one of them: refused too, as on
+    every transport."""
     before = scrape(srv)
     with grpc.insecure_channel(f"127.0.0.1:{srv.grpc_port}") as channel:
         call = pb_grpc.WeightServiceStub(channel).StreamTensors(

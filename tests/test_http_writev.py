@@ -21,7 +21,7 @@ from safetensors.numpy import save_file
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.serving.streams import TensorRequest, plan_stream, stream_messages
 from weightserve.service.sources.local import Catalog
-from weightserve.service.transports.http import app as http_app
+from weightserve.service.transports.http import streaming as http_streaming
 from weightserve.service.transports.http.app import WeightserveApp, create_app
 
 BIG = "big.weight"  # 3 MiB: more than DIRECT_WRITE_MIN_BYTES, and several 1 MiB chunks
@@ -125,7 +125,7 @@ def test_small_bodies_keep_the_asgi_path(state) -> None:
     with serving(state, "httptools") as (port, app):
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         body = fetch(conn, SMALL, 1 << 20)
-        assert len(body) < http_app.DIRECT_WRITE_MIN_BYTES
+        assert len(body) < http_streaming.DIRECT_WRITE_MIN_BYTES
         assert app.direct_streams == 0
         assert body == expected_body(state, SMALL, 1 << 20)
         conn.close()

@@ -1,2 +1,2 @@
-"""The HTTP transport: the FastAPI app and its route groups (tensors, files, Hub-compatible,
-the browser), the URL layout and the API docs pages."""
+"""The HTTP transport: the FastAPI app (app.py) and its route groups (ops, tensors, files,
+browser, Hub-compatible), the streaming response, middleware, URL layout and API docs pages."""

@@ -7,19 +7,19 @@ add their own headers to the same answer.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from weightserve.client.errors import RangeNotSatisfiable
 from weightserve.service.serving import files
 from weightserve.service.serving.auth import Access
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.sources.local import Model, RepoFile
-from weightserve.service.transports.http.app import ERROR_KEY, OPERATION_KEY, ArrowStreamResponse
+from weightserve.service.transports.http.common import OPERATION_KEY, AccessCheck, error_response
 from weightserve.service.transports.http.routes import get_and_head
+from weightserve.service.transports.http.streaming import ArrowStreamResponse
 
 OCTET_STREAM = "application/octet-stream"
 FILE_OPERATION = "file"  # the metrics operation of every route that answers a file's bytes
@@ -53,12 +53,8 @@ def file_response(
         try:
             wanted = files.parse_range(http.headers.get("range"), file.size)
         except RangeNotSatisfiable as e:
-            http.scope[ERROR_KEY] = type(e).__name__  # for CallMetrics
-            return JSONResponse(
-                {"error": {"type": type(e).__name__, "message": str(e)}},
-                status_code=416,
-                headers={**headers, "content-range": f"bytes */{file.size}"},
-            )
+            content_range = {"content-range": f"bytes */{file.size}"}
+            return error_response(http.scope, e, {**headers, **content_range})
     byte_range = wanted or files.ByteRange(0, file.size)
     status = 200
     if wanted is not None:
@@ -85,7 +81,7 @@ def file_response(
     )
 
 
-def add_file_routes(app: FastAPI, state: ServiceState, access: Callable[[Request], Access]) -> None:
+def add_file_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -> None:
     """The files routes below a model (registered before the model's own catch-all route)."""
 
     @get_and_head(app, "/v1/models/{model:model_id}/-/files", tags=["files"])

@@ -42,7 +42,7 @@ from weightserve.service.serving import files
 from weightserve.service.serving.auth import Access
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.sources.local import Model
-from weightserve.service.transports.http.app import ERROR_KEY, OPERATION_KEY
+from weightserve.service.transports.http.common import ERROR_KEY, OPERATION_KEY, AccessCheck
 from weightserve.service.transports.http.files import file_response
 from weightserve.service.transports.http.routes import get_and_head
 
@@ -188,7 +188,7 @@ def _model_info(model: Model, repo_id: str) -> dict[str, Any]:
     }
 
 
-def add_hub_routes(app: FastAPI, state: ServiceState, access: Callable[[Request], Access]) -> None:
+def add_hub_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -> None:
     """The Hub-compatible routes; registered last, so every other route keeps its paths (the
     resolve route only matches a path with a ``resolve`` part after a model id's parts)."""
     repos = HubRepos(state)

@@ -1,0 +1,59 @@
+"""What every HTTP route module shares: the scope keys the call metrics read, the error
+answer, the caller's access and the choice between the event loop and the threadpool."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from weightserve.client.errors import WeightserveError, status_for
+from weightserve.service.serving.auth import Access, authorize
+from weightserve.service.serving.state import ServiceState
+
+# ASGI scope keys the routes set for CallMetrics: the error class a request ended with, and
+# the operation when its route alone does not say (a stream reached through a route of its own).
+ERROR_KEY = "weightserve.error"
+OPERATION_KEY = "weightserve.operation"
+
+# Who is asking: the request's bearer token checked against the server's tokens.
+AccessCheck = Callable[[Request], Access]
+
+
+def access_check(state: ServiceState) -> AccessCheck:
+    def access(request: Request) -> Access:
+        return authorize(state.tokens, request.headers.get("authorization"))
+
+    return access
+
+
+def error_response(
+    scope: Any,
+    exc: WeightserveError,
+    headers: dict[str, str] | None = None,
+    status: int | None = None,
+) -> JSONResponse:
+    """One of our errors as the API answers it (the status its class has unless ``status``
+    says), noted in ``scope`` for CallMetrics."""
+    scope[ERROR_KEY] = type(exc).__name__
+    extra = dict(headers or {})
+    if exc.retry_after is not None:  # a temporary refusal (stream limit, draining)
+        # Retry-After counts whole seconds; never 0, which would invite a busy loop.
+        extra["retry-after"] = str(max(1, math.ceil(exc.retry_after)))
+    return JSONResponse(
+        {"error": {"type": type(exc).__name__, "message": str(exc)}},
+        status_code=status or status_for(exc)[0],
+        headers=extra or None,
+    )
+
+
+async def off_loop(answer: Callable[[], Response], inline: bool) -> Response:
+    """``answer()`` on the event loop when ``inline`` (it cannot block), else on the
+    threadpool: the small routes are ``async def``, answered without the thread hop a sync
+    route takes, and what may block (a model to check, load or hash first, a long plan) goes
+    to a worker thread."""
+    return answer() if inline else await run_in_threadpool(answer)

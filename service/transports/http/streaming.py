@@ -1,0 +1,422 @@
+"""How an HTTP answer streams: tensor data (an Arrow IPC stream) and files' bytes, sent with an
+exact Content-Length (no chunked-encoding copy) and cut when the client goes away or stalls.
+
+On plain TCP or a Unix socket under uvicorn the body goes out through ``_SocketWriter``:
+``writev`` from the mapped file, no user-space copy. ``WeightserveApp`` is the outermost ASGI
+layer, which notes uvicorn's connection where the writer finds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import logging
+import mmap
+import os
+import select
+import socket
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import Response
+
+from weightserve.client.errors import ModelUnavailable, WeightserveError
+from weightserve.client.wire.schema import ARROW_STREAM_MEDIA_TYPE
+from weightserve.service.serving.state import ServiceState
+from weightserve.service.transports.http.common import ERROR_KEY
+
+log = logging.getLogger("weightserve.http")
+
+
+# An ASGI stream gives the event loop a turn after this many tensor bytes (see below).
+PAUSE_EVERY_BYTES = 8 << 20
+
+
+class ArrowStreamResponse(Response):
+    """Writes the stream's pieces as they come; stops early when the client goes away."""
+
+    media_type = ARROW_STREAM_MEDIA_TYPE
+
+    def __init__(
+        self,
+        state: ServiceState,
+        model_id: str,
+        messages: Iterator,
+        length: int,
+        headers: dict[str, str],
+        release: Any,
+        status_code: int = 200,
+        media_type: str | None = None,
+    ) -> None:
+        # The files API sends a file's bytes (or a 206 range of them) the same way, as
+        # messages ``(b"", data)``: the data part is what the bytes-served metric counts.
+        super().__init__(
+            content=None,
+            status_code=status_code,
+            headers={**headers, "content-length": str(length)},
+            media_type=media_type or self.media_type,
+        )
+        self.state = state
+        self.model_id = model_id
+        self.messages = messages
+        self.length = length
+        self.release = release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if self.length < DIRECT_WRITE_MIN_BYTES:
+            return await self._send_whole(scope, send)
+
+        async def wait_disconnect() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        gone = asyncio.ensure_future(wait_disconnect())
+        sent = 0
+        pause_at = PAUSE_EVERY_BYTES
+        metrics = self.state.metrics
+        idle = _IdleCut(self.state.limits.idle_timeout)
+        writer: _SocketWriter | None = None
+        try:
+            start = {"type": "http.response.start", "status": self.status_code}
+            await send({**start, "headers": self.raw_headers})
+            writer = await _SocketWriter.attach(scope, self.state.limits.idle_timeout)
+            if writer is not None:
+                idle.close()  # the writer enforces the idle timeout itself
+                # Messages are taken (digests included) and written on a worker thread, a
+                # batch per hop; between batches the loop runs and a client gone is noticed.
+                while not gone.done():
+                    written, finished = await asyncio.to_thread(writer.write_some, self.messages)
+                    sent += written
+                    if finished:
+                        break
+                else:
+                    scope[ERROR_KEY] = "Cancelled"
+                    return
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+            for message in self.messages:
+                if gone.done():
+                    scope[ERROR_KEY] = "Cancelled"
+                    break
+                if len(message) > 1:
+                    sent += len(message[1])  # tensor data bytes, not framing
+                    if sent >= pause_at:
+                        # uvicorn's send returns without yielding while the socket takes the
+                        # bytes, and after a client resets until the loop runs connection_lost:
+                        # without a pause, a client that left gets the rest of the stream
+                        # read, hashed and written into the void, with the loop blocked.
+                        pause_at = sent + PAUSE_EVERY_BYTES
+                        await asyncio.sleep(0)
+                for part in message:
+                    if not part:
+                        continue
+                    if isinstance(part, memoryview) and isinstance(part.obj, mmap.mmap):
+                        # Tensor bytes, read from the mapping when written. A send may wait
+                        # (socket full) for as long as the client likes, so wait here with an
+                        # empty write, then check the file still covers the bytes: reading a
+                        # mapped page a truncation removed is SIGBUS, which kills the process.
+                        await send({"type": "http.response.body", "body": b"", "more_body": True})
+                        _ensure_still_mapped(part.obj)
+                    await send({"type": "http.response.body", "body": part, "more_body": True})
+                    idle.progress()
+            else:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            # Returning with the response incomplete makes uvicorn close the connection.
+            self._cut_idle(scope, idle)
+        except WeightserveError as e:  # e.g. a file truncated while being served
+            scope[ERROR_KEY] = type(e).__name__
+            log.warning("stream of model %s broke: %s", self.model_id, e)
+        except (OSError, TimeoutError) as e:  # direct writes: the client left or stalled
+            scope[ERROR_KEY] = "IdleTimeout" if isinstance(e, TimeoutError) else "Cancelled"
+            log.warning(
+                "stream of model %s to %s cut: %s",
+                self.model_id,
+                (scope.get("client") or ("?",))[0],
+                e,
+            )
+        finally:
+            if writer is not None:
+                writer.close()
+                app = scope.get("app")
+                if isinstance(app, WeightserveApp):
+                    app.direct_bytes += writer.written
+            idle.close()
+            gone.cancel()
+            self.release()
+            metrics.bytes_served.labels("http", self.model_id).inc(sent)
+
+    def _cut_idle(self, scope: Any, idle: _IdleCut | None) -> None:
+        """Inside ``except CancelledError``: re-raise unless the idle cut cancelled the
+        stream, which ends as ``IdleTimeout``."""
+        if idle is None or not idle.fired:
+            raise  # noqa: PLE0704 - always called while handling the cancellation
+        idle.uncancel()
+        scope[ERROR_KEY] = "IdleTimeout"
+        log.warning(
+            "stream of model %s to %s cut: the client read nothing for %.1f s",
+            self.model_id,
+            (scope.get("client") or ("?",))[0],
+            idle.timeout,
+        )
+
+    async def _send_whole(self, scope: Any, send: Any) -> None:
+        """A small stream as one body after its headers, corked into one TCP segment where
+        the connection allows: each segment costs the server ~0.1 ms of CPU on a kept-alive
+        connection (profiled), more than the whole small request's framing and digests."""
+        sent = 0
+        idle: _IdleCut | None = None
+        released = False
+        try:
+            body, data_bytes = bytearray(), 0
+            for message in self.messages:  # an error here is answered with its own status
+                for part in message:
+                    if isinstance(part, memoryview) and isinstance(part.obj, mmap.mmap):
+                        _ensure_still_mapped(part.obj)  # before reading it (SIGBUS)
+                    body += part
+                if len(message) > 1:
+                    data_bytes += len(message[1])  # tensor data bytes, not framing
+            # The bytes are copied: the files and the stream slot are free before the client
+            # has them, so a slow reader holds neither.
+            released = True
+            self.release()
+            idle = _IdleCut(self.state.limits.idle_timeout)  # a client that reads nothing
+            with _corked(scope):
+                start = {"type": "http.response.start", "status": self.status_code}
+                await send({**start, "headers": self.raw_headers})
+                await send({"type": "http.response.body", "body": bytes(body), "more_body": False})
+            sent = data_bytes
+        except asyncio.CancelledError:
+            self._cut_idle(scope, idle)
+        finally:
+            if idle is not None:
+                idle.close()
+            if not released:
+                self.release()
+            self.state.metrics.bytes_served.labels("http", self.model_id).inc(sent)
+
+
+@contextlib.contextmanager
+def _corked(scope: Any) -> Iterator[None]:
+    """TCP_CORK on uvicorn's TCP connection inside: what is written goes out as full
+    segments, the rest when it ends (Linux). Elsewhere nothing happens."""
+    cycle = scope.get(CYCLE_KEY)
+    transport = getattr(cycle, "transport", None)
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    cork = getattr(socket, "TCP_CORK", None)
+    if sock is None or cork is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        yield
+        return
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, cork, 1)
+    except OSError:  # the connection is gone: nothing to cork
+        yield
+        return
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, cork, 0)
+
+
+# Bodies this long go out through _SocketWriter where it can engage; shorter ones (a small
+# tensor) cost less through the event loop's own write than through a worker thread.
+DIRECT_WRITE_MIN_BYTES = 1 << 20
+# ASGI scope key: uvicorn's request-response cycle of a plain HTTP/1.1 connection, set by
+# the outermost layer (WeightserveApp.__call__) before Starlette wraps ``send``.
+CYCLE_KEY = "weightserve.uvicorn_cycle"
+
+
+def _uvicorn_cycle_types() -> tuple[type, ...]:
+    """uvicorn's HTTP/1.1 request-response cycles (httptools and h11), those installed."""
+    found = []
+    for module in ("httptools_impl", "h11_impl"):
+        try:
+            imported = importlib.import_module(f"uvicorn.protocols.http.{module}")
+        except ImportError:  # httptools not installed, or no uvicorn at all
+            continue
+        found.append(imported.RequestResponseCycle)
+    return tuple(found)
+
+
+_CYCLE_TYPES = _uvicorn_cycle_types()
+
+
+class _SocketWriter:
+    """Writes stream messages straight to the connection's socket with ``writev``.
+
+    asyncio (before 3.12) copies whatever a socket doesn't take at once into its own buffer,
+    which was most of the HTTP server's time; here the kernel copies tensor bytes from the
+    mapping to the socket and nothing else does. The writes run on a worker thread (the GIL
+    is released in writev and poll), so several streams proceed in parallel. A page that a
+    truncation removed makes the kernel fail the write (EFAULT) instead of raising SIGBUS.
+
+    Only for uvicorn's plain HTTP/1.1 connections (TCP or a Unix socket), found through the
+    cycle ``WeightserveApp`` puts in the scope: the server's Content-Length accounting is
+    adjusted here (httptools counts down ``expected_content_length``, h11 its writer's
+    length). TLS, other servers and anything unrecognised use ASGI sends.
+    """
+
+    def __init__(self, account: Callable[[int], None], fd: int, idle_timeout: float) -> None:
+        self.account = account
+        self.written = 0  # body bytes, framing included
+        # Our own descriptor: if asyncio closes its socket (client gone), this number can't
+        # be reused by another connection while a write is still in flight.
+        self.fd = os.dup(fd)
+        self.idle_ms = int(idle_timeout * 1000)
+
+    @classmethod
+    async def attach(cls, scope: Any, idle_timeout: float) -> _SocketWriter | None:
+        cycle = scope.get(CYCLE_KEY)
+        transport = getattr(cycle, "transport", None)
+        account = _content_length_account(cycle)
+        if transport is None or account is None:
+            return None
+        sock = transport.get_extra_info("socket")
+        if (
+            sock is None
+            or sock.type != socket.SOCK_STREAM
+            or transport.get_extra_info("sslcontext") is not None
+            or transport.get_extra_info("ssl_object") is not None
+            or transport.is_closing()
+        ):
+            return None
+        # The status line and headers must be on the wire before the body.
+        while transport.get_write_buffer_size():
+            await asyncio.sleep(0.001)
+            if transport.is_closing():
+                return None
+        app = scope.get("app")
+        if isinstance(app, WeightserveApp):
+            app.direct_streams += 1
+        return cls(account, sock.fileno(), idle_timeout)
+
+    def write_some(self, messages: Iterator[tuple]) -> tuple[int, bool]:
+        """Take and write messages until ``PAUSE_EVERY_BYTES`` tensor bytes went out or the
+        stream ended: (tensor bytes written, whether the stream ended)."""
+        written = 0
+        for message in messages:
+            data = message[1] if len(message) > 1 else None
+            if isinstance(data, memoryview) and isinstance(data.obj, mmap.mmap):
+                _ensure_still_mapped(data.obj)
+            self.write_all(message)
+            if data is not None:
+                written += len(data)
+                if written >= PAUSE_EVERY_BYTES:
+                    return written, False
+        return written, True
+
+    def write_all(self, parts: tuple) -> None:
+        views = [memoryview(p).cast("B") for p in parts if len(p)]
+        total = sum(len(v) for v in views)
+        poller = select.poll()
+        poller.register(self.fd, select.POLLOUT)
+        while views:
+            try:
+                n = os.writev(self.fd, views)
+            except BlockingIOError:
+                if not poller.poll(self.idle_ms):
+                    raise TimeoutError(
+                        f"the client read nothing for {self.idle_ms / 1000:.1f} s"
+                    ) from None
+                continue
+            while views and n >= len(views[0]):
+                n -= len(views.pop(0))
+            if n:
+                views[0] = views[0][n:]
+        self.account(total)
+        self.written += total
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _content_length_account(cycle: Any) -> Callable[[int], None] | None:
+    """What tells uvicorn's cycle that ``n`` body bytes went out behind its back, so its
+    Content-Length check at the end of the response holds; None for anything else."""
+    if not _CYCLE_TYPES or not isinstance(cycle, _CYCLE_TYPES):
+        return None
+    if hasattr(cycle, "expected_content_length"):  # httptools
+        if getattr(cycle, "chunked_encoding", None):
+            return None
+
+        def count_down(n: int) -> None:
+            cycle.expected_content_length -= n
+
+        return count_down
+    writer: Any = getattr(getattr(cycle, "conn", None), "_writer", None)  # h11's body writer
+    if type(writer).__name__ != "ContentLengthWriter" or not isinstance(
+        getattr(writer, "_length", None), int
+    ):
+        return None
+
+    def h11_count_down(n: int) -> None:
+        writer._length -= n
+
+    return h11_count_down
+
+
+def _ensure_still_mapped(mapping: mmap.mmap) -> None:
+    """ModelUnavailable if the file behind ``mapping`` shrank since it was mapped (one fstat):
+    see ``MappedFile.ensure_unchanged``."""
+    if mapping.size() < len(mapping):
+        raise ModelUnavailable(
+            "a file of this model was truncated while being served; the model reloads on its "
+            "next request"
+        )
+
+
+class _IdleCut:
+    """Cancels the current task once no write has completed for ``timeout`` seconds.
+
+    A client that stops reading blocks ``send`` (uvicorn waits for the socket to drain), which
+    would hold the stream's slot forever. One timer per stream, re-armed lazily, costs nothing
+    per write (``asyncio.wait_for`` would cost a task per write).
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.loop = asyncio.get_running_loop()
+        self.task = asyncio.current_task()
+        self.last = self.loop.time()
+        self.fired = False
+        self._handle = self.loop.call_later(timeout, self._check)
+
+    def progress(self) -> None:
+        self.last = self.loop.time()
+
+    def _check(self) -> None:
+        waited = self.loop.time() - self.last
+        if waited >= self.timeout:
+            self.fired = True
+            if self.task is not None:
+                self.task.cancel()
+        else:
+            self._handle = self.loop.call_later(self.timeout - waited, self._check)
+
+    def uncancel(self) -> None:
+        uncancel = getattr(self.task, "uncancel", None)  # Python 3.11+
+        if uncancel is not None:
+            uncancel()
+
+    def close(self) -> None:
+        self._handle.cancel()
+
+
+class WeightserveApp(FastAPI):
+    """The FastAPI app, and the outermost ASGI layer uvicorn calls: before Starlette wraps
+    ``send`` it notes the server's own request-response cycle in the scope (``CYCLE_KEY``),
+    where a stream's ``_SocketWriter`` finds it."""
+
+    # Streams and body bytes written with _SocketWriter (tests check that the path engages).
+    direct_streams = 0
+    direct_bytes = 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("http_version") == "1.1":
+            cycle = getattr(send, "__self__", None)
+            if _CYCLE_TYPES and isinstance(cycle, _CYCLE_TYPES):
+                scope[CYCLE_KEY] = cycle
+        await super().__call__(scope, receive, send)

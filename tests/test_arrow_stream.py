@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import random
 import struct
-import time
 
 import numpy as np
 import pyarrow as pa
@@ -426,43 +425,3 @@ def test_mutated_streams_raise_only_transport_errors():
         except (TransportError, TooBig):
             outcomes["error"] += 1
     assert outcomes["error"] > 0
-
-
-# -- timings, printed for reports (run with -s), not asserted ---------------------------
-
-
-def test_micro_benchmark():
-    header, data = ROWS[0]
-    n = 20000
-    t = time.perf_counter()
-    for _ in range(n):
-        chunk_message(header)
-    cached = (time.perf_counter() - t) / n
-
-    t = time.perf_counter()
-    for _ in range(n // 4):
-        aw._FIXED_CACHE.clear()
-        chunk_message(header)
-    fresh = (time.perf_counter() - t) / (n // 4)
-
-    one = our_stream([(header, data)])
-    body = one[len(schema_message()) : -len(END_OF_STREAM)]
-    stream = schema_message() + body * n + END_OF_STREAM
-    out = memoryview(bytearray(header.nbytes))
-    reader = ArrowChunkReader(io.BytesIO(stream))
-    reader.read_schema()
-    t = time.perf_counter()
-    count = sum(1 for _ in reader.chunks(lambda h: out))
-    per_chunk = (time.perf_counter() - t) / count
-
-    big = our_stream([ROWS[8]])
-    dest = memoryview(bytearray(len(_BIG)))
-    t = time.perf_counter()
-    for _ in range(20):
-        list(ArrowChunkReader(io.BytesIO(big)).chunks(lambda h: dest))
-    big_rate = 20 * len(_BIG) / (time.perf_counter() - t) / 1e9
-    print(
-        f"\nchunk_message: {cached * 1e6:.2f} us cached, {fresh * 1e6:.2f} us first chunk of a "
-        f"tensor; reader: {per_chunk * 1e6:.2f} us per small chunk (BytesIO source); "
-        f"5 MiB chunks at {big_rate:.2f} GB/s from BytesIO"
-    )

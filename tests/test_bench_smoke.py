@@ -135,3 +135,22 @@ def test_bench_fill_quick(tmp_path: Path) -> None:
     for key, c in contenders.items():
         assert c["bytes"] == results["checkpoint"]["file_bytes"] > 0, key
         assert c["median_s"] > 0 and c["gbps"] > 0 and c["ratio_to_ceiling"] > 0, key
+
+
+def test_bench_framing_quick(tmp_path: Path) -> None:
+    """``python -m bench.framing --quick``: every measurement and ratio is positive, JSON
+    written (no timing is asserted)."""
+    out = tmp_path / "framing.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.framing", "--quick", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "of the ceiling" in proc.stdout
+    results = json.loads(out.read_text())
+    assert {"machine", "config", "medians", "ratios"} <= set(results)
+    assert len(results["ratios"]) == 3
+    assert all(v > 0 for v in [*results["medians"].values(), *results["ratios"].values()])

@@ -15,7 +15,6 @@ from weightserve.service.config import SETTINGS_BY_DEST, ConfigError, apply_envi
 from weightserve.service.logs import configure_logging
 from weightserve.service.serving.state import Limits
 from weightserve.service.sources.layout import GGUF_SUFFIXES, PYTORCH_SUFFIXES, SAFETENSORS_SUFFIXES
-from weightserve.service.sources.origin import OriginCatalog
 
 if TYPE_CHECKING:
     from weightserve.service.server import WeightServer
@@ -55,9 +54,9 @@ def run_serve(args: argparse.Namespace) -> int:
         setting = SETTINGS_BY_DEST.get(e.setting)
         return _cannot_start(f"{setting.label}: {e}" if setting else str(e))
     catalog = server.catalog
-    if isinstance(catalog, OriginCatalog):
+    if catalog.fills_on_request:
         print(
-            f"weightserve: {len(catalog.remote)} models from {catalog.description}, "
+            f"weightserve: {len(catalog.listed)} models from {catalog.description}, "
             f"{len(catalog.models)} cached in {catalog.root}",
             flush=True,
         )
@@ -163,13 +162,13 @@ def _configured_server(args: argparse.Namespace) -> WeightServer:
     check_listeners(config)  # before the scan: a taken port is the only line on stderr
     server = WeightServer(config)
     catalog = server.catalog
-    if isinstance(catalog, OriginCatalog):
+    if catalog.fills_on_request:  # an empty cache is no mistake: models come on request
         if catalog.origin_error is not None:
             log.warning(
                 "%s; cached models are served, the others once it can be listed",
                 catalog.origin_error,
             )
-        elif not catalog.remote:
+        elif not catalog.listed:
             log.warning("the origin %s holds no model: %s", catalog.description, _models_wanted())
         return server
     if not catalog.models:

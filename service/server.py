@@ -28,6 +28,7 @@ from weightserve.client.transports.base import TLSOptions
 from weightserve.service.config import default_of
 from weightserve.service.serving.auth import TokenStore
 from weightserve.service.serving.state import Limits, ServiceState
+from weightserve.service.sources.base import ModelSource
 from weightserve.service.sources.local import Catalog
 from weightserve.service.sources.node_cache import NodeCache
 from weightserve.service.sources.origin import OriginCatalog, default_cache_size
@@ -304,14 +305,14 @@ def _listing(catalog: OriginCatalog) -> list[OriginFile]:
 
 
 class WeightServer:
-    def __init__(self, config: ServerConfig, catalog: Catalog | None = None) -> None:
+    def __init__(self, config: ServerConfig, catalog: ModelSource | None = None) -> None:
         self.config = config
         # Settings first: a mistake there is reported before the root is scanned.
         _check_tls(config)
         _check_ports_distinct(config)
         tokens = _token_store(config.token_file) if config.token_file else None
         digests = DigestStore(config.cache_dir) if config.cache_dir else None
-        self.catalog = catalog or (
+        self.catalog: ModelSource = catalog or (
             _origin_catalog(config, digests)
             if is_origin_uri(config.root)
             else Catalog(config.root, digests=digests)
@@ -574,7 +575,7 @@ class WeightServer:
             ).start()
         # A node cache's directory changes only by its own fills and evictions, which index
         # the cache themselves; the origin is relisted by the periodic rescan.
-        if self.config.watch and not isinstance(self.catalog, OriginCatalog):
+        if self.config.watch and self.catalog.watch_files:
             threading.Thread(target=self._watch_loop, name="weightserve-watch", daemon=True).start()
 
     def _set_grpc_health(self, serving: bool) -> None:
@@ -658,8 +659,7 @@ class WeightServer:
             self._handoff.stop()
         if self._http_thread is not None:
             self._http_thread.join(timeout=grace + 5)
-        if isinstance(self.catalog, OriginCatalog):
-            self.catalog.cache.close()  # a restarted server may take the directory over
+        self.catalog.close()  # a node cache's directory: a restarted server may take it over
         if self.config.uds:
             for path in uds_paths(self.config.uds).values():
                 with contextlib.suppress(OSError):

@@ -14,8 +14,8 @@ from weightserve.client.wire.schema import DEFAULT_CHUNK_BYTES
 from weightserve.service.serving.auth import Access, TokenStore
 from weightserve.service.serving.metrics import Metrics, NodeCacheCollector
 from weightserve.service.serving.streams import PlannedTensor, TensorRequest, plan_stream
-from weightserve.service.sources.local import Catalog, Model
-from weightserve.service.sources.origin import OriginCatalog
+from weightserve.service.sources.base import ModelSource
+from weightserve.service.sources.model import Model
 
 
 @dataclass
@@ -38,7 +38,7 @@ class Limits:
 class ServiceState:
     def __init__(
         self,
-        catalog: Catalog,
+        catalog: ModelSource,
         limits: Limits | None = None,
         tokens: TokenStore | None = None,
         protect_metrics: bool = False,
@@ -62,8 +62,8 @@ class ServiceState:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         catalog.on_refused = self.on_refused
-        if isinstance(catalog, OriginCatalog):
-            self.metrics.registry.register(NodeCacheCollector(catalog.cache.snapshot))
+        if catalog.cache_stats is not None:
+            self.metrics.registry.register(NodeCacheCollector(catalog.cache_stats))
         self.metrics.model_refusals.inc(len(catalog.problems))  # those of the first scan
         self.refresh_gauges()
 
@@ -144,7 +144,7 @@ class ServiceState:
     def reading_slot(self, model: Model, files: set, transport: str, client: str) -> Iterator[None]:
         """A stream slot, and the files the stream reads held (read-leased, see
         ``MappedFile.hold``) while it runs: every transfer that reads mapped bytes takes one.
-        A node cache keeps the model from eviction meanwhile (``Catalog.using``)."""
+        A node cache keeps the model from eviction meanwhile (``ModelSource.using``)."""
         with (
             self.stream_slot(transport, client),
             self.catalog.using(model.id),

@@ -7,8 +7,8 @@ from collections.abc import Callable
 from typing import Any
 
 from weightserve.service.readers.base import TensorEntry
-from weightserve.service.sources.local import Catalog, Model
-from weightserve.service.sources.origin import OriginCatalog
+from weightserve.service.sources.base import ModelSource
+from weightserve.service.sources.model import Model
 
 
 def server_version() -> str:
@@ -55,16 +55,16 @@ def model_info(model: Model) -> dict[str, Any]:
 
 
 def model_list(
-    catalog: Catalog, may_read: Callable[[str], bool] = lambda _: True
+    catalog: ModelSource, may_read: Callable[[str], bool] = lambda _: True
 ) -> dict[str, Any]:
     """Models (and refused models) the caller may read; the others are not even named.
     Over a node cache, each model has a ``state`` (``cached``, ``filling``, ``remote``) and
     the origin's models not cached yet are listed too."""
     summaries = [model_summary(m) for m in catalog.models.values() if may_read(m.id)]
-    if isinstance(catalog, OriginCatalog):
+    if catalog.fills_on_request:
         for summary in summaries:
             summary["state"] = "cached"
-        summaries += catalog.remote_summaries(may_read)
+    summaries += catalog.remote_summaries(may_read)
     return {
         "models": summaries,
         "problems": [

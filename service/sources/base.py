@@ -1,8 +1,18 @@
-"""What every model source reports besides its models."""
+"""What the server asks of wherever its models come from (``ModelSource``), and how a source
+reports a model it refuses (``Problem``).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from weightserve.client.errors import OriginUnavailable
+from weightserve.service.sources.model import Model
+from weightserve.service.sources.node_cache import CacheStats
 
 
 @dataclass(frozen=True)
@@ -12,3 +22,107 @@ class Problem:
     model: str
     file: str
     reason: str
+
+
+class ModelSource(Protocol):
+    """The models a server serves, by id: the one seam between sources and everything else.
+
+    The local catalog (a directory) and the origin catalog (an origin filled into a node
+    cache, served through a local catalog of the cache) implement it; callers ask it, never
+    which source they hold. Room is left for what comes next: a revision pinned by name as a
+    keyword of ``get``, metadata answered before a fill beside ``get``, publish and watch.
+    """
+
+    # Told of each new refusal (the metrics count them); None: nobody listens.
+    on_refused: Callable[[Problem], None] | None
+
+    @property
+    def root(self) -> Path:
+        """The local directory the served files are read from (the model root, or the node
+        cache's data directory)."""
+        ...
+
+    @property
+    def description(self) -> str:
+        """Where the models come from, for messages and logs: the root, or the origin's
+        address without credentials."""
+        ...
+
+    @property
+    def models(self) -> Mapping[str, Model]:
+        """The models indexed and served now, by id."""
+        ...
+
+    @property
+    def problems(self) -> Mapping[str, Problem]:
+        """The models found but refused, by id."""
+        ...
+
+    @property
+    def variants(self) -> Collection[str]:
+        """Ids of other weight sets of a model (``ID:fp16``), indexed on their first request."""
+        ...
+
+    @property
+    def listed(self) -> Collection[str]:
+        """Ids of every model the source offers, indexed here yet or not."""
+        ...
+
+    @property
+    def fills_on_request(self) -> bool:
+        """Whether models are copied under ``root`` on their first request (an origin through
+        a node cache); listings then tell each model's state (``remote_summaries``)."""
+        ...
+
+    @property
+    def watch_files(self) -> bool:
+        """Whether files under ``root`` change by other hands than the source's own, so a file
+        watcher should rescan when they do."""
+        ...
+
+    @property
+    def origin_error(self) -> OriginUnavailable | None:
+        """Why the origin could not be listed at the last scan; None when it was, or for a
+        source without one."""
+        ...
+
+    @property
+    def cache_stats(self) -> Callable[[], CacheStats] | None:
+        """Reads the node cache's counters for the metrics; None without a node cache."""
+        ...
+
+    @property
+    def pending_revisions(self) -> int:
+        """How many models' content revisions are not computed yet."""
+        ...
+
+    def scan(self) -> None:
+        """Find the models again; unchanged models keep their index and mappings."""
+        ...
+
+    def warm_revisions(self) -> None:
+        """Compute every model's revision now, so requests find them known."""
+        ...
+
+    def answers_now(self, model_id: str | None = None) -> bool:
+        """Whether ``get(model_id)`` (None: the model list) answers from memory right now,
+        without touching a file or waiting on a lock."""
+        ...
+
+    def get(self, model_id: str, may_read: Callable[[str], bool] | None = None) -> Model:
+        """The model as its files are now, or ModelNotFound (a suggestion only among ids
+        ``may_read`` allows), ModelUnavailable, ModelFilling, OriginUnavailable."""
+        ...
+
+    def using(self, model_id: str) -> AbstractContextManager[None]:
+        """Hold the model while a stream reads it (a node cache keeps it from eviction)."""
+        ...
+
+    def remote_summaries(self, may_read: Callable[[str], bool]) -> list[dict[str, Any]]:
+        """The models offered but not indexed here yet, as model summaries with their
+        ``state``; none for a local root."""
+        ...
+
+    def close(self) -> None:
+        """Let go of what the source holds (a node cache's directory lock)."""
+        ...

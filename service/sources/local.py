@@ -41,8 +41,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from weightserve.client.errors import CheckpointError, ModelNotFound, ModelUnavailable
 from weightserve.client.wire.routes import RESERVED_PART
@@ -58,6 +59,7 @@ from weightserve.service.sources.layout import (
     RESERVED_DIRECTORY,
     REVISION_SEPARATOR,
     WEIGHT_SUFFIXES,
+    base_model_id,
     gguf_models,
     hub_repo_id,
     validate_model_id,
@@ -89,7 +91,17 @@ def default_readers() -> dict[str, FormatReader]:
 
 
 class Catalog:
-    """Every model under ``root``, indexed by id."""
+    """Every model under ``root``, indexed by id: the ``ModelSource`` of a local directory.
+
+    ``whole_models``, when given, names the directory models (ids without ``:VARIANT``) whose
+    files are all in place, asked at each scan: only those are served. A node cache fills a
+    model file by file, so the models of a fill in progress must not be.
+    """
+
+    fills_on_request = False  # every model already lies under the root
+    watch_files = True  # files are put there by other hands: a watcher rescans sooner
+    origin_error = None  # no origin to list
+    cache_stats = None  # no node cache
 
     def __init__(
         self,
@@ -97,9 +109,11 @@ class Catalog:
         readers: dict[str, FormatReader] | None = None,
         recheck_seconds: float = 1.0,
         digests: DigestStore | None = None,
+        whole_models: Callable[[], Iterable[str]] | None = None,
     ):
         self.root = Path(root).resolve()
         self.recheck_seconds = recheck_seconds
+        self.whole_models = whole_models
         if not self.root.is_dir():
             raise FileNotFoundError(f"model root {self.root} is not a directory")
         self.readers = readers if readers is not None else default_readers()
@@ -424,12 +438,20 @@ class Catalog:
                 self._admit(model_id, entry, models, refused, loaded)
             self.models = models
             self._refused = refused
+            if self.whole_models is not None:
+                self._serve_only(set(self.whole_models()))
         log.info(
             "catalog: %d models, %d refused, in %.3f s",
             len(self.models),
             len(self.problems),
             time.perf_counter() - started,
         )
+
+    def _serve_only(self, whole: set[str]) -> None:
+        """Drop the models, refusals and variants of directory models not in ``whole``."""
+        self.models = {i: m for i, m in self.models.items() if base_model_id(i) in whole}
+        self.problems = {i: p for i, p in self.problems.items() if base_model_id(i) in whole}
+        self.variants = {i: v for i, v in self.variants.items() if base_model_id(i) in whole}
 
     def _admit(
         self,
@@ -526,6 +548,20 @@ class Catalog:
         """Hold the model while a stream reads it: nothing to do for a local root (a catalog
         over a node cache keeps the model from eviction)."""
         yield
+
+    @property
+    def description(self) -> str:
+        return str(self.root)
+
+    @property
+    def listed(self) -> Collection[str]:
+        return self.models.keys()
+
+    def remote_summaries(self, may_read: Callable[[str], bool]) -> list[dict[str, Any]]:
+        return []  # every model offered is indexed here
+
+    def close(self) -> None:
+        pass  # mappings close with their last stream
 
     def answers_now(self, model_id: str | None = None) -> bool:
         """Whether ``get(model_id)`` and the model's revision come from memory right now

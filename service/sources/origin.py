@@ -18,7 +18,7 @@ import difflib
 import logging
 import shutil
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,7 @@ from weightserve.service.sources.layout import (
 )
 from weightserve.service.sources.local import Catalog
 from weightserve.service.sources.model import Model
-from weightserve.service.sources.node_cache import NodeCache
+from weightserve.service.sources.node_cache import CacheStats, NodeCache
 from weightserve.service.sources.origins import Origin, OriginFile
 from weightserve.service.sources.revisions import DigestStore
 
@@ -122,15 +122,13 @@ def default_cache_size(cache_dir: Any) -> int:
     return max(1, int((shutil.disk_usage(cache_dir).free + held) * DEFAULT_CACHE_FRACTION))
 
 
-class OriginCatalog(Catalog):
-    """The models of ``cache.origin``: cached ones indexed from ``cache.data_dir`` (as a local
-    root), the others filled on their first request."""
+class OriginCatalog:
+    """The models of ``cache.origin``, a ``ModelSource``: cached ones indexed from
+    ``cache.data_dir`` by a local catalog of the cache (``local``, which serves only whole
+    models), the others filled on their first request."""
 
-    # Declared again: mypy cannot infer Catalog's attributes through the import cycle with
-    # models_view.
-    models: dict[str, Model]
-    problems: dict[str, Problem]
-    variants: dict[str, tuple[str, Path, list[Path]]]
+    fills_on_request = True
+    watch_files = False  # the cache changes only by its own fills and evictions
 
     def __init__(
         self,
@@ -139,7 +137,6 @@ class OriginCatalog(Catalog):
         digests: DigestStore | None = None,
         fill_wait_seconds: float = FILL_WAIT_SECONDS,
     ) -> None:
-        # Set before Catalog.__init__, which scans (and so lists the origin) at once.
         self.cache = cache
         self.origin: Origin = cache.origin
         self.fill_wait_seconds = fill_wait_seconds
@@ -149,21 +146,81 @@ class OriginCatalog(Catalog):
         self._fills: dict[str, concurrent.futures.Future[None]] = {}
         self._fills_lock = threading.Lock()
         self._ensured: dict[str, tuple[OriginFile, ...]] = {}  # the listing each fill matched
-        super().__init__(cache.data_dir, recheck_seconds=recheck_seconds, digests=digests)
+        self._list_origin()
+        self.local = Catalog(
+            cache.data_dir,
+            recheck_seconds=recheck_seconds,
+            digests=digests,
+            whole_models=cache.cached_models,
+        )
+
+    # -- what the local catalog of the cache answers -----------------------------------------
+
+    @property
+    def root(self) -> Path:
+        return self.local.root
+
+    @property
+    def models(self) -> dict[str, Model]:
+        return self.local.models
+
+    @property
+    def problems(self) -> dict[str, Problem]:
+        """The cache's refusals, then the origin listing's (a split GGUF missing parts)."""
+        problems = self.local.problems
+        if not self.remote_problems:
+            return problems
+        return {**problems, **{i: p for i, p in self.remote_problems.items() if i not in problems}}
+
+    @property
+    def variants(self) -> dict[str, tuple[str, Path, list[Path]]]:
+        return self.local.variants
+
+    @property
+    def on_refused(self) -> Callable[[Problem], None] | None:
+        return self.local.on_refused
+
+    @on_refused.setter
+    def on_refused(self, callback: Callable[[Problem], None] | None) -> None:
+        self.local.on_refused = callback
+
+    @property
+    def pending_revisions(self) -> int:
+        return self.local.pending_revisions
+
+    def warm_revisions(self) -> None:
+        self.local.warm_revisions()
 
     def answers_now(self, model_id: str | None = None) -> bool:
         """Never: ``get`` may fill from the origin and takes the cache's lock."""
         return False
 
+    # -- the origin --------------------------------------------------------------------------
+
     @property
     def description(self) -> str:
         return self.origin.description
+
+    @property
+    def listed(self) -> Collection[str]:
+        return self.remote.keys()
+
+    @property
+    def cache_stats(self) -> Callable[[], CacheStats]:
+        return self.cache.snapshot
+
+    def close(self) -> None:
+        self.cache.close()  # a restarted server may take the directory over
 
     # -- scanning ----------------------------------------------------------------------------
 
     def scan(self) -> None:
         """List the origin again, then index the cache. An origin that cannot be listed keeps
         the last listing (cached models are served all the same) and is logged."""
+        self._list_origin()
+        self.local.scan()
+
+    def _list_origin(self) -> None:
         try:
             listing = self.origin.list_files()
         except OriginUnavailable as e:
@@ -175,19 +232,6 @@ class OriginCatalog(Catalog):
             if self.origin_error is not None:
                 log.info("origin %s can be listed again", self.origin.description)
             self.origin_error = None
-        self._scan_cache()
-
-    def _scan_cache(self) -> None:
-        """Index the cache's data directory; only whole models are served (a fill in progress
-        has some files in place already)."""
-        super().scan()
-        whole = set(self.cache.cached_models())
-        with self._lock:
-            self.models = {i: m for i, m in self.models.items() if base_model_id(i) in whole}
-            self.problems = {i: p for i, p in self.problems.items() if base_model_id(i) in whole}
-            self.variants = {i: v for i, v in self.variants.items() if base_model_id(i) in whole}
-            for model_id, problem in self.remote_problems.items():
-                self.problems.setdefault(model_id, problem)
 
     # -- lookup ------------------------------------------------------------------------------
 
@@ -241,8 +285,8 @@ class OriginCatalog(Catalog):
         else:
             self._fill(base, files)
         if base not in self.models and model_id not in self.variants:
-            self._scan_cache()
-        return super().get(model_id, may_read)
+            self.local.scan()
+        return self.local.get(model_id, may_read)
 
     def _fill(self, model_id: str, files: tuple[OriginFile, ...] | None) -> None:
         """Fill the model (one fill for every concurrent request, whatever its transport) and
@@ -292,7 +336,7 @@ class OriginCatalog(Catalog):
                 self.cache.ensure(model_id, list(files) if files is not None else None)
             if files is not None:
                 self._ensured[model_id] = files
-            self._scan_cache()
+            self.local.scan()
         except BaseException as e:
             pending.set_exception(e)
         else:

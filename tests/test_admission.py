@@ -173,7 +173,7 @@ def test_refusals_carry_a_retry_hint_on_every_transport(busy_server: WeightServe
         finally:
             client.close()
         detail = json.loads(refused_flight.value.extra_info)
-        assert detail["error"] == "ResourceExhausted" and detail["retry_after"] == HINT
+        assert detail["type"] == "ResourceExhausted" and detail["retry_after"] == HINT
 
         # The weightserve client turns each into a ResourceExhausted that says it is temporary.
         for transport in TRANSPORTS:

@@ -220,7 +220,7 @@ def test_flight_errors_are_the_same_classes(server, fields, error, match) -> Non
             raw.do_get(ticket(**fields)).read_all()
     finally:
         raw.close()
-    assert json.loads(info.value.extra_info)["error"] == error.__name__
+    assert json.loads(info.value.extra_info)["type"] == error.__name__
 
 
 def test_a_ticket_that_is_not_a_request_is_refused(server) -> None:
@@ -230,7 +230,7 @@ def test_a_ticket_that_is_not_a_request_is_refused(server) -> None:
             raw.do_get(flight.Ticket(b"\xff\xff not protobuf")).read_all()
     finally:
         raw.close()
-    assert json.loads(info.value.extra_info)["error"] == "InvalidRequest"
+    assert json.loads(info.value.extra_info)["type"] == "InvalidRequest"
 
 
 def _big_root(tmp_path: Path) -> Path:

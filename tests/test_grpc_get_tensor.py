@@ -14,9 +14,9 @@ import xxhash
 
 from weightserve.client import Client
 from weightserve.client.transports.grpc import GrpcTransport
+from weightserve.client.wire.errors import ERROR_METADATA_KEY
 from weightserve.client.wire.proto.weightserve.v1 import weightserve_pb2 as pb
 from weightserve.client.wire.proto.weightserve.v1 import weightserve_pb2_grpc as pb_grpc
-from weightserve.service.transports.grpc import ERROR_METADATA_KEY
 
 MODEL = "org/sharded"
 NAME = "model.layers.0.attn.weight"  # 8 x 8 float32

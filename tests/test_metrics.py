@@ -141,7 +141,7 @@ def flight_error_class(server: WeightServer, ticket: flight.Ticket) -> str:
             client.do_get(ticket).read_all()
     finally:
         client.close()
-    return json.loads(info.value.extra_info)["error"]
+    return json.loads(info.value.extra_info)["type"]
 
 
 def test_metadata_calls_and_streams_are_counted_on_every_transport(srv: WeightServer) -> None:

@@ -84,7 +84,7 @@ def test_flight_ticket_with_names_and_prefix_is_refused(server) -> None:
     finally:
         client.close()
     detail = json.loads(info.value.extra_info)
-    assert detail["error"] == "InvalidRequest" and BOTH in detail["message"]
+    assert detail["type"] == "InvalidRequest" and BOTH in detail["message"]
 
 
 @pytest.fixture(scope="module")
@@ -108,4 +108,4 @@ def test_handoff_with_names_and_prefix_is_refused(uds_server: WeightServer) -> N
         answer = read_frame(sock)
     assert answer is not None
     error = answer["error"]
-    assert error["class"] == "InvalidRequest" and BOTH in error["message"]
+    assert error["type"] == "InvalidRequest" and BOTH in error["message"]

@@ -243,7 +243,7 @@ def test_flight_stream_needs_the_same_token_and_grant(auth_server: WeightServer)
         with pytest.raises(flight.FlightError) as info:
             options = flight.FlightCallOptions(headers=headers)
             client.do_get(flight.Ticket(request), options).read_all()
-        return json.loads(info.value.extra_info)["error"]
+        return json.loads(info.value.extra_info)["type"]
 
     try:
         assert error_of([]) == "Unauthenticated"
@@ -253,7 +253,7 @@ def test_flight_stream_needs_the_same_token_and_grant(auth_server: WeightServer)
         options = flight.FlightCallOptions(headers=team_a)
         with pytest.raises(flight.FlightUnauthorizedError) as info:
             client.do_get(flight.Ticket(other), options).read_all()
-        assert json.loads(info.value.extra_info)["error"] == "PermissionDenied"
+        assert json.loads(info.value.extra_info)["type"] == "PermissionDenied"
         table = client.do_get(flight.Ticket(request), options).read_all()
         assert set(table.column("name").to_pylist()) == {"b", "w"}
     finally:

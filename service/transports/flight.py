@@ -15,8 +15,9 @@ batches instead: one zero-copy ``uint8`` column per chunk, the rest of the row i
 one body buffer per message and no per-row arrays to build in Python (bench/flight_minimal.py
 measures the floor). Auth, limits, draining, errors and metrics are those of the other
 transports. An error carries ``extra_info``, JSON
-``{"error": class name, "message": text}`` (plus ``"retry_after": seconds`` on a temporary
-refusal), which the weightserve client turns back into the same exception as on HTTP and gRPC.
+``{"type": class name, "message": text}`` (plus ``"retry_after": seconds`` on a temporary
+refusal; client/wire/errors.py), which the weightserve client turns back into the same
+exception as on HTTP and gRPC.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from weightserve.client.transports.flight import (
 )
 from weightserve.client.wire.schema import DEFAULT_CHUNK_BYTES, TENSOR_SCHEMA, ChunkHeader
 from weightserve.service.serving.auth import authorize
+from weightserve.service.serving.errors import wire_error
 from weightserve.service.serving.request import from_proto, from_ticket
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.serving.streams import stream_chunks
@@ -64,13 +66,12 @@ _FLIGHT_ERRORS = {
 
 
 def flight_error(exc: WeightserveError) -> flight.FlightError:
-    """The Flight error for one of ours; ``extra_info`` names our class for the client."""
-    _, code = status_for(exc)
-    fields: dict[str, object] = {"error": type(exc).__name__, "message": str(exc)}
-    if exc.retry_after is not None:  # a temporary refusal: seconds to wait before retrying
-        fields["retry_after"] = exc.retry_after
-    detail = json.dumps(fields).encode()
-    return _FLIGHT_ERRORS.get(code, flight.FlightServerError)(str(exc), extra_info=detail)
+    """The Flight error for one of ours: the Flight class of its gRPC code, and its wire form
+    (class, message, retry hint) as JSON in ``extra_info`` for the client."""
+    error = wire_error(exc)
+    detail = json.dumps(error.to_json()).encode()
+    flight_class = _FLIGHT_ERRORS.get(error.grpc_code(), flight.FlightServerError)
+    return flight_class(error.message, extra_info=detail)
 
 
 def chunk_batch(header: ChunkHeader, data: memoryview) -> pa.RecordBatch:

@@ -24,22 +24,18 @@ from grpc_reflection.v1alpha import reflection
 
 from weightserve.client.errors import InvalidRequest, WeightserveError, status_for
 from weightserve.client.wire.proto.weightserve.v1 import weightserve_pb2 as pb
-from weightserve.client.wire.schema import MAX_CHUNK_BYTES
+from weightserve.client.wire.schema import MAX_GRPC_MESSAGE_BYTES
 from weightserve.service.serving import files
 from weightserve.service.serving import views as models_view
 from weightserve.service.serving.arrow_writer import END_OF_STREAM
 from weightserve.service.serving.auth import Access, authorize
+from weightserve.service.serving.errors import wire_error
 from weightserve.service.serving.request import from_proto
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.serving.streams import plan_stream, stream_chunks, stream_messages
 from weightserve.service.serving.views import server_version
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WeightService"].full_name
-ERROR_METADATA_KEY = "weightserve-error"
-# gRPC's standard trailer for "retry after this many milliseconds", on temporary refusals.
-RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
-# A chunk message plus its framing; the client and server both allow this much per message.
-MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + (1 << 20)
 
 # GetTensor: the largest tensor it sends when the request names no limit, and in any case.
 GET_TENSOR_DEFAULT_BYTES = 1 << 20
@@ -67,12 +63,11 @@ def encode_arrow_data(parts: tuple | list) -> bytes:
 
 
 def _abort(context: grpc.ServicerContext, exc: WeightserveError) -> None:
-    _, code = status_for(exc)
-    trailing = [(ERROR_METADATA_KEY, type(exc).__name__)]
-    if exc.retry_after is not None:  # a temporary refusal (stream limit, draining)
-        trailing.append((RETRY_PUSHBACK_KEY, str(round(exc.retry_after * 1000))))
-    context.set_trailing_metadata(tuple(trailing))
-    context.abort(getattr(grpc.StatusCode, code), str(exc))
+    """Ends the call with the error's wire form: its status code and message, its class
+    (and retry hint) in trailing metadata."""
+    error = wire_error(exc)
+    context.set_trailing_metadata(error.grpc_trailers())
+    context.abort(getattr(grpc.StatusCode, error.grpc_code()), error.message)
 
 
 def peer_host(peer: str) -> str:
@@ -383,7 +378,7 @@ def create_grpc_server(
 ) -> tuple[grpc.Server, int]:
     """A started-ready (not started) grpc.Server bound to address; returns (server, port)."""
     options = [
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", 4 << 20),
         ("grpc.so_reuseport", 0),
     ]

@@ -44,6 +44,7 @@ from weightserve.client.wire.handoff import (
 )
 from weightserve.client.wire.schema import DEFAULT_CHUNK_BYTES
 from weightserve.service.serving.auth import authorize
+from weightserve.service.serving.errors import wire_error
 from weightserve.service.serving.request import from_handoff
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.serving.streams import plan_stream, stream_chunks
@@ -99,7 +100,7 @@ class _Handler(socketserver.BaseRequestHandler):
 
 
 def _error(e: WeightserveError) -> dict[str, Any]:
-    return {"error": {"class": type(e).__name__, "message": str(e), "retry_after": e.retry_after}}
+    return {"error": wire_error(e).to_json()}
 
 
 def _send(sock: socket.socket, message: dict[str, Any]) -> None:

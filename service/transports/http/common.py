@@ -3,7 +3,6 @@ answer, the caller's access and the choice between the event loop and the thread
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -11,8 +10,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from weightserve.client.errors import WeightserveError, status_for
+from weightserve.client.errors import WeightserveError
 from weightserve.service.serving.auth import Access, authorize
+from weightserve.service.serving.errors import wire_error
 from weightserve.service.serving.state import ServiceState
 
 # ASGI scope keys the routes set for CallMetrics: the error class a request ended with, and
@@ -37,17 +37,15 @@ def error_response(
     headers: dict[str, str] | None = None,
     status: int | None = None,
 ) -> JSONResponse:
-    """One of our errors as the API answers it (the status its class has unless ``status``
-    says), noted in ``scope`` for CallMetrics."""
-    scope[ERROR_KEY] = type(exc).__name__
-    extra = dict(headers or {})
-    if exc.retry_after is not None:  # a temporary refusal (stream limit, draining)
-        # Retry-After counts whole seconds; never 0, which would invite a busy loop.
-        extra["retry-after"] = str(max(1, math.ceil(exc.retry_after)))
+    """One of our errors as the API answers it (its wire form: the status its class has
+    unless ``status`` says, Retry-After on a temporary refusal), noted in ``scope`` for
+    CallMetrics."""
+    error = wire_error(exc)
+    scope[ERROR_KEY] = error.type
     return JSONResponse(
-        {"error": {"type": type(exc).__name__, "message": str(exc)}},
-        status_code=status or status_for(exc)[0],
-        headers=extra or None,
+        error.http_body(),
+        status_code=status or error.http_status(),
+        headers={**(headers or {}), **error.http_headers()} or None,
     )
 
 

@@ -20,7 +20,6 @@ Errors carry the Hub's ``X-Error-Code`` (``RepoNotFound``, ``RevisionNotFound``,
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable
 from typing import Any
@@ -36,10 +35,10 @@ from weightserve.client.errors import (
     NotFound,
     Unauthenticated,
     WeightserveError,
-    status_for,
 )
 from weightserve.service.serving import files
 from weightserve.service.serving.auth import Access
+from weightserve.service.serving.errors import wire_error
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.sources.local import Model
 from weightserve.service.transports.http.common import ERROR_KEY, OPERATION_KEY, AccessCheck
@@ -66,9 +65,9 @@ _HUB_ERROR_CODES: dict[type[WeightserveError], str] = {
 def _hub_error(http: Request, exc: WeightserveError, commit: str | None = None) -> JSONResponse:
     """An error as the Hub sends it: JSON ``{"error": message}``, ``X-Error-Code`` when the
     Hub has one for it, ``X-Repo-Commit`` on a missing file (clients cache its absence)."""
-    http.scope[ERROR_KEY] = type(exc).__name__  # for CallMetrics
-    status, _ = status_for(exc)
-    message = str(exc)
+    error = wire_error(exc)  # the status and retry hint every transport gives it
+    http.scope[ERROR_KEY] = error.type  # for CallMetrics
+    message = error.message
     headers = {"x-error-message": message.encode("ascii", "replace").decode()[:500]}
     for cls, code in _HUB_ERROR_CODES.items():
         if isinstance(exc, cls):
@@ -78,9 +77,8 @@ def _hub_error(http: Request, exc: WeightserveError, commit: str | None = None) 
         headers["x-error-message"] = "Invalid credentials in Authorization header"
     if commit is not None:
         headers["x-repo-commit"] = commit
-    if exc.retry_after is not None:
-        headers["retry-after"] = str(max(1, math.ceil(exc.retry_after)))
-    return JSONResponse({"error": message}, status_code=status, headers=headers)
+    headers.update(error.http_headers())
+    return JSONResponse({"error": message}, status_code=error.http_status(), headers=headers)
 
 
 def _segments(http: Request, prefix: str) -> list[str]:

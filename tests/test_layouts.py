@@ -426,7 +426,7 @@ def test_split_gguf_with_a_missing_or_misplaced_part_is_refused(tmp_path: Path) 
 
 
 def test_layout_ids_over_http_and_grpc(hub_cache: dict) -> None:
-    """Ids with '@' and ':' reach their models through both transports' URLs."""
+    """Ids with '@' and ':' reach their models through the HTTP and the gRPC URLs."""
     cache: Path = hub_cache["cache"]
     unet = cache / "acme" / "unet"
     unet.mkdir(parents=True)

@@ -1,16 +1,18 @@
-"""The catalog: finds the models under a root directory, indexes them, maps each file once.
+"""The local catalog: walks a root directory, finds its models by the layout rules
+(service/sources/layout.py) and indexes them, keeping them current as files change.
 
-Start-up reads headers only (the readers never touch tensor data), so opening a root that
-holds hundreds of GiB takes milliseconds. A model that fails validation is recorded in
+Start-up reads headers only (the readers never touch tensor data), so opening a root costs
+its headers, not its size. A model that fails validation is recorded in
 ``Catalog.problems`` with the file and the rule it breaks; every other model is served.
 
 How a root is laid out: the model id is the path relative to the root, so ``org/name`` works.
 These are the rules; README.md ("Model layouts") states them for users.
 
 - A directory below the root holding weights is one model. Its weights form sets by format
-  and variant (``model.fp16.safetensors``: variant ``fp16``; ``layout.weight_sets``); ``DIR`` serves
-  the default set (plain safetensors, else plain PyTorch, else the only set), every other set
-  is ``DIR:VARIANT`` (``:fp16``, ``:pytorch``, ``:pytorch.fp16``), indexed on first request.
+  and variant (``model.fp16.safetensors``: variant ``fp16``; ``layout.weight_sets``); ``DIR``
+  serves the default set (plain safetensors, else plain PyTorch, else the only set), every
+  other set is ``DIR:VARIANT`` (``:fp16``, ``:pytorch``, ``:pytorch.fp16``), indexed on first
+  request.
 - A shard index (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``, a
   variant's ``model.safetensors.index.fp16.json``) decides which files form its set: files it
   does not name (Mistral's ``consolidated.safetensors``) are side files, not weights; a named
@@ -78,7 +80,8 @@ OUTSIDE_ROOT = "symlink points outside the model root"
 # are configs, tokenizers and templates, not bulk data.
 SIDE_FILE_MAX_BYTES = 256 << 20
 
-# Imported from here by modules that predate the split of this one.
+# Model, RepoFile, Problem and validate_model_id live in model.py, base.py and layout.py;
+# modules that import them from here still may.
 __all__ = ["Catalog", "Model", "Problem", "RepoFile", "validate_model_id"]
 
 

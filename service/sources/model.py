@@ -34,6 +34,9 @@ class RepoFile:
 
 @dataclass
 class Model:
+    """One model as indexed: its files and their stamps then, its tensors, and one mapping
+    per file shared by its streams. A changed file makes a new Model; old streams keep theirs."""
+
     id: str
     format: str
     path: Path  # the model's directory or file

@@ -23,9 +23,10 @@ from weightserve.client._models import (
     RemoteFile,
     TensorInfo,
 )
-from weightserve.client._pull import ConversionRefused, DestinationError
+from weightserve.client.errors import ConversionRefused, DestinationError, WeightsClosed
+from weightserve.client.max.compat import backend as _backend
 from weightserve.client.max.load import WeightsFormat, load_weights, weights_format
-from weightserve.client.max.weights import RandomWeights, RemoteWeights, WeightsClosed
+from weightserve.client.max.weights import RandomWeights, RemoteWeights
 from weightserve.client.transports.base import TLSOptions
 
 __all__ = [
@@ -57,9 +58,7 @@ _BACKEND_TYPES = ("WeightData", "DType", "QuantizationEncoding")
 
 def __getattr__(name: str) -> Any:
     if name in _BACKEND_TYPES:
-        from weightserve.client.max.compat import backend
-
-        return getattr(backend(), name)
+        return getattr(_backend(), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -210,7 +210,7 @@ def _pull(args: argparse.Namespace) -> int:
         model = client.model(model_id, FetchOptions(parallel=args.parallel, verify=args.verify))
         if args.to == "safetensors":
             return _pull_converted(args, model, out_dir)
-        from weightserve.client._pull import FilePull
+        from weightserve.client._download import FilePull
 
         pull = FilePull(model, out_dir, force=args.force).plan()
         try:

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from weightserve.client._download import download_files
 from weightserve.client._models import (
     ModelInfo,
     ModelProblem,
@@ -255,23 +256,24 @@ class RemoteModel:
     ) -> Generator[tuple[str, np.ndarray], None, None]:
         if not wanted:
             return
-        handoff = self.client.planes().handoff
+        planes = self.client.planes()
+        handoff = planes.handoff
         handed = self._handoff(handoff, wanted, shard, axis, on_wait) if handoff else None
         if handed is not None:
             yield from self._iterate_handed(
-                handed, wanted, window_bytes, shard, axis, on_bytes, allocate, on_wait
+                handed,
+                planes.streams,
+                wanted,
+                window_bytes,
+                shard,
+                axis,
+                on_bytes,
+                allocate,
+                on_wait,
             )
             return
-        received = iter_received(
-            self,
-            wanted,
-            window_bytes=window_bytes,
-            shard=shard,
-            axis=axis,
-            retry_seconds=self._retry_seconds(),
-            on_bytes=on_bytes,
-            allocate=allocate,
-            on_wait=on_wait,
+        received = self._windowed(
+            planes.streams, wanted, window_bytes, shard, axis, on_bytes, allocate, on_wait
         )
         try:
             for h, buffer in received:
@@ -286,6 +288,7 @@ class RemoteModel:
     def _iterate_handed(
         self,
         handed: Handoff,
+        streams: Transport,
         wanted: list[str],
         window_bytes: int,
         shard: tuple[int, int] | None,
@@ -300,14 +303,10 @@ class RemoteModel:
         placed = _taken(handed, on_bytes, allocate)
         copied = [n for n in wanted if n in set(handed.copy)]
         streamed = (
-            iter_received(
-                self, copied, window_bytes=window_bytes, shard=shard, axis=axis,
-                retry_seconds=self._retry_seconds(), on_bytes=on_bytes, allocate=allocate,
-                on_wait=on_wait,
-            )
+            self._windowed(streams, copied, window_bytes, shard, axis, on_bytes, allocate, on_wait)
             if copied
             else iter(())
-        )  # fmt: skip
+        )
         try:
             for name in wanted:
                 if name in placed:
@@ -325,6 +324,44 @@ class RemoteModel:
             close = getattr(streamed, "close", None)
             if close is not None:
                 close()
+
+    def _windowed(
+        self,
+        streams: Transport,
+        names: list[str],
+        window_bytes: int,
+        shard: tuple[int, int] | None,
+        axis: int,
+        on_bytes: Callable[[int], None] | None,
+        allocate: Callable[[ChunkHeader], np.ndarray] | None,
+        on_wait: OnWait | None,
+    ) -> Generator[tuple[ChunkHeader, np.ndarray], None, None]:
+        """One stream of ``names`` over ``streams``, received within the window."""
+        return iter_received(
+            lambda p: streams.open_chunks(self.id, p),
+            self._stream_params(names, shard, axis),
+            names,
+            window_bytes=window_bytes,
+            receiving=streams.receiving(min(window_bytes, self._bytes(names))),
+            retries=self.options.retries,
+            retry_seconds=self._retry_seconds(),
+            on_bytes=on_bytes,
+            allocate=allocate,
+            on_wait=on_wait or self.client.on_wait,
+            verify=self.options.verify,
+        )
+
+    def _stream_params(
+        self, names: list[str], shard: tuple[int, int] | None, axis: int
+    ) -> StreamParams:
+        """A stream request for ``names``, pinned to the revision the index was read at."""
+        return StreamParams(
+            names=tuple(names),
+            shard=shard,
+            axis=axis,
+            chunk_bytes=self.options.chunk_bytes,
+            revision=self.info.revision,
+        )
 
     def files(self) -> list[RemoteFile]:
         """Every file of the model's repository (weights, index, config, tokenizer...):
@@ -352,8 +389,6 @@ class RemoteModel:
         refused with ``DestinationError`` unless ``force``. ``on_bytes(n)`` hears of the bytes
         transferred.
         """
-        from weightserve.client._pull import download_files
-
         return download_files(self, Path(dest), force=force, on_bytes=on_bytes, on_wait=on_wait)
 
     def _wanted(self, names: Sequence[str] | None, prefix: str | None) -> list[str]:
@@ -476,13 +511,7 @@ class RemoteModel:
                     on_bytes(n)
 
         def one(group: list[str]) -> dict[str, ReceivedTensor]:
-            params = StreamParams(
-                names=tuple(group),
-                shard=shard,
-                axis=axis,
-                chunk_bytes=self.options.chunk_bytes,
-                revision=self.info.revision,
-            )
+            params = self._stream_params(group, shard, axis)
             place = allocate
             if place is None:
                 place = arena_allocator({n: self._part_bound(n, shard, axis) for n in group})

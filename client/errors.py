@@ -3,7 +3,8 @@
 Every error carries a message that says what failed, on which model/tensor/file, why, and
 what to do. The service maps each class to one HTTP status and one gRPC status code
 (``STATUS_TABLE``); the client maps them back, so an error raised in the server surfaces in
-the client as the same class.
+the client as the same class. The three marked "client only" are raised by the client itself
+and never cross the wire: no server sends them, so they have no row of their own.
 
     WeightserveError
     ├── CheckpointError          a checkpoint file breaks a rule of its format (service
@@ -31,7 +32,11 @@ the client as the same class.
     │   └── ServerUnreachable
     ├── WrongTransport           the URL's scheme is not what its port speaks (http:// at
     │                            the gRPC port, grpc:// at the HTTP or Flight port); final
-    └── DataCorruption           a received tensor's digest did not match
+    ├── DataCorruption           a received tensor's digest did not match
+    ├── DestinationError         client only: a pull's destination cannot take the files
+    ├── ConversionRefused        client only: a model that does not convert to safetensors
+    └── WeightsClosed            client only: ``data()`` after ``RemoteWeights.close()``;
+                                 also a RuntimeError
 """
 
 from __future__ import annotations
@@ -158,8 +163,23 @@ class DataCorruption(WeightserveError):
     pass
 
 
+class DestinationError(WeightserveError):
+    """The pull's destination cannot take the files: not a directory, not writable, full,
+    or holding different files of the same names (overwrite with ``force``). Client only."""
+
+
+class ConversionRefused(WeightserveError):
+    """A model whose format does not convert to safetensors faithfully (GGUF). Client only."""
+
+
+class WeightsClosed(WeightserveError, RuntimeError):
+    """``data()`` / ``allocate()`` after ``close()``: the received buffers were dropped.
+    Client only."""
+
+
 # One table: exception class -> (HTTP status, gRPC status code name). Subclasses inherit the
-# row of their nearest listed ancestor. A test checks every class above resolves to a row.
+# row of their nearest listed ancestor (the client-only classes: WeightserveError's, never
+# used). A test checks every class above resolves to a row.
 STATUS_TABLE: dict[type[WeightserveError], tuple[int, str]] = {
     TensorNotFound: (404, "NOT_FOUND"),
     FileNotFound: (404, "NOT_FOUND"),

@@ -26,14 +26,8 @@ from tests.support.references import reference_gguf, reference_safetensors, refe
 from tests.test_cli import run_cli
 from tests.test_faults import CuttingProxy
 from weightserve.client import Client
-from weightserve.client._pull import (
-    STATE_FILE,
-    ConversionRefused,
-    DestinationError,
-    FilePull,
-    _safe_relative,
-    pull_to_safetensors,
-)
+from weightserve.client._download import STATE_FILE, FilePull, _safe_relative
+from weightserve.client._pull import ConversionRefused, DestinationError, pull_to_safetensors
 from weightserve.client.errors import WeightserveError
 
 MIB = 1 << 20

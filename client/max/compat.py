@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from weightserve.client.max import weight_types as _weight_types
+from weightserve.client.transports.handoff import writable_alias
 from weightserve.client.wire.dtypes import wire_dtype
 
 # GGML block types MAX can name as a QuantizationEncoding; every other block type is served as
@@ -77,8 +78,6 @@ def shareable(arr: np.ndarray) -> np.ndarray:
     """``arr``, or for a read-only handoff view its writable copy-on-write alias."""
     if arr.flags.writeable:
         return arr
-    from weightserve.client.transports.handoff import writable_alias
-
     alias = writable_alias(arr)
     return arr if alias is None else alias
 
@@ -97,6 +96,7 @@ class Backend:
     Weight: Any = _weight_types.Weight
     QuantizationEncoding: Any = _weight_types.QuantizationEncoding
     DeviceRef: Any = _weight_types.DeviceRef
+    SafetensorWeights: Any = None  # MAX's class; the look-alikes have none
 
     def cpu(self) -> Any:
         return self.DeviceRef.CPU()
@@ -152,9 +152,10 @@ class MaxBackend(Backend):
         from max.dtype import DType
         from max.graph import DeviceRef, Shape, Weight
         from max.graph.quantization import QuantizationEncoding
-        from max.graph.weights import WeightData
+        from max.graph.weights import SafetensorWeights, WeightData
 
         self.Buffer = Buffer
+        self.SafetensorWeights = SafetensorWeights
         self.DType = DType
         self.DeviceRef = DeviceRef
         self.Shape = Shape
@@ -204,24 +205,3 @@ def backend(use_max: bool | None = None) -> Backend:
     elif use_max and not max_available():
         raise ImportError("use_max=True needs the max package (pip install 'weightserve[max]')")
     return _backend(bool(use_max))
-
-
-@cache
-def safetensors_weights_class() -> type:
-    """``RemoteWeights`` that is also a ``max.graph.weights.SafetensorWeights``, for MAX
-    architectures that accept only that class. It never runs SafetensorWeights' file-opening
-    constructor; every method comes from ``RemoteWeights``."""
-    from max.graph.weights import SafetensorWeights
-
-    from weightserve.client.max.weights import RemoteWeights
-
-    class RemoteSafetensorWeights(RemoteWeights, SafetensorWeights):  # type: ignore[misc]
-        """Remote safetensors weights, usable wherever MAX requires SafetensorWeights."""
-
-        def _load_tensor(self, dtype: Any = None) -> Any:
-            # SafetensorWeights' private accessor: the tensor's Buffer.
-            return self._state.value(self._info())
-
-    RemoteSafetensorWeights.__module__ = RemoteWeights.__module__
-    RemoteSafetensorWeights.__qualname__ = "RemoteSafetensorWeights"
-    return RemoteSafetensorWeights

@@ -23,14 +23,15 @@ import threading
 import zlib
 from collections.abc import Iterator
 from dataclasses import replace
+from functools import cache
 from typing import Any
 
 import numpy as np
 
 from weightserve.client._client import Client, FetchOptions, RemoteModel
 from weightserve.client._models import TensorInfo
-from weightserve.client.errors import TensorNotFound, WeightserveError
-from weightserve.client.max.compat import Backend, backend, ggml_type_number
+from weightserve.client.errors import TensorNotFound, WeightsClosed
+from weightserve.client.max.compat import Backend, backend, ggml_type_number, shareable
 from weightserve.client.receive.stream import aligned_empty
 from weightserve.client.receive.window import DEFAULT_WINDOW_BYTES
 from weightserve.client.transports.base import DEFAULT_READ_TIMEOUT, TLSOptions
@@ -40,10 +41,6 @@ from weightserve.client.wire.routes import parse_url
 __all__ = ["RandomWeights", "RemoteWeights", "WeightsClosed"]
 
 _FORMAT_TITLES = {"safetensors": "Safetensor", "pytorch": "PyTorch"}
-
-
-class WeightsClosed(WeightserveError, RuntimeError):
-    """``data()`` / ``allocate()`` after ``close()``: the received buffers were dropped."""
 
 
 class _MissingWeight(TensorNotFound):
@@ -158,9 +155,7 @@ class RemoteWeights:
         state = _open(source, use_max, token, tls, timeout, options, bulk, retry_seconds, verify)
         klass: type = cls
         if cls is RemoteWeights and state.backend.is_max and state.format == "safetensors":
-            from weightserve.client.max.compat import safetensors_weights_class
-
-            klass = safetensors_weights_class()
+            klass = safetensors_weights_class(state.backend.SafetensorWeights)
         obj: RemoteWeights = object.__new__(klass)
         obj._attach(state, "")
         return obj
@@ -462,6 +457,24 @@ class RemoteWeights:
             arrays.close()
 
 
+@cache
+def safetensors_weights_class(max_class: type) -> type:
+    """``RemoteWeights`` that is also MAX's ``SafetensorWeights`` (``max_class``), for MAX
+    architectures that accept only that class. It never runs SafetensorWeights' file-opening
+    constructor; every method comes from ``RemoteWeights``."""
+
+    class RemoteSafetensorWeights(RemoteWeights, max_class):  # type: ignore[misc,valid-type]
+        """Remote safetensors weights, usable wherever MAX requires SafetensorWeights."""
+
+        def _load_tensor(self, dtype: Any = None) -> Any:
+            # SafetensorWeights' private accessor: the tensor's Buffer.
+            return self._state.value(self._info())
+
+    RemoteSafetensorWeights.__module__ = RemoteWeights.__module__
+    RemoteSafetensorWeights.__qualname__ = "RemoteSafetensorWeights"
+    return RemoteSafetensorWeights
+
+
 def _open(
     source: str | RemoteModel,
     use_max: bool | None,
@@ -509,8 +522,6 @@ def to_torch(arr: np.ndarray, wire: str, logical_shape: tuple[int, ...] = ()) ->
     types torch lacks stay raw uint8 bytes.
     """
     import torch
-
-    from weightserve.client.max.compat import shareable
 
     arr = shareable(arr)  # a handoff view: its copy-on-write alias (torch wants writable)
     if wire_dtype(wire).numpy_name is None:

@@ -11,18 +11,15 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager
 
 import numpy as np
 
 from weightserve.client._retry import OnWait
 from weightserve.client.receive.stream import ReceivedTensor, aligned_empty, receive
-from weightserve.client.transports.base import StreamParams
+from weightserve.client.transports.base import ChunkReader, StreamParams
 from weightserve.client.wire.schema import ChunkHeader
-
-if TYPE_CHECKING:
-    from weightserve.client._client import RemoteModel
 
 # Bench, 1 GiB layer by layer into fresh memory: with 256 MiB the load added 125 MiB (HTTP)
 # and 218 MiB (Flight) to the client's peak RSS, with 64 MiB 72 and 120 MiB.
@@ -66,18 +63,23 @@ _END = object()
 
 
 def iter_received(
-    model: RemoteModel,
+    open_chunks: Callable[[StreamParams], ChunkReader],
+    params: StreamParams,
     names: list[str],
     *,
     window_bytes: int,
-    shard: tuple[int, int] | None,
-    axis: int,
+    receiving: AbstractContextManager[None],
+    retries: int | None,
     retry_seconds: float,
     on_bytes: Callable[[int], None] | None = None,
     allocate: Callable[[ChunkHeader], np.ndarray] | None = None,
     on_wait: OnWait | None = None,
-) -> Iterator[tuple[ChunkHeader, np.ndarray]]:
-    """``(header, uint8 buffer)`` of each tensor of ``names``, in stream order, as it lands."""
+    verify: str | None = None,
+) -> Generator[tuple[ChunkHeader, np.ndarray], None, None]:
+    """``(header, uint8 buffer)`` of each tensor of ``names``, in stream order, as it lands.
+
+    The stream is ``receive``'s (same ``open_chunks``, ``params``, retries and ``verify``),
+    run on a thread inside ``receiving`` (the transport's preparation for the load)."""
     window = _Window(window_bytes)
     arrived: queue.Queue[object] = queue.Queue()  # unbounded: the window bounds it
     place = allocate or (lambda header: aligned_empty(header.total_bytes))
@@ -87,27 +89,19 @@ def iter_received(
         return place(header)
 
     def run() -> None:
-        params = StreamParams(
-            names=tuple(names),
-            shard=shard,
-            axis=axis,
-            chunk_bytes=model.options.chunk_bytes,
-            revision=model.info.revision,
-        )
         try:
-            streams = model.client.planes().streams
-            with streams.receiving(min(window_bytes, model._bytes(names))):
+            with receiving:
                 receive(
-                    lambda p: streams.open_chunks(model.id, p),
+                    open_chunks,
                     params,
                     names,
-                    retries=model.options.retries,
+                    retries=retries,
                     retry_seconds=retry_seconds,
                     on_bytes=on_bytes,
                     allocate=windowed,
-                    on_wait=on_wait or model.client.on_wait,
+                    on_wait=on_wait,
                     on_tensor=arrived.put,
-                    verify=model.options.verify,
+                    verify=verify,
                 )
         except _Abandoned:
             return

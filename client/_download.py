@@ -1,0 +1,313 @@
+"""A model's original files into a directory (``RemoteModel.download``, ``weightserve pull``).
+
+Every file of the model's repository (weights, index, config, tokenizer...) is written byte
+for byte, each verified against the server's digest and renamed into place only when whole.
+What arrived stays in ``NAME.partial``; the next run asks only for the rest, pinned to the
+same file content (``.weightserve-pull.json`` in the directory remembers which).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any, Protocol
+
+import xxhash
+
+from weightserve.client._models import RemoteFile
+from weightserve.client._retry import Backoff, OnWait, call_with_retry, retry_reason
+from weightserve.client.errors import (
+    DataCorruption,
+    DestinationError,
+    TransportError,
+    WeightserveError,
+)
+from weightserve.client.transports.base import Transport
+from weightserve.client.wire.routes import ServerAddress
+
+STATE_FILE = ".weightserve-pull.json"  # which file content each .partial holds
+PARTIAL_SUFFIX = ".partial"
+_BLOCK = 1 << 20  # bytes per read from the server and per write
+
+
+class ModelClient(Protocol):
+    """What a download needs of the model's client (``Client`` is one)."""
+
+    @property
+    def address(self) -> ServerAddress: ...
+    @property
+    def transport(self) -> Transport: ...
+    @property
+    def retry_seconds(self) -> float: ...
+    @property
+    def on_wait(self) -> OnWait | None: ...
+
+
+class DownloadableModel(Protocol):
+    """What a download needs of the model (``RemoteModel`` is one)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def client(self) -> ModelClient: ...
+    def _retry_seconds(self) -> float: ...
+
+
+@dataclass
+class PlannedFile:
+    """One listed file and what is already on disk for it."""
+
+    file: RemoteFile
+    target: Path
+    have: int  # bytes here already: the whole file when kept, else a .partial's length
+    keep: bool  # an identical file (same size and digest) is already in place
+
+    @property
+    def partial(self) -> Path:
+        return self.target.with_name(self.target.name + PARTIAL_SUFFIX)
+
+
+@dataclass
+class FilePull:
+    """A faithful pull of one model into ``dest``: ``plan()`` looks at what is there,
+    ``run()`` fetches what is missing. ``download_files`` does both."""
+
+    model: DownloadableModel
+    dest: Path
+    force: bool = False
+    revision: str = ""
+    files: list[PlannedFile] | None = None
+
+    @property
+    def total(self) -> int:
+        return sum(p.file.size for p in self.files or ())
+
+    @property
+    def already(self) -> int:
+        """Bytes that need no transfer: kept files and resumable .partial prefixes."""
+        return sum(p.have for p in self.files or ())
+
+    def plan(self) -> FilePull:
+        client = self.model.client
+        listing = call_with_retry(
+            lambda: client.transport.list_files(self.model.id),
+            client.retry_seconds,
+            f"{client.address.url} files of {self.model.id!r}",
+            client.on_wait,
+        )
+        self.revision = str(listing["revision"])
+        remote = [RemoteFile.from_json(f) for f in listing["files"]]
+        dest = prepare_destination(self.dest)
+        state = _read_state(dest, self.model.id)
+        planned, conflicts = [], []
+        for f in remote:
+            target = dest / _safe_relative(f.name, self.model.id)
+            if not target.resolve().is_relative_to(dest.resolve()):
+                raise DestinationError(
+                    f"{target} would be written outside {dest} (a symlink inside it points "
+                    "elsewhere); remove that link or choose another --out"
+                )
+            p = PlannedFile(f, target, 0, False)
+            if target.is_dir():
+                raise DestinationError(
+                    f"{target} is a directory, where the model has a file {f.name!r}; move it "
+                    "away or choose another --out"
+                )
+            if target.exists():
+                if target.stat().st_size == f.size and _file_digest(target) == f.etag:
+                    p.keep, p.have = True, f.size
+                else:
+                    conflicts.append(target)
+            if not p.keep and state.get(f.name) == f.etag and p.partial.is_file():
+                have = p.partial.stat().st_size
+                p.have = have if have <= f.size else 0
+            planned.append(p)
+        if conflicts and not self.force:
+            more = f" (and {len(conflicts) - 1} more)" if len(conflicts) > 1 else ""
+            raise DestinationError(
+                f"{conflicts[0]}{more} exists and differs from the server's file; pass --force "
+                "(force=True) to overwrite"
+            )
+        self.files = planned
+        return self
+
+    def run(
+        self,
+        on_bytes: Callable[[int], None] | None = None,
+        on_wait: OnWait | None = None,
+    ) -> Path:
+        if self.files is None:
+            self.plan()
+        assert self.files is not None
+        dest = self.dest
+        todo = [p for p in self.files if not p.keep]
+        # Written before any byte: the next run resumes a .partial only for the same content.
+        _write_state(dest, self.model.id, {p.file.name: p.file.etag for p in todo})
+        for p in todo:
+            self._fetch(p, on_bytes, on_wait or self.model.client.on_wait)
+        with contextlib.suppress(FileNotFoundError):
+            (dest / STATE_FILE).unlink()
+        return dest
+
+    def _fetch(
+        self,
+        p: PlannedFile,
+        on_bytes: Callable[[int], None] | None,
+        on_wait: OnWait | None,
+    ) -> None:
+        transport = self.model.client.transport
+        size, partial = p.file.size, p.partial
+        try:
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            f = open(partial, "r+b" if p.have else "wb")  # noqa: SIM115 - closed below
+        except OSError as e:
+            raise destination_error(e, partial) from e
+        hasher = xxhash.xxh3_128()
+        offset = 0
+        with f:
+            try:
+                # The bytes already here count in the digest: read them back once.
+                while offset < p.have and (block := f.read(min(8 * _BLOCK, p.have - offset))):
+                    hasher.update(block)
+                    offset += len(block)
+                f.truncate(offset)
+                backoff = Backoff(self.model._retry_seconds())
+                buffer = memoryview(bytearray(_BLOCK))
+                while offset < size:
+                    source = None
+                    try:
+                        source = transport.open_file(
+                            self.model.id, p.file.name, offset=offset, revision=self.revision
+                        )
+                        while offset < size:
+                            view = buffer[: min(_BLOCK, size - offset)]
+                            n = source.readinto(view)
+                            if n <= 0:
+                                raise TransportError(
+                                    f"file {p.file.name!r} ended at byte {offset} of {size}"
+                                )
+                            f.write(view[:n])
+                            hasher.update(view[:n])
+                            offset += n
+                            backoff.reset()  # data flows: a later outage gets the whole budget
+                            if on_bytes is not None:
+                                on_bytes(n)
+                    except WeightserveError as e:
+                        reason = retry_reason(e)
+                        if reason is None:
+                            raise
+                        delay = backoff.wait_or_raise(e)
+                        if on_wait is not None:
+                            on_wait(reason, delay)
+                        time.sleep(delay)
+                    finally:
+                        if source is not None:
+                            source.close()
+                f.flush()
+                os.fsync(f.fileno())  # whole on disk before it gets its final name
+            except OSError as e:
+                raise destination_error(e, partial, size - offset) from e
+        if hasher.hexdigest() != p.file.etag:
+            partial.unlink()
+            raise DataCorruption(
+                f"file {p.file.name!r} of model {self.model.id!r}: the {size} bytes received "
+                f"do not match the server's digest {p.file.etag}; the partial file was "
+                "removed, run the pull again"
+            )
+        try:
+            os.replace(partial, p.target)  # a half-written file never has the final name
+        except OSError as e:
+            raise destination_error(e, p.target) from e
+
+
+def download_files(
+    model: DownloadableModel,
+    dest: Path,
+    *,
+    force: bool = False,
+    on_bytes: Callable[[int], None] | None = None,
+    on_wait: OnWait | None = None,
+) -> Path:
+    """Write every file of the model's repository under ``dest``, byte-identical and
+    verified; see ``RemoteModel.download``."""
+    return FilePull(model, Path(dest), force).plan().run(on_bytes, on_wait)
+
+
+def _safe_relative(name: str, model_id: str) -> PurePosixPath:
+    """A file name from the server as a relative path that cannot leave the destination."""
+    parts = name.split("/")
+    if (
+        not name
+        or name.startswith("/")
+        or "\\" in name
+        or "\0" in name
+        or any(part in ("", ".", "..") for part in parts)
+        or parts[0] == STATE_FILE
+    ):
+        raise WeightserveError(
+            f"the server listed a file {name!r} for model {model_id!r}, which is no plain "
+            "relative name inside a directory; refusing to write it"
+        )
+    return PurePosixPath(*parts)
+
+
+def prepare_destination(dest: Path) -> Path:
+    if dest.exists() and not dest.is_dir():
+        raise DestinationError(
+            f"{dest} exists and is not a directory; give --out a directory (created when missing)"
+        )
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise destination_error(e, dest) from e
+    if not os.access(dest, os.W_OK | os.X_OK):
+        raise DestinationError(f"{dest} is not writable; choose another --out or fix its mode")
+    return dest
+
+
+def destination_error(e: OSError, path: Path, missing: int | None = None) -> DestinationError:
+    if e.errno == errno.ENOSPC:
+        left = f" ({missing} bytes still to come)" if missing else ""
+        return DestinationError(
+            f"no space left on the device writing {path}{left}; free space and run the pull "
+            "again: it goes on where it stopped"
+        )
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return DestinationError(f"cannot write {path}: {e.strerror}; choose another --out")
+    return DestinationError(f"cannot write {path}: {e.strerror or e}")
+
+
+def _file_digest(path: Path) -> str:
+    hasher = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while block := f.read(8 * _BLOCK):
+            hasher.update(block)
+    return hasher.hexdigest()
+
+
+def _read_state(dest: Path, model_id: str) -> dict[str, str]:
+    """{file name: etag} of the .partial files a previous pull of this model left."""
+    try:
+        state: Any = json.loads((dest / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(state, dict) or state.get("model") != model_id:
+        return {}
+    files = state.get("files")
+    return {str(k): str(v) for k, v in files.items()} if isinstance(files, dict) else {}
+
+
+def _write_state(dest: Path, model_id: str, files: dict[str, str]) -> None:
+    path = dest / STATE_FILE
+    temporary = path.with_name(path.name + ".tmp")
+    try:
+        temporary.write_text(json.dumps({"model": model_id, "files": files}, indent=1))
+        os.replace(temporary, path)
+    except OSError as e:
+        raise destination_error(e, path) from e

@@ -133,11 +133,12 @@ class Client:
     def _with_retry(self, call: Callable[[], Any], what: str) -> Any:
         return call_with_retry(call, self.retry_seconds, what, self.on_wait)
 
-    def model_info(self, model_id: str) -> dict[str, Any]:
-        """One model's info as JSON (format, revision, metadata, tensor index)."""
-        return self._with_retry(
+    def model_info(self, model_id: str) -> ModelInfo:
+        """One model's format, revision, metadata and tensor index."""
+        info = self._with_retry(
             lambda: self.transport.model_info(model_id), f"{self.address.url} model {model_id!r}"
         )
+        return ModelInfo.from_json(info)
 
     def list_models(self) -> tuple[list[ModelSummary], list[ModelProblem]]:
         listing = self._with_retry(self.transport.list_models, f"{self.address.url} models")
@@ -171,7 +172,7 @@ class RemoteModel:
         self.client = client
         self.id = model_id
         self.options = options or FetchOptions()
-        self.info = ModelInfo.from_json(client.model_info(model_id))
+        self.info = client.model_info(model_id)
         self._lock = threading.Lock()
 
     @property

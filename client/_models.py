@@ -47,6 +47,8 @@ class RemoteFile:
 
 @dataclass(frozen=True)
 class ModelInfo:
+    """One model as the server describes it (``Client.model_info``, ``RemoteModel.info``)."""
+
     id: str
     format: str  # "safetensors" | "gguf" | "pytorch"
     revision: str

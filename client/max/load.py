@@ -115,7 +115,7 @@ def weights_format(
         _, model_id = parse_url(url)
         with Client(url, token=token, tls=tls, timeout=timeout, retry_seconds=retry_seconds) as c:
             info = c.model_info(model_id or "")
-        return WeightsFormat(info["format"])
+        return WeightsFormat(info.format)
     return _format_of_paths(_local_files(paths))
 
 

@@ -53,10 +53,10 @@ from weightserve.client.wire.schema import ChunkHeader
 
 _SUMMARY_FIELDS = frozenset(f.name for f in fields(ModelSummary))
 
-# Loads below this many bytes use one stream. On the 2-core bench machine a second stream
-# never helped HTTP (2 GiB: 0.47 s on one, 0.52 s on two) and helped gRPC by 4 %, while it
-# cost small loads a connection, a thread and an arena (34 MB: 12-16 ms on one, 21-26 ms on
-# two). Above this, two streams keep a client with more cores from being one thread's pace.
+# Loads below this many bytes use one stream: a second one costs a small load a connection, a
+# thread and an arena, and on the 2-core bench machine it barely helped large ones
+# (docs/performance.md). Above this, two streams keep a client with more cores from being one
+# thread's pace.
 PARALLEL_MIN_BYTES = 256 << 20
 
 
@@ -86,7 +86,8 @@ def as_array(t: ReceivedTensor | np.ndarray, info: TensorInfo) -> np.ndarray:
 
 
 class Client:
-    """A connection to one weightserve server (``http(s)://host:port`` or ``grpc(s)://...``).
+    """A connection to one weightserve server (``http(s)://host:port``, ``grpc(s)://...`` or
+    ``unix:///path/to/socket``).
 
     A busy server (stream limit reached), one that refuses connections (restarting) and a
     broken stream are tried again with jittered backoff for up to ``retry_seconds`` (default:

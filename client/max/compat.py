@@ -1,4 +1,4 @@
-"""The one place that imports ``max``: which weight types the client hands out.
+"""Which weight types the client hands out: MAX's own, or look-alikes without ``max``.
 
 With the ``max`` package installed, ``RemoteWeights`` returns MAX's own ``DType``, ``Weight``,
 ``WeightData``, ``QuantizationEncoding`` and ``DeviceRef``, and the values it records for a

@@ -21,8 +21,8 @@ from weightserve.client.receive.stream import ReceivedTensor, aligned_empty, rec
 from weightserve.client.transports.base import ChunkReader, StreamParams
 from weightserve.client.wire.schema import ChunkHeader
 
-# Bench, 1 GiB layer by layer into fresh memory: with 256 MiB the load added 125 MiB (HTTP)
-# and 218 MiB (Flight) to the client's peak RSS, with 64 MiB 72 and 120 MiB.
+# What a layer-by-layer load adds to the client's peak memory grows with the window;
+# docs/performance.md has the figures for 64 and 256 MiB.
 DEFAULT_WINDOW_BYTES = 64 << 20
 
 

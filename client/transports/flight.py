@@ -40,10 +40,9 @@ LEAN_SCHEMA = pa.schema(
     metadata={"weightserve.schema": "tensor-chunks-lean/v1"},
 )
 # The server's chunk size for lean streams when the request names none. Below glibc's 32 MiB
-# mmap threshold (larger messages are mapped and unmapped by the receiving malloc each time:
-# 2-2.5x the CPU). 2, 4 and 8 MiB cost the same client CPU within noise (server CPU per GiB
-# falls with fewer chunks: 0.19 s at 2 MiB, 0.15 at 4), while the client's receive buffers grow
-# with the message: peak RSS +20 MiB at 4 MiB and +40 MiB at 8 MiB over 2 MiB, two streams.
+# mmap threshold (larger messages are mapped and unmapped by the receiving malloc each time);
+# fewer, larger chunks save server CPU while the client's receive buffers grow with the
+# message: 4 MiB is where the two meet (docs/performance.md has the figures).
 LEAN_CHUNK_BYTES = 4 << 20
 # app_metadata: version, ndim, logical ndim, flags (1: encoding present), name length,
 # offset, total_bytes, digest; then shape and logical_shape (int64 each), the name (UTF-8),
@@ -109,8 +108,8 @@ IDLE_CLIENTS = 8  # connected Flight clients kept per transport, like HTTP's kep
 CHANNEL_OPTIONS = [
     # Own TCP connection per client: parallel streams do not share one HTTP/2 connection.
     ("grpc.use_local_subchannel_pool", 1),
-    # A fixed 4 MiB receive window per stream instead of BDP-probed growth: same speed on
-    # loopback, 30-40 MiB less client memory per load (bench, 1 GiB over two streams).
+    # A fixed 4 MiB receive window per stream instead of BDP-probed growth: same speed, less
+    # client memory per load (docs/performance.md).
     ("grpc.http2.lookahead_bytes", 4 << 20),
     ("grpc.http2.bdp_probe", 0),
 ]

@@ -45,7 +45,7 @@ log = logging.getLogger("weightserve.client")
 STEADY_HEAP_BYTES = 16 << 20
 # A request for one tensor of at most this many bytes goes over gRPC's unary GetTensor: one
 # call on the channel, where a Flight DoGet or a StreamTensors stream costs more per request
-# (a 3.5 KB tensor: p50 0.73 ms against 0.85 ms over DoGet, measured on a loaded machine).
+# (docs/performance.md, "Decisions and the figures behind them").
 UNARY_TENSOR_BYTES = 1 << 20
 # grpc core's words (UNAVAILABLE details) for a connection that was made and then refused:
 # a failed TLS handshake, or a TLS server closing a plain-text connection.

@@ -3,8 +3,8 @@
 gRPC (grpcio's and Flight's C++ core alike) receives each message into freshly malloc'd
 buffers and frees them once the chunk is placed. With glibc's defaults, buffers above the
 mmap threshold are mapped and unmapped per message, and the heap top is trimmed back to the
-kernel after frees, so every message faults its pages in again: ~170,000 minor faults per
-GiB received, most of the client's system time (docs/performance.md).
+kernel after frees, so every message faults its pages in again: most of the client's system
+time (docs/performance.md has the figures).
 
 ``steady_heap()`` raises the mmap and trim thresholds while bulk streams run (reference
 counted: parallel streams share one window), then trims the heap, so the process keeps no

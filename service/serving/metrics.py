@@ -6,12 +6,16 @@ Every metric and label is listed in docs/protocol.md ("Metrics"); keep the two i
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from weightserve.client.errors import WeightserveError, status_for
 
 if TYPE_CHECKING:
     from weightserve.service.sources.node_cache import CacheStats
@@ -170,6 +174,28 @@ class CallRecorder:
             latency = self._metrics.latency.labels(self._transport, operation)
             self._latency[operation] = latency
         latency.observe(seconds)
+
+    def ended(
+        self,
+        operation: str,
+        started: float,
+        error: BaseException | None = None,
+        finished: bool = True,
+        idle_cut: bool = False,
+    ) -> None:
+        """Counts a call by what ended it: ``finished`` (its answer went out whole; a unary
+        call that returned), one of our errors (its class, and the code the error table
+        gives it), a cancellation or a stream left unfinished (``Cancelled``, or
+        ``IdleTimeout`` when the idle cut ended it), anything else (``Internal``, which grpc
+        answers as UNKNOWN). ``started`` is ``time.perf_counter()`` at the call's start."""
+        if finished:
+            self.succeeded(operation, "OK", time.perf_counter() - started)
+        elif isinstance(error, WeightserveError):
+            self.failed(operation, status_for(error)[1], type(error).__name__)
+        elif error is None or isinstance(error, (GeneratorExit, asyncio.CancelledError)):
+            self.failed(operation, "CANCELLED", "IdleTimeout" if idle_cut else "Cancelled")
+        else:
+            self.failed(operation, "UNKNOWN", "Internal")
 
     def failed(self, operation: str, code: str, error: str) -> None:
         """A request answered with an error, or a stream cut after it started (``code`` is

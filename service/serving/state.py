@@ -1,4 +1,5 @@
-"""What both transports share in one process: the catalog, settings, metrics, stream limits."""
+"""What the four transports (HTTP, gRPC, Flight, the same-node handoff) share in one process:
+the catalog, settings, metrics, stream limits and the idle cut."""
 
 from __future__ import annotations
 
@@ -6,14 +7,13 @@ import contextlib
 import threading
 import uuid
 from collections.abc import Iterator
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 from weightserve.client.errors import ModelUnavailable, ResourceExhausted
 from weightserve.client.wire.schema import DEFAULT_CHUNK_BYTES
 from weightserve.service.serving.auth import Access, TokenStore
+from weightserve.service.serving.idle import IdleCutter
 from weightserve.service.serving.metrics import Metrics, NodeCacheCollector
-from weightserve.service.serving.streams import PlannedTensor, TensorRequest, plan_stream
 from weightserve.service.sources.base import ModelSource
 from weightserve.service.sources.model import Model
 
@@ -60,7 +60,8 @@ class ServiceState:
         self.uds: str | None = None  # the same-node HTTP socket (--uds), as this server sees it
         self._streams = 0
         self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
+        self._stream_ended = threading.Condition(self._lock)
+        self.idle_cutter = IdleCutter(self.limits.idle_timeout)  # shared by every stream
         catalog.on_refused = self.on_refused
         if catalog.cache_stats is not None:
             self.metrics.registry.register(NodeCacheCollector(catalog.cache_stats))
@@ -122,37 +123,14 @@ class ServiceState:
                     self._per_client[client] = left
                 else:
                     del self._per_client[client]
-                self._idle.notify_all()
+                self._stream_ended.notify_all()
 
     def readable_model(self, access: Access, model_id: str) -> Model:
         """The model, if the caller may read it (else PermissionDenied / ModelNotFound)."""
         access.check(model_id)
         return self.catalog.get(model_id, access.may_read)
 
-    def begin_stream(
-        self, model: Model, request: TensorRequest, transport: str, client: str
-    ) -> tuple[list[PlannedTensor], AbstractContextManager[None]]:
-        """What every transport does before a stream's first byte: plan the request (errors
-        become statuses, not broken streams), then take a stream slot, which the caller
-        releases (``slot.__exit__``) when the stream ends."""
-        planned = plan_stream(model, request, self.limits.max_names)
-        slot = self.reading_slot(model, {p.entry.file for p in planned}, transport, client)
-        slot.__enter__()
-        return planned, slot
-
-    @contextlib.contextmanager
-    def reading_slot(self, model: Model, files: set, transport: str, client: str) -> Iterator[None]:
-        """A stream slot, and the files the stream reads held (read-leased, see
-        ``MappedFile.hold``) while it runs: every transfer that reads mapped bytes takes one.
-        A node cache keeps the model from eviction meanwhile (``ModelSource.using``)."""
-        with (
-            self.stream_slot(transport, client),
-            self.catalog.using(model.id),
-            model.holding(files),
-        ):
-            yield
-
     def wait_for_streams(self, timeout: float) -> bool:
         """Block until every open stream ended (True) or the timeout passed (False)."""
         with self._lock:
-            return self._idle.wait_for(lambda: self._streams == 0, timeout=timeout)
+            return self._stream_ended.wait_for(lambda: self._streams == 0, timeout=timeout)

@@ -25,10 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import struct
-import time
 from collections.abc import Iterator
-from contextlib import AbstractContextManager
-from typing import Any
 
 import pyarrow as pa
 import pyarrow.flight as flight
@@ -36,7 +33,6 @@ import pyarrow.flight as flight
 from weightserve.client.errors import (
     ModelUnavailable,
     WeightserveError,
-    status_for,
 )
 from weightserve.client.transports.flight import (
     FORMAT_HEADER,
@@ -48,10 +44,10 @@ from weightserve.client.transports.flight import (
 from weightserve.client.wire.schema import DEFAULT_CHUNK_BYTES, TENSOR_SCHEMA, ChunkHeader
 from weightserve.service.serving.auth import authorize
 from weightserve.service.serving.errors import wire_error
+from weightserve.service.serving.lease import StreamLease
 from weightserve.service.serving.request import from_proto, from_ticket
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.serving.streams import stream_chunks
-from weightserve.service.sources.local import Model
 from weightserve.service.transports.grpc import peer_host
 
 log = logging.getLogger("weightserve.flight")
@@ -117,7 +113,7 @@ class _AuthorizationFactory(flight.ServerMiddlewareFactory):
 
 
 class _Batches:
-    """The record batches of one stream, holding its stream slot until the stream is done.
+    """The record batches of one stream, holding its lease until the stream is done.
 
     A class rather than a generator: Flight may drop a stream before asking for its first
     batch (the client went away), and an unstarted generator never runs its ``finally``.
@@ -126,18 +122,14 @@ class _Batches:
     def __init__(
         self,
         service: FlightService,
-        model: Model,
+        lease: StreamLease,
         chunks: Iterator[tuple[ChunkHeader, memoryview]],
-        slot: AbstractContextManager[Any],
         context: flight.ServerCallContext,
-        started: float,
         lean: bool = False,
     ) -> None:
-        self.service, self.model, self.chunks = service, model, chunks
+        self.service, self.lease, self.chunks = service, lease, chunks
         self.batch = lean_batch if lean else chunk_batch
-        self.slot, self.context = slot, context
-        self.sent = 0
-        self.started = started  # when do_get began (time.perf_counter)
+        self.context = context
         self.open = True
 
     def __iter__(self) -> _Batches:
@@ -155,37 +147,24 @@ class _Batches:
         try:
             header, data = next(self.chunks)
         except StopIteration:
-            self.close(finished=True)
+            self.lease.finished()
+            self.close()
             raise
         except WeightserveError as e:  # e.g. a file truncated while being served
-            log.warning("Flight stream of model %s broke: %s", self.model.id, e)
+            log.warning("Flight stream of model %s broke: %s", self.lease.model_id, e)
             self.close(e)
             raise flight_error(e) from None
-        except Exception:
-            self.close(internal=True)
+        except Exception as e:
+            self.close(e)
             raise
-        self.sent += len(data)
+        self.lease.progress(len(data))
         return self.batch(header, data)
 
-    def close(
-        self, error: WeightserveError | None = None, finished: bool = False, internal: bool = False
-    ) -> None:
-        """Ends the stream once: frees its slot and counts it. With no argument, the client
-        went away (or Flight dropped the stream) before the end."""
-        if not self.open:
-            return
+    def close(self, error: BaseException | None = None) -> None:
+        """Ends the stream: its lease is released and the call counted, once. With no error
+        and unfinished, the client went away (or Flight dropped the stream) before the end."""
         self.open = False
-        self.slot.__exit__(None, None, None)
-        metrics = self.service.state.metrics
-        metrics.bytes_served.labels("flight", self.model.id).inc(self.sent)
-        if finished:
-            metrics.flight.succeeded("stream", "OK", time.perf_counter() - self.started)
-        elif error is not None:
-            metrics.flight.failed("stream", status_for(error)[1], type(error).__name__)
-        elif internal:
-            metrics.flight.failed("stream", "UNKNOWN", "Internal")
-        else:
-            metrics.flight.failed("stream", "CANCELLED", "Cancelled")
+        self.lease.close(error)
 
     def __del__(self) -> None:
         self.close()
@@ -199,21 +178,19 @@ class FlightService(flight.FlightServerBase):
 
     def do_get(self, context: flight.ServerCallContext, ticket: flight.Ticket) -> object:
         state = self.state
-        started = time.perf_counter()
         try:
-            message = from_ticket(ticket.ticket)
-            call = context.get_middleware("auth")
-            access = authorize(state.tokens, call.header)
-            model = state.readable_model(access, message.model)
-            request = from_proto(message, LEAN_CHUNK_BYTES if call.lean else DEFAULT_CHUNK_BYTES)
-            client = access.client_key(peer_host(context.peer()))
-            planned, slot = state.begin_stream(model, request, "flight", client)
+            with StreamLease(state, "flight") as lease:
+                message = from_ticket(ticket.ticket)
+                call = context.get_middleware("auth")
+                access = authorize(state.tokens, call.header)
+                model = state.readable_model(access, message.model)
+                chunk_bytes = LEAN_CHUNK_BYTES if call.lean else DEFAULT_CHUNK_BYTES
+                request = from_proto(message, chunk_bytes)
+                planned = lease.plan(model, request, access.client_key(peer_host(context.peer())))
+                tensors = state.metrics.tensors_served.labels("flight", model.id)
+                chunks = stream_chunks(model, planned, request.chunk_bytes, tensors.inc)
+                batches = _Batches(self, lease.handed_over(), chunks, context, call.lean)
         except WeightserveError as e:
-            # Counted under the error table's code, not Flight's coarser status on the wire.
-            state.metrics.flight.failed("stream", status_for(e)[1], type(e).__name__)
+            # Counted (by the lease) under the error table's code, not Flight's coarser status.
             raise flight_error(e) from None
-
-        tensors = state.metrics.tensors_served.labels("flight", model.id)
-        chunks = stream_chunks(model, planned, request.chunk_bytes, tensors.inc)
-        batches = _Batches(self, model, chunks, slot, context, started, call.lean)
         return flight.GeneratorStream(LEAN_SCHEMA if call.lean else TENSOR_SCHEMA, batches)

@@ -11,7 +11,6 @@ import dataclasses
 import functools
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -22,7 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from weightserve.client.errors import InvalidRequest, WeightserveError, status_for
+from weightserve.client.errors import InvalidRequest, WeightserveError
 from weightserve.client.wire.proto.weightserve.v1 import weightserve_pb2 as pb
 from weightserve.client.wire.schema import MAX_GRPC_MESSAGE_BYTES
 from weightserve.service.serving import files
@@ -30,6 +29,7 @@ from weightserve.service.serving import views as models_view
 from weightserve.service.serving.arrow_writer import END_OF_STREAM
 from weightserve.service.serving.auth import Access, authorize
 from weightserve.service.serving.errors import wire_error
+from weightserve.service.serving.lease import StreamLease
 from weightserve.service.serving.request import from_proto
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.serving.streams import plan_stream, stream_chunks, stream_messages
@@ -80,54 +80,6 @@ def peer_host(peer: str) -> str:
     return peer
 
 
-class _IdleCutter:
-    """Cancels streams whose client has taken no message for ``timeout`` seconds.
-
-    While a client reads nothing, HTTP/2 flow control blocks the handler inside grpc, holding
-    a worker thread and a stream slot; HTTP cuts such streams after the same
-    ``Limits.idle_timeout``. One watcher thread per server, running only while streams are open.
-    """
-
-    def __init__(self, timeout: float) -> None:
-        self.timeout = timeout
-        self._lock = threading.Lock()
-        self._streams: dict[int, tuple[grpc.ServicerContext, list[float]]] = {}
-        self._running = False
-
-    def watch(self, context: grpc.ServicerContext) -> list[float]:
-        """A one-item list holding the time of the stream's last progress; keep it current."""
-        stamp = [time.monotonic()]
-        with self._lock:
-            self._streams[id(stamp)] = (context, stamp)
-            if not self._running:
-                self._running = True
-                watcher = threading.Thread(target=self._run, name="weightserve-idle", daemon=True)
-                watcher.start()
-        return stamp
-
-    def forget(self, stamp: list[float]) -> None:
-        with self._lock:
-            self._streams.pop(id(stamp), None)
-
-    def _run(self) -> None:
-        period = min(1.0, self.timeout / 4)
-        while True:
-            time.sleep(period)
-            now = time.monotonic()
-            with self._lock:
-                if not self._streams:
-                    self._running = False
-                    return
-                stale = [c for c, s in self._streams.values() if now - s[0] > self.timeout]
-            for context in stale:
-                log.warning(
-                    "gRPC stream to %s cut: the client read nothing for %.1f s",
-                    context.peer(),
-                    self.timeout,
-                )
-                context.cancel()
-
-
 def _unary_call(operation: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """A unary handler counted under ``operation`` whatever its outcome; the WeightserveError
     it raises becomes the gRPC status the error table gives it."""
@@ -139,13 +91,12 @@ def _unary_call(operation: str) -> Callable[[Callable[..., Any]], Callable[..., 
             started = time.perf_counter()
             try:
                 response = answer(service, request, context)
-            except WeightserveError as e:
-                calls.failed(operation, status_for(e)[1], type(e).__name__)
-                _abort(context, e)
-            except Exception:
-                calls.failed(operation, "UNKNOWN", "Internal")  # grpc answers UNKNOWN
-                raise
-            calls.succeeded(operation, "OK", time.perf_counter() - started)
+            except Exception as e:
+                calls.ended(operation, started, e, finished=False)
+                if isinstance(e, WeightserveError):
+                    _abort(context, e)
+                raise  # grpc answers UNKNOWN
+            calls.ended(operation, started)
             return response
 
         return handler
@@ -153,10 +104,23 @@ def _unary_call(operation: str) -> Callable[[Callable[..., Any]], Callable[..., 
     return decorate
 
 
+def _cancel_when_idle(context: grpc.ServicerContext, timeout: float) -> Callable[[], None]:
+    """The idle cut of one call: while a client reads nothing, HTTP/2 flow control blocks
+    the handler inside grpc, holding a worker thread and a stream slot. Only this stream is
+    reset, not the connection."""
+
+    def cut() -> None:
+        log.warning(
+            "gRPC stream to %s cut: the client read nothing for %.1f s", context.peer(), timeout
+        )
+        context.cancel()
+
+    return cut
+
+
 class WeightService:
     def __init__(self, state: ServiceState) -> None:
         self.state = state
-        self.idle = _IdleCutter(state.limits.idle_timeout)
 
     def _access(self, context: grpc.ServicerContext) -> Access:
         metadata = dict(context.invocation_metadata())
@@ -226,10 +190,13 @@ class WeightService:
                 name=planned.entry.name, total_bytes=planned.nbytes, too_large=True
             )
         client = access.client_key(peer_host(context.peer()))
-        with state.reading_slot(model, {planned.entry.file}, "grpc", client):
+        # Counted by _unary_call; the lease holds the slot and files, and counts the bytes.
+        with StreamLease(state, "grpc", counted=False) as lease:
+            lease.admit(model, {planned.entry.file}, client)
             tensors = state.metrics.tensors_served.labels("grpc", model.id)
             ((header, data),) = stream_chunks(model, [planned], one.chunk_bytes, tensors.inc)
-            answer = pb.TensorData(
+            lease.progress(header.nbytes)
+            return pb.TensorData(
                 name=header.name,
                 dtype=header.dtype,
                 shape=header.shape,
@@ -239,8 +206,6 @@ class WeightService:
                 digest=header.digest,
                 data=bytes(data),
             )
-        state.metrics.bytes_served.labels("grpc", model.id).inc(header.nbytes)
-        return answer
 
     @_unary_call("model_info")
     def ListFiles(self, request: pb.GetModelRequest, context: grpc.ServicerContext) -> Any:
@@ -256,118 +221,69 @@ class WeightService:
         """A file's bytes as FileChunk messages; the same slot, idle cut and metrics as
         StreamTensors (operation ``file``)."""
         state = self.state
-        calls = state.metrics.grpc
-        started = time.perf_counter()
         try:
-            access = self._access(context)
-            model = state.readable_model(access, request.model)
-            files.check_revision(model, request.revision)
-            file = files.repo_file(model, request.name)
-            byte_range = files.file_range(model, file, request.offset, request.length or None)
-            etag = model.file_digest(file.path)
-            files.pin_file(model, file)
-            client = access.client_key(peer_host(context.peer()))
-            slot = state.reading_slot(model, {file.path}, "grpc", client)
-            slot.__enter__()
+            with StreamLease(state, "grpc", "file") as lease:
+                access = self._access(context)
+                model = state.readable_model(access, request.model)
+                files.check_revision(model, request.revision)
+                file = files.repo_file(model, request.name)
+                byte_range = files.file_range(model, file, request.offset, request.length or None)
+                etag = model.file_digest(file.path)
+                files.pin_file(model, file)
+                lease.admit(model, {file.path}, access.client_key(peer_host(context.peer())))
+                lease.watch_idle(_cancel_when_idle(context, state.limits.idle_timeout))
+                metadata = (
+                    ("etag", etag),
+                    ("x-file-size", str(file.size)),
+                    ("x-weightserve-revision", model.revision),
+                )
+                try:
+                    context.send_initial_metadata(metadata)
+                except grpc.RpcError:
+                    if context.is_active():
+                        raise
+                    return  # the client cancelled already: counted as such
+                for chunk in files.file_chunks(model, file, byte_range):
+                    if not context.is_active():
+                        return
+                    lease.progress(len(chunk))
+                    yield encode_arrow_data((chunk,))  # FileChunk has ArrowData's layout
+                    lease.progress()
+                lease.finished()
         except WeightserveError as e:
-            calls.failed("file", status_for(e)[1], type(e).__name__)
+            if lease.model_id is not None:  # e.g. a file truncated while being served
+                log.warning("gRPC file %s of model %s broke: %s", request.name, lease.model_id, e)
             _abort(context, e)
-        context.send_initial_metadata(
-            (
-                ("etag", etag),
-                ("x-file-size", str(file.size)),
-                ("x-weightserve-revision", model.revision),
-            )
-        )
-        sent = 0
-        outcome = ("CANCELLED", "Cancelled")  # unless it finishes or breaks
-        progress = self.idle.watch(context)
-        try:
-            for chunk in files.file_chunks(model, file, byte_range):
-                if not context.is_active():
-                    return
-                message = encode_arrow_data((chunk,))  # FileChunk has ArrowData's layout
-                sent += len(chunk)
-                progress[0] = time.monotonic()
-                yield message
-                progress[0] = time.monotonic()
-            outcome = ("OK", "")
-        except WeightserveError as e:  # e.g. a file truncated while being served
-            log.warning("gRPC file %s of model %s broke: %s", file.name, model.id, e)
-            outcome = (status_for(e)[1], type(e).__name__)
-            _abort(context, e)
-        except Exception:
-            outcome = ("UNKNOWN", "Internal")
-            raise
-        finally:
-            slot.__exit__(None, None, None)
-            self._stream_ended("file", model.id, progress, sent, outcome, started)
-
-    def _stream_ended(
-        self,
-        operation: str,
-        model_id: str,
-        progress: list[float],
-        sent: int,
-        outcome: tuple[str, str],
-        started: float,
-    ) -> None:
-        """The bookkeeping of a server-streaming call's end: idle watch, bytes, metrics."""
-        self.idle.forget(progress)
-        self.state.metrics.bytes_served.labels("grpc", model_id).inc(sent)
-        code, error = outcome
-        if code == "OK":
-            self.state.metrics.grpc.succeeded(operation, code, time.perf_counter() - started)
-        else:
-            if error == "Cancelled" and time.monotonic() - progress[0] > self.idle.timeout:
-                error = "IdleTimeout"  # _IdleCutter cancelled it
-            self.state.metrics.grpc.failed(operation, code, error)
 
     def StreamTensors(
         self, request: pb.TensorRequest, context: grpc.ServicerContext
     ) -> Iterator[bytes]:
         state = self.state
-        calls = state.metrics.grpc
-        started = time.perf_counter()
         try:
-            access = self._access(context)
-            model = state.readable_model(access, request.model)
-            tensor_request = from_proto(request)
-            planned, slot = state.begin_stream(
-                model, tensor_request, "grpc", access.client_key(peer_host(context.peer()))
-            )
+            with StreamLease(state, "grpc") as lease:
+                access = self._access(context)
+                model = state.readable_model(access, request.model)
+                tensor_request = from_proto(request)
+                client = access.client_key(peer_host(context.peer()))
+                planned = lease.plan(model, tensor_request, client)
+                lease.watch_idle(_cancel_when_idle(context, state.limits.idle_timeout))
+                tensors = state.metrics.tensors_served.labels("grpc", model.id)
+                chunk_bytes = tensor_request.chunk_bytes
+                for parts in stream_messages(model, planned, chunk_bytes, tensors.inc):
+                    if not context.is_active():
+                        return
+                    if len(parts) > 1:
+                        lease.progress(len(parts[1]))  # tensor data bytes, not framing
+                    elif parts[0] is END_OF_STREAM:
+                        # Complete once the end marker is handed over: a client that has read
+                        # it may cancel before grpc asks this generator for more.
+                        lease.finished()
+                    yield encode_arrow_data(parts)  # returns once grpc has sent it
+                    lease.progress()
         except WeightserveError as e:
-            calls.failed("stream", status_for(e)[1], type(e).__name__)
+            if lease.model_id is not None:  # e.g. a file truncated while being served
+                log.warning("gRPC stream of model %s broke: %s", lease.model_id, e)
             _abort(context, e)
-        sent = 0
-        outcome = ("CANCELLED", "Cancelled")  # (code, error) unless it finishes or breaks
-        progress = self.idle.watch(context)
-        try:
-            tensors = state.metrics.tensors_served.labels("grpc", model.id)
-            chunk_bytes = tensor_request.chunk_bytes
-            for parts in stream_messages(model, planned, chunk_bytes, tensors.inc):
-                if not context.is_active():
-                    return
-                message = encode_arrow_data(parts)
-                if len(parts) > 1:
-                    sent += len(parts[1])  # tensor data bytes, not framing
-                elif parts[0] is END_OF_STREAM:
-                    # Complete once the end marker is handed over: a client that has read it
-                    # may cancel before grpc asks this generator for more.
-                    outcome = ("OK", "")
-                progress[0] = time.monotonic()
-                yield message  # returns once grpc has sent it: the client is reading
-                progress[0] = time.monotonic()
-        except WeightserveError as e:  # e.g. a file truncated while being served
-            log.warning("gRPC stream of model %s broke: %s", model.id, e)
-            outcome = (status_for(e)[1], type(e).__name__)
-            _abort(context, e)
-        except Exception:
-            outcome = ("UNKNOWN", "Internal")
-            raise
-        finally:
-            slot.__exit__(None, None, None)
-            self._stream_ended("stream", model.id, progress, sent, outcome, started)
 
 
 def create_grpc_server(

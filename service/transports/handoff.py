@@ -29,12 +29,10 @@ import socket
 import socketserver
 import struct
 import threading
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from weightserve.client.errors import InvalidRequest, PermissionDenied, WeightserveError, status_for
+from weightserve.client.errors import InvalidRequest, PermissionDenied, WeightserveError
 from weightserve.client.wire.handoff import (
     FDS_PER_MESSAGE,
     MAX_FRAME_BYTES,
@@ -45,6 +43,7 @@ from weightserve.client.wire.handoff import (
 from weightserve.client.wire.schema import DEFAULT_CHUNK_BYTES
 from weightserve.service.serving.auth import authorize
 from weightserve.service.serving.errors import wire_error
+from weightserve.service.serving.lease import StreamLease
 from weightserve.service.serving.request import from_handoff
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.serving.streams import plan_stream, stream_chunks
@@ -164,12 +163,13 @@ class HandoffServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     def serve_open(self, sock: socket.socket, message: dict[str, Any], peer: str) -> bool:
         """One handoff: plan, take a slot and the files' leases, send the descriptors, hold
         the slot until the client says it verified the bytes. False: the client went away."""
-        state = self.state
-        calls = state.metrics.handoff
-        started = time.perf_counter()
         try:
-            with self._handing_off(message, peer) as (frame, fds, model_id, nbytes):
-                _send_with_fds(sock, frame, fds)
+            with StreamLease(self.state, "handoff") as lease:
+                frame, fds, nbytes = self._answer(lease, message, peer)
+                try:
+                    _send_with_fds(sock, frame, fds)
+                except OSError:
+                    return False  # the client went away: counted as cancelled
                 # The client maps and checks the bytes now; the leases make an in-place
                 # writer wait until it is done.
                 sock.settimeout(VERIFY_TIMEOUT)
@@ -180,18 +180,18 @@ class HandoffServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
                 finally:
                     with contextlib.suppress(OSError):
                         sock.settimeout(None)
-                state.metrics.bytes_served.labels("handoff", model_id).inc(nbytes)
+                lease.progress(nbytes)  # handed out, not copied
+                lease.finished()
         except WeightserveError as e:
-            calls.failed("stream", status_for(e)[1], type(e).__name__)
             _send(sock, _error(e))
             return True
-        calls.succeeded("stream", "OK", time.perf_counter() - started)
         return done is not None
 
-    @contextlib.contextmanager
-    def _handing_off(
-        self, message: dict[str, Any], peer: str
-    ) -> Iterator[tuple[bytes, list[int], str, int]]:
+    def _answer(
+        self, lease: StreamLease, message: dict[str, Any], peer: str
+    ) -> tuple[bytes, list[int], int]:
+        """The answer frame, the descriptors it carries and the bytes they hand out; the
+        lease holds the slot and the files from here on."""
         state = self.state
         token = message.get("token")
         access = authorize(state.tokens, f"Bearer {token}" if token else None)
@@ -204,47 +204,46 @@ class HandoffServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         in_files = [p for p in planned if p.byte_offset is not None]
         # Empty tensors need no file (an empty file has no mapping to pass on).
         files = list(dict.fromkeys(p.entry.file for p in in_files if p.nbytes))
-        client = access.client_key(peer)
-        with state.reading_slot(model, set(files), "handoff", client):
-            index = {f: i for i, f in enumerate(files)}
-            tensors = []
-            nbytes = 0
-            for p in in_files:
-                # The stream's own chunking and digests: computed once per mapping and shared
-                # with every HTTP, gRPC and handoff client of the same bytes.
-                digests = [h.digest for h, _ in stream_chunks(model, [p], DEFAULT_CHUNK_BYTES)]
-                tensors.append(
-                    {
-                        "name": p.entry.name,
-                        "dtype": p.dtype,
-                        "shape": list(p.shape),
-                        "logical_shape": list(p.logical_shape),
-                        "encoding": p.encoding,
-                        "file": index[p.entry.file] if p.nbytes else None,
-                        "offset": p.byte_offset,
-                        "nbytes": p.nbytes,
-                        "chunk_bytes": DEFAULT_CHUNK_BYTES,
-                        "digests": digests,
-                    }
-                )
-                nbytes += p.nbytes
-            mapped = [model.mapped(f) for f in files]
-            answer = {
-                "model": model.id,
-                "revision": model.revision,
-                "files": [
-                    {"name": f.name, "size": m.size, "stamp": list(m.content_stamp())}
-                    for f, m in zip(files, mapped, strict=True)
-                ],
-                "tensors": tensors,
-                # Gathered on the way out (strided sources, inner-axis shards): not a byte
-                # range of a file, so the client fetches these over a copying transport.
-                "copy": [p.entry.name for p in planned if p.byte_offset is None],
-            }
-            frame = encode_frame(answer)
-            if len(frame) > MAX_FRAME_BYTES:
-                raise InvalidRequest(
-                    f"the handoff answer for {len(planned)} tensors is too large; ask for "
-                    "fewer tensors at once"
-                )
-            yield frame, [m.fileno() for m in mapped], model.id, nbytes
+        lease.admit(model, set(files), access.client_key(peer))
+        index = {f: i for i, f in enumerate(files)}
+        tensors = []
+        nbytes = 0
+        for p in in_files:
+            # The stream's own chunking and digests: computed once per mapping and shared
+            # with every HTTP, gRPC and handoff client of the same bytes.
+            digests = [h.digest for h, _ in stream_chunks(model, [p], DEFAULT_CHUNK_BYTES)]
+            tensors.append(
+                {
+                    "name": p.entry.name,
+                    "dtype": p.dtype,
+                    "shape": list(p.shape),
+                    "logical_shape": list(p.logical_shape),
+                    "encoding": p.encoding,
+                    "file": index[p.entry.file] if p.nbytes else None,
+                    "offset": p.byte_offset,
+                    "nbytes": p.nbytes,
+                    "chunk_bytes": DEFAULT_CHUNK_BYTES,
+                    "digests": digests,
+                }
+            )
+            nbytes += p.nbytes
+        mapped = [model.mapped(f) for f in files]
+        answer = {
+            "model": model.id,
+            "revision": model.revision,
+            "files": [
+                {"name": f.name, "size": m.size, "stamp": list(m.content_stamp())}
+                for f, m in zip(files, mapped, strict=True)
+            ],
+            "tensors": tensors,
+            # Gathered on the way out (strided sources, inner-axis shards): not a byte
+            # range of a file, so the client fetches these over a copying transport.
+            "copy": [p.entry.name for p in planned if p.byte_offset is None],
+        }
+        frame = encode_frame(answer)
+        if len(frame) > MAX_FRAME_BYTES:
+            raise InvalidRequest(
+                f"the handoff answer for {len(planned)} tensors is too large; ask for "
+                "fewer tensors at once"
+            )
+        return frame, [m.fileno() for m in mapped], nbytes

@@ -15,6 +15,7 @@ from fastapi.responses import Response
 from weightserve.client.errors import RangeNotSatisfiable
 from weightserve.service.serving import files
 from weightserve.service.serving.auth import Access
+from weightserve.service.serving.lease import StreamLease
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.sources.local import Model, RepoFile
 from weightserve.service.transports.http.common import OPERATION_KEY, AccessCheck, error_response
@@ -66,19 +67,17 @@ def file_response(
         headers["content-length"] = str(byte_range.length)
         return Response(status_code=status, headers=headers, media_type=OCTET_STREAM)
     client = caller.client_key(http.client.host if http.client else "")
-    slot = state.reading_slot(model, {file.path}, "http", client)
-    slot.__enter__()
-    messages = ((b"", chunk) for chunk in files.file_chunks(model, file, byte_range))
-    return ArrowStreamResponse(
-        state,
-        model.id,
-        messages,
-        byte_range.length,
-        headers,
-        lambda: slot.__exit__(None, None, None),
-        status_code=status,
-        media_type=OCTET_STREAM,
-    )
+    with StreamLease(state, "http", FILE_OPERATION, counted=False) as lease:
+        lease.admit(model, {file.path}, client)
+        messages = ((b"", chunk) for chunk in files.file_chunks(model, file, byte_range))
+        return ArrowStreamResponse(
+            lease.handed_over(),
+            messages,
+            byte_range.length,
+            headers,
+            status_code=status,
+            media_type=OCTET_STREAM,
+        )
 
 
 def add_file_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -> None:

@@ -24,7 +24,7 @@ from fastapi.responses import Response
 
 from weightserve.client.errors import ModelUnavailable, WeightserveError
 from weightserve.client.wire.schema import ARROW_STREAM_MEDIA_TYPE
-from weightserve.service.serving.state import ServiceState
+from weightserve.service.serving.lease import StreamLease
 from weightserve.service.transports.http.common import ERROR_KEY
 
 log = logging.getLogger("weightserve.http")
@@ -35,18 +35,17 @@ PAUSE_EVERY_BYTES = 8 << 20
 
 
 class ArrowStreamResponse(Response):
-    """Writes the stream's pieces as they come; stops early when the client goes away."""
+    """Writes the stream's pieces as they come; stops early when the client goes away, and
+    closes the stream's lease (slot, files, idle cut, bytes served) when it ends."""
 
     media_type = ARROW_STREAM_MEDIA_TYPE
 
     def __init__(
         self,
-        state: ServiceState,
-        model_id: str,
+        lease: StreamLease,
         messages: Iterator,
         length: int,
         headers: dict[str, str],
-        release: Any,
         status_code: int = 200,
         media_type: str | None = None,
     ) -> None:
@@ -58,11 +57,9 @@ class ArrowStreamResponse(Response):
             headers={**headers, "content-length": str(length)},
             media_type=media_type or self.media_type,
         )
-        self.state = state
-        self.model_id = model_id
+        self.lease = lease
         self.messages = messages
         self.length = length
-        self.release = release
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if self.length < DIRECT_WRITE_MIN_BYTES:
@@ -73,22 +70,21 @@ class ArrowStreamResponse(Response):
                 pass
 
         gone = asyncio.ensure_future(wait_disconnect())
-        sent = 0
+        lease = self.lease
         pause_at = PAUSE_EVERY_BYTES
-        metrics = self.state.metrics
-        idle = _IdleCut(self.state.limits.idle_timeout)
+        idle = _TaskIdleCut(lease)
         writer: _SocketWriter | None = None
         try:
             start = {"type": "http.response.start", "status": self.status_code}
             await send({**start, "headers": self.raw_headers})
-            writer = await _SocketWriter.attach(scope, self.state.limits.idle_timeout)
+            writer = await _SocketWriter.attach(scope, lease.state.limits.idle_timeout)
             if writer is not None:
-                idle.close()  # the writer enforces the idle timeout itself
+                idle.watch.close()  # the writer enforces the idle timeout itself
                 # Messages are taken (digests included) and written on a worker thread, a
                 # batch per hop; between batches the loop runs and a client gone is noticed.
                 while not gone.done():
                     written, finished = await asyncio.to_thread(writer.write_some, self.messages)
-                    sent += written
+                    lease.progress(written)
                     if finished:
                         break
                 else:
@@ -101,13 +97,13 @@ class ArrowStreamResponse(Response):
                     scope[ERROR_KEY] = "Cancelled"
                     break
                 if len(message) > 1:
-                    sent += len(message[1])  # tensor data bytes, not framing
-                    if sent >= pause_at:
+                    lease.progress(len(message[1]))  # tensor data bytes, not framing
+                    if lease.sent >= pause_at:
                         # uvicorn's send returns without yielding while the socket takes the
                         # bytes, and after a client resets until the loop runs connection_lost:
                         # without a pause, a client that left gets the rest of the stream
                         # read, hashed and written into the void, with the loop blocked.
-                        pause_at = sent + PAUSE_EVERY_BYTES
+                        pause_at = lease.sent + PAUSE_EVERY_BYTES
                         await asyncio.sleep(0)
                 for part in message:
                     if not part:
@@ -120,7 +116,7 @@ class ArrowStreamResponse(Response):
                         await send({"type": "http.response.body", "body": b"", "more_body": True})
                         _ensure_still_mapped(part.obj)
                     await send({"type": "http.response.body", "body": part, "more_body": True})
-                    idle.progress()
+                    lease.progress()
             else:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
@@ -128,12 +124,12 @@ class ArrowStreamResponse(Response):
             self._cut_idle(scope, idle)
         except WeightserveError as e:  # e.g. a file truncated while being served
             scope[ERROR_KEY] = type(e).__name__
-            log.warning("stream of model %s broke: %s", self.model_id, e)
+            log.warning("stream of model %s broke: %s", lease.model_id, e)
         except (OSError, TimeoutError) as e:  # direct writes: the client left or stalled
             scope[ERROR_KEY] = "IdleTimeout" if isinstance(e, TimeoutError) else "Cancelled"
             log.warning(
                 "stream of model %s to %s cut: %s",
-                self.model_id,
+                lease.model_id,
                 (scope.get("client") or ("?",))[0],
                 e,
             )
@@ -143,32 +139,29 @@ class ArrowStreamResponse(Response):
                 app = scope.get("app")
                 if isinstance(app, WeightserveApp):
                     app.direct_bytes += writer.written
-            idle.close()
             gone.cancel()
-            self.release()
-            metrics.bytes_served.labels("http", self.model_id).inc(sent)
+            lease.close()
 
-    def _cut_idle(self, scope: Any, idle: _IdleCut | None) -> None:
+    def _cut_idle(self, scope: Any, idle: _TaskIdleCut | None) -> None:
         """Inside ``except CancelledError``: re-raise unless the idle cut cancelled the
         stream, which ends as ``IdleTimeout``."""
-        if idle is None or not idle.fired:
+        if idle is None or not self.lease.idle_cut:
             raise  # noqa: PLE0704 - always called while handling the cancellation
         idle.uncancel()
         scope[ERROR_KEY] = "IdleTimeout"
         log.warning(
             "stream of model %s to %s cut: the client read nothing for %.1f s",
-            self.model_id,
+            self.lease.model_id,
             (scope.get("client") or ("?",))[0],
-            idle.timeout,
+            self.lease.state.limits.idle_timeout,
         )
 
     async def _send_whole(self, scope: Any, send: Any) -> None:
         """A small stream as one body after its headers, corked into one TCP segment where
-        the connection allows: each segment costs the server ~0.1 ms of CPU on a kept-alive
-        connection (profiled), more than the whole small request's framing and digests."""
-        sent = 0
-        idle: _IdleCut | None = None
-        released = False
+        the connection allows: a segment costs more server CPU than the whole small
+        request's framing and digests (docs/performance.md, the small-tensor lane)."""
+        lease = self.lease
+        idle: _TaskIdleCut | None = None
         try:
             body, data_bytes = bytearray(), 0
             for message in self.messages:  # an error here is answered with its own status
@@ -180,22 +173,41 @@ class ArrowStreamResponse(Response):
                     data_bytes += len(message[1])  # tensor data bytes, not framing
             # The bytes are copied: the files and the stream slot are free before the client
             # has them, so a slow reader holds neither.
-            released = True
-            self.release()
-            idle = _IdleCut(self.state.limits.idle_timeout)  # a client that reads nothing
+            lease.release()
+            idle = _TaskIdleCut(lease)  # a client that reads nothing
             with _corked(scope):
                 start = {"type": "http.response.start", "status": self.status_code}
                 await send({**start, "headers": self.raw_headers})
                 await send({"type": "http.response.body", "body": bytes(body), "more_body": False})
-            sent = data_bytes
+            lease.progress(data_bytes)
         except asyncio.CancelledError:
             self._cut_idle(scope, idle)
         finally:
-            if idle is not None:
-                idle.close()
-            if not released:
-                self.release()
-            self.state.metrics.bytes_served.labels("http", self.model_id).inc(sent)
+            lease.close()
+
+
+class _TaskIdleCut:
+    """The idle cut (``StreamLease.watch_idle``) of a stream sent from an ASGI task: a client
+    that stops reading blocks ``send`` (uvicorn waits for the socket to drain), so the cut
+    cancels the task, on its event loop."""
+
+    def __init__(self, lease: StreamLease) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.task = asyncio.current_task()
+        self.watch = lease.watch_idle(self._cut)
+
+    def _cut(self) -> None:  # on the idle cutter's thread
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing left to cut
+            self.loop.call_soon_threadsafe(self._cancel)
+
+    def _cancel(self) -> None:
+        if not self.watch.closed and self.task is not None:  # the stream has not ended
+            self.task.cancel()
+
+    def uncancel(self) -> None:
+        uncancel = getattr(self.task, "uncancel", None)  # Python 3.11+
+        if uncancel is not None:
+            uncancel()
 
 
 @contextlib.contextmanager
@@ -366,43 +378,6 @@ def _ensure_still_mapped(mapping: mmap.mmap) -> None:
             "a file of this model was truncated while being served; the model reloads on its "
             "next request"
         )
-
-
-class _IdleCut:
-    """Cancels the current task once no write has completed for ``timeout`` seconds.
-
-    A client that stops reading blocks ``send`` (uvicorn waits for the socket to drain), which
-    would hold the stream's slot forever. One timer per stream, re-armed lazily, costs nothing
-    per write (``asyncio.wait_for`` would cost a task per write).
-    """
-
-    def __init__(self, timeout: float) -> None:
-        self.timeout = timeout
-        self.loop = asyncio.get_running_loop()
-        self.task = asyncio.current_task()
-        self.last = self.loop.time()
-        self.fired = False
-        self._handle = self.loop.call_later(timeout, self._check)
-
-    def progress(self) -> None:
-        self.last = self.loop.time()
-
-    def _check(self) -> None:
-        waited = self.loop.time() - self.last
-        if waited >= self.timeout:
-            self.fired = True
-            if self.task is not None:
-                self.task.cancel()
-        else:
-            self._handle = self.loop.call_later(self.timeout - waited, self._check)
-
-    def uncancel(self) -> None:
-        uncancel = getattr(self.task, "uncancel", None)  # Python 3.11+
-        if uncancel is not None:
-            uncancel()
-
-    def close(self) -> None:
-        self._handle.cancel()
 
 
 class WeightserveApp(FastAPI):

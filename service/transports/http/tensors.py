@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field
 from weightserve.client.errors import WeightserveError
 from weightserve.client.wire.schema import ARROW_STREAM_MEDIA_TYPE, DEFAULT_CHUNK_BYTES
 from weightserve.service.serving import request as requests
+from weightserve.service.serving.lease import StreamLease
 from weightserve.service.serving.request import TensorRequest
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.serving.streams import stream_length, stream_messages
@@ -108,30 +109,25 @@ class TensorStreams:
         caller = self.access(http)
         model = state.readable_model(caller, model_id)
         client = caller.client_key(http.client.host if http.client else "")
-        planned, slot = state.begin_stream(model, request, "http", client)
-        length = stream_length(planned, request.chunk_bytes)
-        headers = {
-            "etag": f'"{model.revision}"',
-            "x-weightserve-revision": model.revision,
-            "x-weightserve-tensors": str(len(planned)),
-        }
-        if http.method == "HEAD":
-            # The status and headers a GET gets (a slot was taken so a full server answers
-            # 429 here too), no body, and the slot is free again at once. Not an
-            # ArrowStreamResponse: its direct socket writes would bypass uvicorn's HEAD rule.
-            slot.__exit__(None, None, None)
-            headers["content-length"] = str(length)
-            return Response(headers=headers, media_type=ARROW_STREAM_MEDIA_TYPE)
-        tensors = state.metrics.tensors_served.labels("http", model.id)
-        messages = stream_messages(model, planned, request.chunk_bytes, tensors.inc)
-        return ArrowStreamResponse(
-            state,
-            model.id,
-            messages,
-            length,
-            headers,
-            lambda: slot.__exit__(None, None, None),
-        )
+        # CallMetrics counts the request; the lease its slot, files and bytes.
+        with StreamLease(state, "http", counted=False) as lease:
+            planned = lease.plan(model, request, client)
+            length = stream_length(planned, request.chunk_bytes)
+            headers = {
+                "etag": f'"{model.revision}"',
+                "x-weightserve-revision": model.revision,
+                "x-weightserve-tensors": str(len(planned)),
+            }
+            if http.method == "HEAD":
+                # The status and headers a GET gets (a slot was taken so a full server
+                # answers 429 here too), no body, and the slot is free again at once. Not an
+                # ArrowStreamResponse: its direct socket writes would bypass uvicorn's HEAD
+                # rule.
+                headers["content-length"] = str(length)
+                return Response(headers=headers, media_type=ARROW_STREAM_MEDIA_TYPE)
+            tensors = state.metrics.tensors_served.labels("http", model.id)
+            messages = stream_messages(model, planned, request.chunk_bytes, tensors.inc)
+            return ArrowStreamResponse(lease.handed_over(), messages, length, headers)
 
     async def respond(self, http: Request, model_id: str, request: TensorRequest) -> Response:
         """A stream, planned on the loop when it names few tensors and the catalog answers

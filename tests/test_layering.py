@@ -194,3 +194,32 @@ def test_tarjan_finds_a_planted_cycle() -> None:
         Edge("p.c", "p.d", 4, True),
     ]
     assert import_cycles("p", planted) == [["p.a", "p.b", "p.c"]]
+
+
+def test_every_error_class_has_a_status_row() -> None:
+    """Each exception that can cross the wire maps to a status through the table, and the
+    wire rebuilds it as the same class (client-only errors never cross it)."""
+    from weightserve.client import errors
+    from weightserve.client.wire.errors import WireError
+
+    client_only = {
+        errors.DestinationError,
+        errors.ConversionRefused,
+        errors.WeightsClosed,
+        errors.WrongTransport,  # the client's reading of a port that speaks another protocol
+    }
+    classes = [
+        c
+        for c in vars(errors).values()
+        if isinstance(c, type) and issubclass(c, errors.WeightserveError)
+    ]
+    for cls in classes:
+        if cls in client_only:
+            assert cls.__name__ not in errors.ERROR_CLASSES
+            continue
+        assert cls.__name__ in errors.ERROR_CLASSES, cls
+        assert any(base in errors.STATUS_TABLE for base in cls.__mro__), cls
+        exc = cls.__new__(cls)
+        Exception.__init__(exc, "boom")
+        back = WireError.from_exception(exc).exception()
+        assert type(back) is cls and str(back) == "boom"

@@ -1,4 +1,5 @@
-"""The Arrow schema of tensor data: one schema for HTTP and gRPC, the whole data contract.
+"""The Arrow schema of tensor data: one schema on HTTP, gRPC and Arrow Flight (and the chunk
+digests of the same-node handoff), the whole data contract.
 
 A stream is an Arrow IPC *stream* (schema message, record batches, end-of-stream marker).
 Each record batch holds exactly one row, and a row is one chunk of one tensor:
@@ -27,9 +28,9 @@ import pyarrow as pa
 ARROW_STREAM_MEDIA_TYPE = "application/vnd.apache.arrow.stream"
 
 # Chunks are bounded so that no message is unbounded (gRPC has message size limits, and a
-# broken stream resumes from the last complete chunk). 2 MiB: per-chunk overhead is still
-# noise, and against 8 MiB it cut gRPC load time by a quarter (fewer copies in flight) and the
-# server's memory per open stream, with HTTP unchanged (bench/, docs/performance.md).
+# broken stream resumes from the last complete chunk). 2 MiB: small enough to keep fewer bytes
+# in flight per stream, large enough that per-chunk overhead is noise (measured:
+# docs/performance.md, "Decisions and the figures behind them").
 DEFAULT_CHUNK_BYTES = 2 << 20
 MAX_CHUNK_BYTES = 64 << 20
 # The largest gRPC message either side sends or accepts: one chunk and its framing.

@@ -3,7 +3,7 @@
 Every error carries a message that says what failed, on which model/tensor/file, why, and
 what to do. The service maps each class to one HTTP status and one gRPC status code
 (``STATUS_TABLE``); the client maps them back, so an error raised in the server surfaces in
-the client as the same class. The three marked "client only" are raised by the client itself
+the client as the same class. The four marked "client only" are raised by the client itself
 and never cross the wire: no server sends them, so they have no row of their own.
 
     WeightserveError
@@ -30,8 +30,9 @@ and never cross the wire: no server sends them, so they have no row of their own
     ├── RevisionMismatch         the model changed since the revision the request names
     ├── TransportError           the server could not be reached, or the stream broke
     │   └── ServerUnreachable
-    ├── WrongTransport           the URL's scheme is not what its port speaks (http:// at
-    │                            the gRPC port, grpc:// at the HTTP or Flight port); final
+    ├── WrongTransport           client only: the URL's scheme is not what its port
+    │                            speaks (http:// at the gRPC port, grpc:// at the HTTP
+    │                            or Flight port); final
     ├── DataCorruption           a received tensor's digest did not match
     ├── DestinationError         client only: a pull's destination cannot take the files
     ├── ConversionRefused        client only: a model that does not convert to safetensors

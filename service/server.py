@@ -1,26 +1,21 @@
-"""Both transports in one process over one catalog, with a clean shutdown.
+"""The four transports (HTTP, gRPC, Arrow Flight, the same-node handoff) in one process over
+one catalog, with a clean shutdown.
 
-``WeightServer`` binds its sockets first (port 0 picks a free port, which tests use), then runs
-uvicorn on its own thread and the gRPC server on its thread pool. ``stop`` drains: readiness
-turns false, new streams are refused, open streams get ``grace`` seconds to finish.
+``WeightServer`` starts one ``Listener`` (service/transports/listener.py) per endpoint the
+configuration asks for (port 0 picks a free port, which tests use); a failed start stops
+those already started. ``stop`` drains: readiness turns false, new streams are refused, open
+streams get ``grace`` seconds to finish, then the listeners stop.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import errno
 import logging
-import os
-import socket
 import ssl
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import grpc
-import pyarrow as pa
 import uvicorn
 
 from weightserve.client.errors import ModelUnavailable, WeightserveError
@@ -34,10 +29,17 @@ from weightserve.service.sources.node_cache import NodeCache
 from weightserve.service.sources.origin import OriginCatalog, default_cache_size
 from weightserve.service.sources.origins import OriginFile, open_origin
 from weightserve.service.sources.revisions import DigestStore
-from weightserve.service.transports.flight import FlightService
-from weightserve.service.transports.grpc import SERVICE_NAME, create_grpc_server
-from weightserve.service.transports.handoff import HandoffServer
+from weightserve.service.transports.flight import FlightListener
+from weightserve.service.transports.grpc import GrpcListener
+from weightserve.service.transports.handoff import HandoffListener, HandoffServer
 from weightserve.service.transports.http.app import create_app
+from weightserve.service.transports.http.uvicorn_listener import UvicornListener
+from weightserve.service.transports.listener import (
+    Listener,
+    StartupError,
+    check_port_free,
+    url_host,
+)
 
 log = logging.getLogger("weightserve.server")
 
@@ -89,90 +91,15 @@ def is_origin_uri(root: str) -> bool:
     return "://" in root
 
 
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
-
-
-class StartupError(RuntimeError):
-    """The server cannot start as configured. ``setting`` names the ServerConfig field to
-    change (the command line turns it into its flag and environment variable); the message
-    says what is wrong and what would work."""
-
-    def __init__(self, setting: str, message: str) -> None:
-        super().__init__(message)
-        self.setting = setting
-
-
-def _listen_error(listener: str, setting: str, host: str, port: int, e: OSError) -> StartupError:
-    if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL:
-        return StartupError(
-            "host",
-            f"cannot listen on {host!r}: not an address of this machine ({e.strerror or e}); "
-            "use 127.0.0.1, 0.0.0.0 (every IPv4 address) or :: (every IPv6 address)",
-        )
-    where = f"the {listener} endpoint could not listen on {_url_host(host)}:{port}"
-    if e.errno == errno.EADDRINUSE:
-        return StartupError(
-            setting,
-            f"{where}: the port is already in use (another weightserve?); stop what holds it "
-            "or choose another port (0: any free port)",
-        )
-    if e.errno == errno.EACCES:
-        return StartupError(
-            setting, f"{where}: permission denied (ports below 1024 need privileges)"
-        )
-    return StartupError(setting, f"{where}: {e.strerror or e}")
-
-
-def _check_port_free(listener: str, setting: str, host: str, port: int) -> None:
-    """Fail with a clear StartupError before a gRPC library tries ``port``: grpc-core says
-    only "failed to bind" (and logs to stderr on its own). Port 0 checks the host alone."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind
-        try:
-            probe.bind((host, port))
-        except OSError as e:
-            raise _listen_error(listener, setting, host, port, e) from None
-
-
 def check_listeners(config: ServerConfig) -> None:
     """Fail now, before the catalog is scanned, when the host is not one of this machine's
     addresses or a listener's port is taken. ``start`` checks again: a port can be taken in
     between."""
     _check_ports_distinct(config)
-    _check_port_free("HTTP", "http_port", config.host, config.http_port)
-    _check_port_free("gRPC", "grpc_port", config.host, config.grpc_port)
+    check_port_free("HTTP", "http_port", config.host, config.http_port)
+    check_port_free("gRPC", "grpc_port", config.host, config.grpc_port)
     if config.flight_port is not None:
-        _check_port_free("Arrow Flight", "flight_port", config.host, config.flight_port)
-
-
-def _claim_socket_path(path: str) -> None:
-    """Make ``path`` free for a new Unix socket: a stale socket of a server that is gone is
-    removed; a live one, or anything that is not a socket, is a StartupError."""
-    p = Path(path)
-    if not p.parent.is_dir():
-        raise StartupError(
-            "uds", f"cannot listen on {path}: the directory {p.parent} does not exist"
-        )
-    try:
-        st = p.lstat()
-    except FileNotFoundError:
-        return
-    import stat
-
-    if not stat.S_ISSOCK(st.st_mode):
-        raise StartupError("uds", f"{path} exists and is not a socket; choose another path")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(path)
-        except OSError:
-            p.unlink()  # nobody listens: left behind by a server that stopped without cleaning
-            return
-    raise StartupError(
-        "uds",
-        f"another server listens on {path} (another weightserve?); stop it or choose another path",
-    )
+        check_port_free("Arrow Flight", "flight_port", config.host, config.flight_port)
 
 
 def uds_paths(uds: str) -> dict[str, str]:
@@ -318,16 +245,25 @@ class WeightServer:
             else Catalog(config.root, digests=digests)
         )
         self.state = ServiceState(self.catalog, config.limits, tokens, config.protect_metrics)
-        self._http_thread: threading.Thread | None = None
-        self._uvicorn: uvicorn.Server | None = None
-        self._grpc: grpc.Server | None = None
-        self.http_port = 0
-        self.grpc_port = 0
-        self._flight: FlightService | None = None
-        self.flight_port = 0
-        self._uvicorn_uds: uvicorn.Server | None = None
-        self._handoff: HandoffServer | None = None
+        self.listeners: list[Listener] = []  # those started (or starting), in start order
+        self._http: UvicornListener | None = None
+        self._grpc: GrpcListener | None = None
+        self._flight: FlightListener | None = None
+        self._handoff_listener: HandoffListener | None = None
         self._stop_rescan = threading.Event()
+
+    # The ports bound (0: not listening, or not yet).
+    @property
+    def http_port(self) -> int:
+        return self._http.port if self._http is not None else 0
+
+    @property
+    def grpc_port(self) -> int:
+        return self._grpc.port if self._grpc is not None else 0
+
+    @property
+    def flight_port(self) -> int:
+        return self._flight.port if self._flight is not None else 0
 
     @property
     def tls(self) -> bool:
@@ -336,17 +272,17 @@ class WeightServer:
     @property
     def http_url(self) -> str:
         scheme = "https" if self.tls else "http"
-        return f"{scheme}://{_url_host(self.config.host)}:{self.http_port}"
+        return f"{scheme}://{url_host(self.config.host)}:{self.http_port}"
 
     @property
     def grpc_url(self) -> str:
         scheme = "grpcs" if self.tls else "grpc"
-        return f"{scheme}://{_url_host(self.config.host)}:{self.grpc_port}"
+        return f"{scheme}://{url_host(self.config.host)}:{self.grpc_port}"
 
     @property
     def flight_url(self) -> str:
         scheme = "grpc+tls" if self.tls else "grpc"
-        return f"{scheme}://{_url_host(self.config.host)}:{self.flight_port}"
+        return f"{scheme}://{url_host(self.config.host)}:{self.flight_port}"
 
     def _tls_material(self) -> tuple[bytes, bytes, bytes | None] | None:
         """(certificate chain, key, client CA or None) as PEM bytes; None without TLS."""
@@ -366,22 +302,6 @@ class WeightServer:
         if ca is not None:
             settings.update(verify_client=True, root_certificates=ca)
         return settings
-
-    def _start_flight(self) -> None:
-        scheme = "grpc+tls" if self.tls else "grpc+tcp"
-        host, port = self.config.host, self.config.flight_port or 0
-        _check_port_free("Arrow Flight", "flight_port", host, port)
-        location = f"{scheme}://{_url_host(host)}:{port}"
-        try:
-            self._flight = FlightService(self.state, location, **self._flight_tls())
-        except pa.ArrowException as e:  # pyarrow says only "Server did not start properly"
-            raise StartupError(
-                "flight_port",
-                f"the Arrow Flight endpoint could not listen on {location} (the port taken "
-                f"since it was checked?): {e}",
-            ) from e
-        self.flight_port = self._flight.port
-        self.state.flight_port = self.config.flight_public_port or self.flight_port
 
     def _grpc_credentials(self) -> grpc.ServerCredentials | None:
         material = self._tls_material()
@@ -410,78 +330,9 @@ class WeightServer:
             raise
 
     def _start(self) -> WeightServer:
-        host = self.config.host
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        # IPPROTO_TCP given explicitly: asyncio sets TCP_NODELAY only on sockets that say so,
-        # and without it small responses on kept-alive connections wait 40 ms (Nagle).
-        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if hasattr(socket, "TCP_USER_TIMEOUT"):  # Linux; accepted connections inherit it
-            # A client that stops reading is cut by the stream's idle timeout, but closing the
-            # connection waits for its unsent data; this lets the kernel drop it instead.
-            idle_ms = int(self.state.limits.idle_timeout * 1000)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, idle_ms)
-        try:
-            sock.bind((host, self.config.http_port))
-        except OSError as e:
-            sock.close()
-            raise _listen_error("HTTP", "http_port", host, self.config.http_port, e) from None
-        self.http_port = sock.getsockname()[1]
-        app = create_app(self.state)
-        self._uvicorn = self._uvicorn_server(app, **self._http_tls())
-        uds_sock = self._bind_uds_http(app) if self.config.uds else None
-        started = threading.Event()
-
-        def run_http() -> None:
-            loop = asyncio.new_event_loop()
-            asyncio.set_event_loop(loop)
-
-            async def main() -> None:
-                task = asyncio.ensure_future(self._uvicorn.serve(sockets=[sock]))  # type: ignore[union-attr]
-                tasks = [task]
-                if self._uvicorn_uds is not None:
-                    assert uds_sock is not None
-                    tasks.append(asyncio.ensure_future(self._uvicorn_uds.serve(sockets=[uds_sock])))
-                servers = [s for s in (self._uvicorn, self._uvicorn_uds) if s is not None]
-                while not all(s.started for s in servers) and not any(t.done() for t in tasks):
-                    await asyncio.sleep(0.01)
-                started.set()
-                await asyncio.gather(*tasks)
-
-            try:
-                loop.run_until_complete(main())
-            finally:
-                started.set()
-                loop.close()
-
-        self._http_thread = threading.Thread(target=run_http, name="weightserve-http", daemon=True)
-        self._http_thread.start()
-        if self.config.flight_port is not None:
-            # Before gRPC: GetServerInfo must never answer "no Flight" while it starts.
-            self._start_flight()  # pyarrow.flight serves on its own threads once constructed
-        _check_port_free("gRPC", "grpc_port", host, self.config.grpc_port)
-        try:
-            self._grpc, self.grpc_port = create_grpc_server(
-                self.state,
-                f"{_url_host(host)}:{self.config.grpc_port}",
-                credentials=self._grpc_credentials(),
-            )
-        except RuntimeError as e:  # grpc: "Failed to bind to address ..."
-            raise StartupError(
-                "grpc_port",
-                f"the gRPC endpoint could not listen on {_url_host(host)}:"
-                f"{self.config.grpc_port}: {e}",
-            ) from e
-        if self.config.uds:
-            self._start_uds_grpc_and_handoff(self.config.uds)
-        self._grpc.start()
-        if self.config.uds:  # grpc-core creates its socket with the process umask
-            os.chmod(uds_paths(self.config.uds)["grpc"], self.config.uds_mode)
-        started.wait()
-        if not self._uvicorn.started:
-            raise RuntimeError(f"HTTP server failed to start on {host}:{self.http_port}")
-        if self._uvicorn_uds is not None and not self._uvicorn_uds.started:
-            raise RuntimeError(f"HTTP server failed to start on {self.config.uds}")
+        for listener in self._planned_listeners():
+            self.listeners.append(listener)  # first: a listener that fails half-way is stopped
+            listener.start()
         self.state.http_port, self.state.grpc_port = self.http_port, self.grpc_port
         self._start_catalog_upkeep()
         log.info(
@@ -489,55 +340,62 @@ class WeightServer:
             len(self.catalog.models),
             self.http_url,
             self.grpc_url,
-            f" (Flight {self.flight_url})" if self._flight else "",
+            f" (Flight {self.flight_url})" if self.flight_port else "",
         )
         return self
 
-    def _uvicorn_server(self, app: Any, **tls: Any) -> uvicorn.Server:
-        return uvicorn.Server(
-            uvicorn.Config(
-                app,
-                log_level="warning",
-                lifespan="off",
-                access_log=False,
-                timeout_graceful_shutdown=int(self.config.grace_seconds),
-                **tls,
-            )
+    def _planned_listeners(self) -> list[Listener]:
+        """Every endpoint the configuration asks for, in start order: HTTP on its port and
+        on the same-node socket, Flight before gRPC (GetServerInfo must never answer "no
+        Flight" while it starts), gRPC (on the socket too), the handoff socket."""
+        c = self.config
+        app = create_app(self.state)
+        idle, grace = self.state.limits.idle_timeout, c.grace_seconds
+        self._http = UvicornListener(
+            app, c.host, c.http_port, idle_timeout=idle, grace_seconds=grace, **self._http_tls()
         )
+        planned: list[Listener] = [self._http]
+        paths = uds_paths(c.uds) if c.uds else None
+        if paths is not None:
+            self.state.uds = paths["http"]
+            planned.append(
+                UvicornListener(
+                    app,
+                    uds=paths["http"],
+                    uds_mode=c.uds_mode,
+                    idle_timeout=idle,
+                    grace_seconds=grace,
+                )
+            )
+        if c.flight_port is not None:
+            self._flight = FlightListener(
+                self.state, c.host, c.flight_port, c.flight_public_port, **self._flight_tls()
+            )
+            planned.append(self._flight)
+        self._grpc = GrpcListener(
+            self.state,
+            c.host,
+            c.grpc_port,
+            self._grpc_credentials(),
+            uds=paths["grpc"] if paths is not None else None,
+            uds_mode=c.uds_mode,
+        )
+        planned.append(self._grpc)
+        if paths is not None:
+            uids = frozenset(c.uds_uids) if c.uds_uids else None
+            self._handoff_listener = HandoffListener(paths["handoff"], self.state, c.uds_mode, uids)
+            planned.append(self._handoff_listener)
+        return planned
 
-    def _bind_uds_http(self, app: Any) -> socket.socket:
-        """The HTTP API on the same-node socket: a second uvicorn server (no TLS) on the
-        same event loop and app."""
-        assert self.config.uds
-        path = uds_paths(self.config.uds)["http"]
-        _claim_socket_path(path)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.bind(path)
-            os.chmod(path, self.config.uds_mode)
-        except OSError as e:
-            sock.close()
-            raise StartupError("uds", f"cannot listen on {path}: {e.strerror or e}") from None
-        self._uvicorn_uds = self._uvicorn_server(app)
-        self.state.uds = path
-        return sock
+    # Tests reach the running servers through these.
+    @property
+    def _uvicorn(self) -> uvicorn.Server | None:
+        return self._http.server if self._http is not None else None
 
-    def _start_uds_grpc_and_handoff(self, uds: str) -> None:
-        paths = uds_paths(uds)
-        assert self._grpc is not None
-        for what in ("grpc", "handoff"):
-            _claim_socket_path(paths[what])
-        if not self._grpc.add_insecure_port(f"unix:{paths['grpc']}"):
-            raise StartupError("uds", f"the gRPC endpoint could not listen on {paths['grpc']}")
-        uids = frozenset(self.config.uds_uids) if self.config.uds_uids else None
-        try:
-            self._handoff = HandoffServer(
-                paths["handoff"], self.state, self.state.instance, self.config.uds_mode, uids
-            ).start()
-        except OSError as e:
-            raise StartupError(
-                "uds", f"cannot listen on {paths['handoff']}: {e.strerror or e}"
-            ) from None
+    @property
+    def _handoff(self) -> HandoffServer | None:
+        listener = self._handoff_listener
+        return listener.server if listener is not None else None
 
     # How long start() waits for the first content revisions: small roots are ready when it
     # returns; a large never-seen model reports "warming" on /readyz until it is hashed.
@@ -579,18 +437,8 @@ class WeightServer:
             threading.Thread(target=self._watch_loop, name="weightserve-watch", daemon=True).start()
 
     def _set_grpc_health(self, serving: bool) -> None:
-        """gRPC health follows /readyz (probes may use either)."""
-        if self._grpc is None:
-            return
-        from grpc_health.v1 import health_pb2
-
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if serving
-            else (health_pb2.HealthCheckResponse.NOT_SERVING)
-        )
-        for name in ("", SERVICE_NAME):
-            self._grpc.health_servicer.set(name, status)  # type: ignore[attr-defined]
+        if self._grpc is not None:
+            self._grpc.set_serving(serving)
 
     def rescan(self) -> None:
         try:
@@ -630,41 +478,29 @@ class WeightServer:
                 self.config.rescan_seconds,
             )
 
+    # How long stop() waits for each listener to close once the grace period is over.
+    STOP_WAIT_SECONDS = 5.0
+
     def stop(self, grace: float | None = None) -> None:
+        """Drain: readiness turns false and new streams are refused, open streams get
+        ``grace`` seconds to finish, then every listener stops, the last started first."""
         grace = self.config.grace_seconds if grace is None else grace
         self._stop_rescan.set()
         self.state.draining = True
-        if self._grpc is not None:
-            self._grpc.health_servicer.enter_graceful_shutdown()  # type: ignore[attr-defined]
+        for listener in self.listeners:
+            listener.drain()
         drained = self.state.wait_for_streams(grace)
         if not drained:
             log.warning(
                 "%d streams still open after %.0f s; closing them", self.state.open_streams, grace
             )
-        if self._grpc is not None:
-            self._grpc.stop(0).wait()
-        if self._flight is not None:
-            # shutdown() waits for open calls: streams still open after the grace period end
-            # at their next batch (pyarrow cannot cancel a call from the server side).
-            self._flight.closing = True
-            closer = threading.Thread(target=self._flight.shutdown, daemon=True)
-            closer.start()
-            closer.join(timeout=5)
-        for server in (self._uvicorn, self._uvicorn_uds):
-            if server is not None:
-                server.should_exit = True
-                if not drained:
-                    server.force_exit = True
-        if self._handoff is not None:
-            self._handoff.stop()
-        if self._http_thread is not None:
-            self._http_thread.join(timeout=grace + 5)
+        stopping, self.listeners = self.listeners, []  # a second stop has nothing to do
+        for listener in reversed(stopping):
+            try:
+                listener.stop(force=not drained, wait=self.STOP_WAIT_SECONDS)
+            except Exception:  # the others are stopped all the same
+                log.exception("stopping the %s listener failed", listener.name)
         self.catalog.close()  # a node cache's directory: a restarted server may take it over
-        if self.config.uds:
-            for path in uds_paths(self.config.uds).values():
-                with contextlib.suppress(OSError):
-                    if Path(path).is_socket():
-                        os.unlink(path)
 
     def __enter__(self) -> WeightServer:
         return self.start()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import struct
+import threading
 from collections.abc import Iterator
 
 import pyarrow as pa
@@ -49,6 +50,7 @@ from weightserve.service.serving.request import from_proto, from_ticket
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.serving.streams import stream_chunks
 from weightserve.service.transports.grpc import peer_host
+from weightserve.service.transports.listener import StartupError, check_port_free, url_host
 
 log = logging.getLogger("weightserve.flight")
 
@@ -194,3 +196,53 @@ class FlightService(flight.FlightServerBase):
             # Counted (by the lease) under the error table's code, not Flight's coarser status.
             raise flight_error(e) from None
         return flight.GeneratorStream(LEAN_SCHEMA if call.lean else TENSOR_SCHEMA, batches)
+
+
+class FlightListener:
+    """The Flight endpoint as a ``Listener`` on ``host:port``; ``public_port`` is what
+    GetServerInfo advertises when clients reach it through another port (None: the bound
+    one)."""
+
+    name = "Arrow Flight"
+
+    def __init__(
+        self,
+        state: ServiceState,
+        host: str,
+        port: int,
+        public_port: int | None = None,
+        **tls: object,
+    ) -> None:
+        self.state, self.host, self.public_port, self.tls = state, host, public_port, tls
+        self.bind_port = port
+        self.port = 0  # the port bound, once started
+        self.service: FlightService | None = None
+
+    def start(self) -> None:
+        check_port_free("Arrow Flight", "flight_port", self.host, self.bind_port)
+        scheme = "grpc+tls" if self.tls else "grpc+tcp"
+        location = f"{scheme}://{url_host(self.host)}:{self.bind_port}"
+        try:
+            # pyarrow.flight serves on its own threads once constructed.
+            self.service = FlightService(self.state, location, **self.tls)
+        except pa.ArrowException as e:  # pyarrow says only "Server did not start properly"
+            raise StartupError(
+                "flight_port",
+                f"the Arrow Flight endpoint could not listen on {location} (the port taken "
+                f"since it was checked?): {e}",
+            ) from e
+        self.port = self.service.port
+        self.state.flight_port = self.public_port or self.port
+
+    def drain(self) -> None:
+        """Nothing to announce: GetServerInfo and /readyz say so from the shared state."""
+
+    def stop(self, force: bool, wait: float) -> None:
+        if self.service is None:
+            return
+        # shutdown() waits for open calls: streams still open after the grace period end at
+        # their next batch (pyarrow cannot cancel a call from the server side).
+        self.service.closing = True
+        closer = threading.Thread(target=self.service.shutdown, daemon=True)
+        closer.start()
+        closer.join(timeout=wait)

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -34,6 +35,13 @@ from weightserve.service.serving.request import from_proto
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.serving.streams import plan_stream, stream_chunks, stream_messages
 from weightserve.service.serving.views import server_version
+from weightserve.service.transports.listener import (
+    StartupError,
+    check_port_free,
+    claim_socket_path,
+    remove_socket_file,
+    url_host,
+)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WeightService"].full_name
 
@@ -353,3 +361,70 @@ def create_grpc_server(
     )
     server.health_servicer = health_servicer  # type: ignore[attr-defined]
     return server, port
+
+
+class GrpcListener:
+    """The gRPC server as a ``Listener``: on ``host:port`` (with TLS when ``credentials``)
+    and, plain, on the same-node socket ``uds`` (gRPC's ``unix:`` target) when given.
+    Its health service follows readiness (``set_serving``) and says NOT_SERVING on drain."""
+
+    name = "gRPC"
+
+    def __init__(
+        self,
+        state: ServiceState,
+        host: str,
+        port: int,
+        credentials: grpc.ServerCredentials | None = None,
+        uds: str | None = None,
+        uds_mode: int = 0o666,
+    ) -> None:
+        self.state, self.host, self.credentials = state, host, credentials
+        self.bind_port = port
+        self.port = 0  # the port bound, once started
+        self.uds, self.uds_mode = uds, uds_mode
+        self.server: grpc.Server | None = None
+        self._socket_file: str | None = None  # the Unix socket this listener created
+
+    def start(self) -> None:
+        check_port_free("gRPC", "grpc_port", self.host, self.bind_port)
+        address = f"{url_host(self.host)}:{self.bind_port}"
+        try:
+            self.server, self.port = create_grpc_server(
+                self.state, address, credentials=self.credentials
+            )
+        except RuntimeError as e:  # grpc: "Failed to bind to address ..."
+            raise StartupError(
+                "grpc_port", f"the gRPC endpoint could not listen on {address}: {e}"
+            ) from e
+        if self.uds:
+            claim_socket_path(self.uds)
+            if not self.server.add_insecure_port(f"unix:{self.uds}"):
+                raise StartupError("uds", f"the gRPC endpoint could not listen on {self.uds}")
+            self._socket_file = self.uds
+        self.server.start()
+        if self.uds:  # grpc-core creates its socket with the process umask
+            os.chmod(self.uds, self.uds_mode)
+
+    def set_serving(self, serving: bool) -> None:
+        """gRPC health follows /readyz (probes may use either)."""
+        if self.server is None:
+            return
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", SERVICE_NAME):
+            self.server.health_servicer.set(name, status)  # type: ignore[attr-defined]
+
+    def drain(self) -> None:
+        if self.server is not None:
+            self.server.health_servicer.enter_graceful_shutdown()  # type: ignore[attr-defined]
+
+    def stop(self, force: bool, wait: float) -> None:
+        # After the grace period (or at once when forced), nothing open is waited for.
+        if self.server is not None:
+            self.server.stop(0).wait(wait)
+        if self._socket_file is not None:
+            remove_socket_file(self._socket_file)

@@ -48,6 +48,7 @@ from weightserve.service.serving.request import from_handoff
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.serving.streams import plan_stream, stream_chunks
 from weightserve.service.serving.views import server_version
+from weightserve.service.transports.listener import StartupError, claim_socket_path
 
 log = logging.getLogger("weightserve.handoff")
 
@@ -247,3 +248,35 @@ class HandoffServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
                 "fewer tensors at once"
             )
         return frame, [m.fileno() for m in mapped], nbytes
+
+
+class HandoffListener:
+    """The handoff socket as a ``Listener`` (``HandoffServer`` on ``path``)."""
+
+    name = "handoff"
+
+    def __init__(
+        self,
+        path: str,
+        state: ServiceState,
+        mode: int = 0o666,
+        allowed_uids: frozenset[int] | None = None,
+    ) -> None:
+        self.path, self.state, self.mode, self.allowed_uids = path, state, mode, allowed_uids
+        self.server: HandoffServer | None = None
+
+    def start(self) -> None:
+        claim_socket_path(self.path)
+        try:
+            self.server = HandoffServer(
+                self.path, self.state, self.state.instance, self.mode, self.allowed_uids
+            ).start()
+        except OSError as e:
+            raise StartupError("uds", f"cannot listen on {self.path}: {e.strerror or e}") from None
+
+    def drain(self) -> None:
+        """Nothing to announce: a handoff in progress holds its slot until the client is done."""
+
+    def stop(self, force: bool, wait: float) -> None:
+        if self.server is not None:
+            self.server.stop()  # removes its socket file

@@ -1,2 +1,3 @@
-"""How a request is served, whatever carries it: the stream plan, admission and stream
-limits, authentication, files, model views, Arrow framing and metrics."""
+"""How a request is served, whatever carries it: the request and its decoders, the stream
+plan, admission, stream leases and the idle cut, authentication, files, model views, Arrow
+framing, errors in their wire form and metrics."""

@@ -1,4 +1,5 @@
-"""Bearer-token authentication and per-model access, shared by HTTP and gRPC.
+"""Bearer-token authentication and per-model access, shared by the four transports (HTTP,
+gRPC, Flight, the same-node handoff).
 
 The token file holds one token per line, optionally followed by the model ids (or
 ``fnmatch`` patterns) it may read; a token with no patterns may read every model::

@@ -1,7 +1,7 @@
 """Arrow Flight endpoint for bulk tensor data: the StreamTensors stream, moved by C++.
 
 grpcio hands every message through Python: the server copies each chunk into a message and
-the client copies it 3-4 times more, under the GIL (docs/performance.md). Flight (Arrow's
+the client copies it several times more, under the GIL (docs/performance.md). Flight (Arrow's
 gRPC service, ``pyarrow.flight``) sends record batches whose buffers are views of the mmap,
 and its client assembles them without Python. The gRPC service stays the control plane
 (models, index, health, reflection) and advertises this endpoint in ``GetServerInfo``.

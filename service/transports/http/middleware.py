@@ -115,9 +115,9 @@ def tensor_lane_target(scope: Any) -> tuple[str, str, str | None] | None:
 
 class TensorLane:
     """One small tensor, the commonest small request, answered without FastAPI's routing and
-    parameter validation (two fifths of such a request's server time, profiled): the same
-    ``start_stream`` as the route, inside the metrics and body-limit middleware. Anything
-    but a plain GET of one tensor goes on to the routes."""
+    parameter validation, a large part of such a request's server time (docs/performance.md,
+    "Small requests"): the same stream as the route gives, inside the metrics and body-limit
+    middleware. Anything but a plain GET of one tensor goes on to the routes."""
 
     answered = 0  # requests this lane answered since start (tests check it engages)
 

@@ -159,7 +159,7 @@ class ArrowStreamResponse(Response):
     async def _send_whole(self, scope: Any, send: Any) -> None:
         """A small stream as one body after its headers, corked into one TCP segment where
         the connection allows: a segment costs more server CPU than the whole small
-        request's framing and digests (docs/performance.md, the small-tensor lane)."""
+        request's framing and digests (docs/performance.md, "Small requests")."""
         lease = self.lease
         idle: _TaskIdleCut | None = None
         try:

@@ -56,7 +56,8 @@ class UvicornListener:
     def _bind_tcp(self) -> socket.socket:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         # IPPROTO_TCP given explicitly: asyncio sets TCP_NODELAY only on sockets that say so,
-        # and without it small responses on kept-alive connections wait 40 ms (Nagle).
+        # and without it small responses on kept-alive connections wait for the client's
+        # delayed ACK (Nagle; docs/performance.md).
         sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if hasattr(socket, "TCP_USER_TIMEOUT"):  # Linux; accepted connections inherit it

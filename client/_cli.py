@@ -61,13 +61,13 @@ def _verify(text: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="weightserve",
-        description="Serve model weights as Arrow streams over HTTP and gRPC, and fetch them.",
+        description="Serve model weights as Arrow streams over HTTP, gRPC and Arrow Flight, and fetch them.",
     )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
     serve = sub.add_parser(
         "serve",
-        help="serve a model root over HTTP and gRPC",
-        description="Serve every model under ROOT over HTTP and gRPC.",
+        help="serve a model root over HTTP, gRPC and Arrow Flight",
+        description="Serve every model under ROOT over HTTP, gRPC and Arrow Flight.",
     )
     try:
         from weightserve.service.config import add_serve_arguments  # optional: the server extra

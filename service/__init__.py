@@ -1,1 +1,2 @@
-"""weightserve service: the catalog, checkpoint format readers and the HTTP and gRPC transports."""
+"""weightserve service: model sources (local directory, origins, node cache), checkpoint readers,
+serving (plan, admission, leases) and the transports: HTTP, gRPC, Arrow Flight, same-node handoff."""

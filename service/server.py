@@ -59,7 +59,7 @@ class ServerConfig:
     limits: Limits | None = None
     token_file: str | None = None  # bearer tokens, one per line (see service/serving/auth.py)
     protect_metrics: bool = False  # /metrics needs a token too
-    tls_cert: str | None = None  # PEM certificate chain: enables TLS on both transports
+    tls_cert: str | None = None  # PEM certificate chain: enables TLS on every TCP listener
     tls_key: str | None = None
     tls_client_ca: str | None = None  # require client certificates signed by this CA (mTLS)
     # How often the root is searched for new or removed models.

@@ -24,7 +24,7 @@ from weightserve.client import Client, RemoteWeights
 from weightserve.client.errors import InvalidRequest
 from weightserve.client.wire.routes import http_model_path, parse_url
 from weightserve.service.server import ServerConfig, WeightServer
-from weightserve.service.sources.local import validate_model_id
+from weightserve.service.sources.layout import validate_model_id
 
 ODD_NAMES = (
     "enc/layer_0/kernel",

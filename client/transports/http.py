@@ -186,7 +186,8 @@ class HttpTransport:
             and params.chunk_bytes is None
         ):
             # One whole tensor: its own GET route, which the server answers on its fastest
-            # path (service/transports/http/app.py, TensorLane), where a stream request is a JSON POST.
+            # path (TensorLane, service/transports/http/middleware.py); a stream request is a
+            # JSON POST.
             path = http_model_path(model, "tensors", params.names[0])
             if params.revision:
                 path += "?" + urlencode({"revision": params.revision})

@@ -22,7 +22,7 @@ import datetime
 import email.utils
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from weightserve.client.errors import WeightserveError, error_from_wire, status_for
@@ -41,10 +41,17 @@ class WireError:
     type: str
     message: str
     retry_after: float | None = None
+    # (HTTP status, gRPC code name) of the raised class, kept by ``from_exception``: a class
+    # only the server knows (a reader's rule such as ``BadMagic``) has its ancestor's row of
+    # STATUS_TABLE, which its name alone would not find on this side.
+    status: tuple[int, str] | None = field(default=None, compare=False)
 
     @classmethod
     def from_exception(cls, exc: WeightserveError) -> WireError:
-        return cls(type(exc).__name__, str(exc), exc.retry_after)
+        return cls(type(exc).__name__, str(exc), exc.retry_after, status_for(exc))
+
+    def _status(self) -> tuple[int, str]:
+        return self.status or status_for(self.exception())
 
     def exception(self) -> WeightserveError:
         """The exception the server raised: the same class when it is one of ours."""
@@ -71,7 +78,7 @@ class WireError:
 
     # HTTP
     def http_status(self) -> int:
-        return status_for(self.exception())[0]
+        return self._status()[0]
 
     def http_headers(self) -> dict[str, str]:
         if self.retry_after is None:
@@ -96,7 +103,7 @@ class WireError:
     # gRPC
     def grpc_code(self) -> str:
         """The name of the ``grpc.StatusCode`` member."""
-        return status_for(self.exception())[1]
+        return self._status()[1]
 
     def grpc_trailers(self) -> tuple[tuple[str, str], ...]:
         trailing = [(ERROR_METADATA_KEY, self.type)]

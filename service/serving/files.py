@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from weightserve.client.errors import FileNotFound, RangeNotSatisfiable, RevisionMismatch
-from weightserve.service.sources.local import Model, RepoFile
+from weightserve.service.sources.model import Model, RepoFile
 
 # Largest piece handed to a transport at once (a gRPC FileChunk; an HTTP write).
 FILE_CHUNK_BYTES = 2 << 20

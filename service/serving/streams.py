@@ -28,7 +28,7 @@ from weightserve.client.wire.schema import ChunkHeader
 from weightserve.service.readers.base import TensorEntry
 from weightserve.service.serving.arrow_writer import END_OF_STREAM, chunk_message, schema_message
 from weightserve.service.serving.request import Shard, TensorRequest
-from weightserve.service.sources.local import Model
+from weightserve.service.sources.model import Model
 
 # GGML block geometry: elements per block and bytes per block, from the gguf package.
 try:

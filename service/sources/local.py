@@ -68,7 +68,7 @@ from weightserve.service.sources.layout import (
     weight_format,
     weight_sets,
 )
-from weightserve.service.sources.model import Model, RepoFile
+from weightserve.service.sources.model import Model
 from weightserve.service.sources.revisions import DigestStore
 from weightserve.service.sources.stamps import FileStamp, current_stamps
 
@@ -80,11 +80,9 @@ OUTSIDE_ROOT = "symlink points outside the model root"
 # are configs, tokenizers and templates, not bulk data.
 SIDE_FILE_MAX_BYTES = 256 << 20
 
+
 # Model, RepoFile, Problem and validate_model_id live in model.py, base.py and layout.py;
 # modules that import them from here still may.
-__all__ = ["Catalog", "Model", "Problem", "RepoFile", "validate_model_id"]
-
-
 def default_readers() -> dict[str, FormatReader]:
     from weightserve.service.readers.gguf import GGUFReader
     from weightserve.service.readers.pytorch import PytorchReader

@@ -42,9 +42,9 @@ from weightserve.client.transports.flight import (
     LEAN_SCHEMA,
     encode_chunk_header,
 )
+from weightserve.client.wire.errors import WireError
 from weightserve.client.wire.schema import DEFAULT_CHUNK_BYTES, TENSOR_SCHEMA, ChunkHeader
 from weightserve.service.serving.auth import authorize
-from weightserve.service.serving.errors import wire_error
 from weightserve.service.serving.lease import StreamLease
 from weightserve.service.serving.request import from_proto, from_ticket
 from weightserve.service.serving.state import ServiceState
@@ -66,7 +66,7 @@ _FLIGHT_ERRORS = {
 def flight_error(exc: WeightserveError) -> flight.FlightError:
     """The Flight error for one of ours: the Flight class of its gRPC code, and its wire form
     (class, message, retry hint) as JSON in ``extra_info`` for the client."""
-    error = wire_error(exc)
+    error = WireError.from_exception(exc)
     detail = json.dumps(error.to_json()).encode()
     flight_class = _FLIGHT_ERRORS.get(error.grpc_code(), flight.FlightServerError)
     return flight_class(error.message, extra_info=detail)

@@ -23,13 +23,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from weightserve.client.errors import InvalidRequest, WeightserveError
+from weightserve.client.wire.errors import WireError
 from weightserve.client.wire.proto.weightserve.v1 import weightserve_pb2 as pb
 from weightserve.client.wire.schema import MAX_GRPC_MESSAGE_BYTES
 from weightserve.service.serving import files
 from weightserve.service.serving import views as models_view
 from weightserve.service.serving.arrow_writer import END_OF_STREAM
 from weightserve.service.serving.auth import Access, authorize
-from weightserve.service.serving.errors import wire_error
 from weightserve.service.serving.lease import StreamLease
 from weightserve.service.serving.request import from_proto
 from weightserve.service.serving.state import ServiceState
@@ -73,7 +73,7 @@ def encode_arrow_data(parts: tuple | list) -> bytes:
 def _abort(context: grpc.ServicerContext, exc: WeightserveError) -> None:
     """Ends the call with the error's wire form: its status code and message, its class
     (and retry hint) in trailing metadata."""
-    error = wire_error(exc)
+    error = WireError.from_exception(exc)
     context.set_trailing_metadata(error.grpc_trailers())
     context.abort(getattr(grpc.StatusCode, error.grpc_code()), error.message)
 

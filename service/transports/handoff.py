@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from weightserve.client.errors import InvalidRequest, PermissionDenied, WeightserveError
+from weightserve.client.wire.errors import WireError
 from weightserve.client.wire.handoff import (
     FDS_PER_MESSAGE,
     MAX_FRAME_BYTES,
@@ -42,7 +43,6 @@ from weightserve.client.wire.handoff import (
 )
 from weightserve.client.wire.schema import DEFAULT_CHUNK_BYTES
 from weightserve.service.serving.auth import authorize
-from weightserve.service.serving.errors import wire_error
 from weightserve.service.serving.lease import StreamLease
 from weightserve.service.serving.request import from_handoff
 from weightserve.service.serving.state import ServiceState
@@ -100,7 +100,7 @@ class _Handler(socketserver.BaseRequestHandler):
 
 
 def _error(e: WeightserveError) -> dict[str, Any]:
-    return {"error": wire_error(e).to_json()}
+    return {"error": WireError.from_exception(e).to_json()}
 
 
 def _send(sock: socket.socket, message: dict[str, Any]) -> None:

@@ -19,7 +19,7 @@ from weightserve.client.wire.dtypes import numpy_dtype, wire_dtype
 from weightserve.service.readers.base import TensorEntry
 from weightserve.service.serving.auth import Access
 from weightserve.service.serving.state import ServiceState
-from weightserve.service.sources.local import Model
+from weightserve.service.sources.model import Model
 from weightserve.service.transports.http.routes import get_and_head
 
 ASSETS_URL = "/-/web"  # `-` is never a model id part, so no id can collide with it

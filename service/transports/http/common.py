@@ -11,8 +11,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from weightserve.client.errors import WeightserveError
+from weightserve.client.wire.errors import WireError
 from weightserve.service.serving.auth import Access, authorize
-from weightserve.service.serving.errors import wire_error
 from weightserve.service.serving.state import ServiceState
 
 # ASGI scope keys the routes set for CallMetrics: the error class a request ended with, and
@@ -40,7 +40,7 @@ def error_response(
     """One of our errors as the API answers it (its wire form: the status its class has
     unless ``status`` says, Retry-After on a temporary refusal), noted in ``scope`` for
     CallMetrics."""
-    error = wire_error(exc)
+    error = WireError.from_exception(exc)
     scope[ERROR_KEY] = error.type
     return JSONResponse(
         error.http_body(),

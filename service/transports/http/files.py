@@ -17,7 +17,7 @@ from weightserve.service.serving import files
 from weightserve.service.serving.auth import Access
 from weightserve.service.serving.lease import StreamLease
 from weightserve.service.serving.state import ServiceState
-from weightserve.service.sources.local import Model, RepoFile
+from weightserve.service.sources.model import Model, RepoFile
 from weightserve.service.transports.http.common import OPERATION_KEY, AccessCheck, error_response
 from weightserve.service.transports.http.routes import get_and_head
 from weightserve.service.transports.http.streaming import ArrowStreamResponse

@@ -36,11 +36,11 @@ from weightserve.client.errors import (
     Unauthenticated,
     WeightserveError,
 )
+from weightserve.client.wire.errors import WireError
 from weightserve.service.serving import files
 from weightserve.service.serving.auth import Access
-from weightserve.service.serving.errors import wire_error
 from weightserve.service.serving.state import ServiceState
-from weightserve.service.sources.local import Model
+from weightserve.service.sources.model import Model
 from weightserve.service.transports.http.common import ERROR_KEY, OPERATION_KEY, AccessCheck
 from weightserve.service.transports.http.files import file_response
 from weightserve.service.transports.http.routes import get_and_head
@@ -65,7 +65,7 @@ _HUB_ERROR_CODES: dict[type[WeightserveError], str] = {
 def _hub_error(http: Request, exc: WeightserveError, commit: str | None = None) -> JSONResponse:
     """An error as the Hub sends it: JSON ``{"error": message}``, ``X-Error-Code`` when the
     Hub has one for it, ``X-Repo-Commit`` on a missing file (clients cache its absence)."""
-    error = wire_error(exc)  # the status and retry hint every transport gives it
+    error = WireError.from_exception(exc)  # the status and retry hint every transport gives it
     http.scope[ERROR_KEY] = error.type  # for CallMetrics
     message = error.message
     headers = {"x-error-message": message.encode("ascii", "replace").decode()[:500]}

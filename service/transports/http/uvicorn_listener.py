@@ -44,6 +44,9 @@ class UvicornListener:
             uvicorn.Config(
                 app,
                 log_level="warning",
+                # No logging setup of uvicorn's own: its records go through the process's
+                # handlers, JSON lines under `weightserve serve` (service/logs.py).
+                log_config=None,
                 lifespan="off",
                 access_log=False,
                 timeout_graceful_shutdown=int(grace_seconds),

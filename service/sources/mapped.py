@@ -11,6 +11,7 @@ import mmap
 import os
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -58,10 +59,17 @@ class MappedFile:
     """
 
     def __init__(
-        self, path: Path, stamp: FileStamp | None = None, digests: ChunkDigests | None = None
+        self,
+        path: Path,
+        stamp: FileStamp | None = None,
+        digests: ChunkDigests | None = None,
+        check_content: Callable[[FileStamp], None] | None = None,
     ) -> None:
         self.path = path
         self.stamp = stamp  # the file as it was indexed; another file under its name is refused
+        # Raises unless the file's bytes are what its source vouches for (a node cache's fill
+        # record): run once, before the first byte of this mapping is served or digested.
+        self._check_content = check_content
         self._lock = threading.Lock()
         self._file: BinaryIO | None = None
         self._map: mmap.mmap | None = None
@@ -102,6 +110,8 @@ class MappedFile:
                             "on its next request",
                             retry_after=RELOAD_RETRY_AFTER,  # clients retry by themselves
                         )
+                    if self._check_content is not None:
+                        self._check_content(found)
                     self.size = found.size
                     self._mapped_stamp, self._mapped_nlink = found, st.st_nlink
                     if self.size == 0:

@@ -147,7 +147,9 @@ class Model:
         with self._maps_lock:
             mf = self._maps.get(file)
             if mf is None:
-                mf = self._maps[file] = MappedFile(file, self.stamps.get(file))
+                mf = self._maps[file] = MappedFile(
+                    file, self.stamps.get(file), check_content=self.digests.content_check(file)
+                )
             return mf
 
     def pin(self, files: Iterable[Path]) -> None:

@@ -5,13 +5,18 @@ Layout under the cache directory::
 
     data/NAME                       each file under its origin name ('/'-separated)
     data/DIR/.BASE.partial-RANDOM   a file being fetched, renamed to NAME once verified
-    state/QUOTED-ID.json            per model: each whole file's version and size
+    state/QUOTED-ID.json            per model: each whole file's fill record
     lock                            held by the one process that owns the directory
 
 A file is visible under its name only once the origin verified it and it reached the disk
 (fsync, then rename); the state file names a file only after its rename, so a restart reuses
 exactly the files that are whole and removes everything else (partials, unrecorded files).
 One lock guards the bookkeeping; fetches run outside it, one fill per model at a time.
+
+A file's fill record is the truth about it: the origin's identity of it (size, version) and
+the content digest (xxh3-128) of the bytes verified when it was filled. The node reports
+that digest (ETags, revision, commit), never the bytes on its disk hashed again, and never
+serves a file whose bytes no longer match it (``CacheDigests``; docs/origins.md).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -27,7 +33,7 @@ import secrets
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
@@ -41,17 +47,24 @@ from weightserve.client.errors import (
     WeightserveError,
 )
 from weightserve.service.sources.layout import split_gguf_model
+from weightserve.service.sources.revisions import DigestStore, FileChanged, hash_file
+from weightserve.service.sources.stamps import FileStamp, file_stamp
 
 if TYPE_CHECKING:
     from weightserve.service.sources.origins import Origin, OriginFile
 
 log = logging.getLogger("weightserve.node_cache")
 
-STATE_FORMAT = 1
+# 2: each file's record holds its content digest and stamp. Files recorded by format 1
+# have no digest to be checked against, so they are filled again.
+STATE_FORMAT = 2
 PARTIAL_MARK = ".partial-"
 # How long a client refused for a full cache (every model in use) should wait: long enough
 # for a stream to end, short enough that a freed cache is used soon.
 FULL_RETRY_SECONDS = 5.0
+# How soon a client refused for a cached file found corrupt should try again: the next
+# request fills the file again from the origin.
+REFILL_RETRY_SECONDS = 0.5
 # Local disk errors: the cache, not the origin, is at fault, and the message says so.
 _DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 
@@ -97,6 +110,7 @@ class CacheStats:
     misses: int = 0  # ensure() filled the model or waited for a fill
     evictions: int = 0
     evicted_bytes: int = 0
+    corrupt_files: int = 0  # cached files found not to match their fill record (dropped)
     bytes_used: int = 0  # gauge, set by snapshot()
     models_cached: int = 0  # gauge, set by snapshot()
 
@@ -111,15 +125,27 @@ class FillProgress:
     started: float  # time.monotonic() at its start
 
 
+@dataclass(frozen=True)
+class FillRecord:
+    """One cached file as it was filled: the origin's identity of it (``size``, ``version``),
+    the xxh3-128 ``digest`` of the bytes verified then (what the node reports and serves),
+    and the file's ``stamp`` once in place (a file with another stamp is hashed again)."""
+
+    size: int
+    version: str
+    digest: str
+    stamp: FileStamp
+
+
 @dataclass
 class _ModelState:
-    files: dict[str, tuple[int, str]] = field(default_factory=dict)  # name -> (size, version)
+    files: dict[str, FillRecord] = field(default_factory=dict)  # by file name
     complete: bool = False  # every file of the model's last listing is among ``files``
     last_used: float = 0.0  # time.time(); the state file's mtime across restarts
 
     @property
     def size(self) -> int:
-        return sum(size for size, _ in self.files.values())
+        return sum(record.size for record in self.files.values())
 
 
 @dataclass
@@ -167,8 +193,13 @@ class NodeCache:
         self._states: dict[str, _ModelState] = {}
         self._fills: dict[str, _Fill] = {}
         self._holds: dict[str, int] = {}
+        # Why a model's file was dropped, until it is filled again (for a clear refusal).
+        self._corruptions: dict[str, str] = {}
+        # Files whose bytes this process hashed at this stamp (filled, or checked since).
+        self._verified: set[tuple[str, FileStamp]] = set()
         for directory in (self.data_dir, self._state_dir):
             directory.mkdir(parents=True, exist_ok=True)
+        self._data_real = self.data_dir.resolve()  # catalogs name files by resolved paths
         self._lock_file = _lock_directory(self.directory)
         self._load()
 
@@ -303,6 +334,160 @@ class NodeCache:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    # -- verification ------------------------------------------------------------------------
+
+    def check(self, model_id: str) -> None:
+        """Drop the model's cached files that no longer match their fill record (one ``stat``
+        each; a file whose stamp changed is hashed again), so its next use fills them again.
+        Nothing is checked while the model is being filled."""
+        with self._lock:
+            state = self._states.get(model_id)
+            if state is None or model_id in self._fills:
+                return
+            records = list(state.files.items())
+        for name, record in records:
+            self._verify(model_id, name, record)
+
+    def check_all(self) -> None:
+        """``check`` every cached model (a rescan)."""
+        with self._lock:
+            model_ids = list(self._states)
+        for model_id in model_ids:
+            self.check(model_id)
+
+    def corruption(self, model_id: str) -> str | None:
+        """Why a file of the model was dropped as corrupt, until the model is filled again."""
+        with self._lock:
+            return self._corruptions.get(model_id)
+
+    def recorded_digest(self, path: Path, stamp: FileStamp) -> str:
+        """The content digest a cached file was filled with, for the file as of ``stamp``.
+
+        The fill record answers, never the bytes on disk: a file whose stamp is not the
+        recorded one is hashed only to tell whether it still matches; one that does not is
+        dropped (ModelUnavailable, the client retries and the model is filled again).
+        FileChanged when ``path`` is no longer that file (the caller re-indexes).
+        """
+        model_id, name, record = self._recorded(path)
+        if record.stamp != stamp:
+            if not self._verify(model_id, name, record):
+                raise self._refusal(model_id)
+            model_id, name, record = self._recorded(path)
+            if record.stamp != stamp:
+                raise FileChanged(f"{path.name} changed since it was indexed")
+        return record.digest
+
+    def check_mapped(self, path: Path, stamp: FileStamp) -> None:
+        """Before a cached file's first bytes are served from a new mapping: its bytes must
+        hash to the fill record's digest (once per file version and process), so chunk
+        digests are only ever computed from verified bytes. ModelUnavailable if they do not
+        (the file is dropped and filled again on the next request)."""
+        try:
+            model_id, name, record = self._recorded(path)
+        except FileChanged as e:
+            raise ModelUnavailable(
+                f"{e}; the model reloads on its next request", retry_after=REFILL_RETRY_SECONDS
+            ) from None
+        with self._lock:
+            if (name, stamp) in self._verified and record.stamp == stamp:
+                return
+        if record.stamp != stamp:
+            if not self._verify(model_id, name, record):
+                raise self._refusal(model_id)
+            return
+        try:
+            digest = hash_file(path, stamp)
+        except (FileChanged, OSError) as e:
+            raise ModelUnavailable(
+                f"{path.name} changed since it was indexed ({e}); the model reloads on its "
+                "next request",
+                retry_after=REFILL_RETRY_SECONDS,
+            ) from None
+        if digest != record.digest:
+            self._drop_corrupt(model_id, name, record, f"xxh3-128 {digest}")
+            raise self._refusal(model_id)
+        with self._lock:
+            self._verified.add((name, stamp))
+
+    def _recorded(self, path: Path) -> tuple[str, str, FillRecord]:
+        """(model id, file name, fill record) of a file under the data directory."""
+        try:
+            name = path.relative_to(self._data_real).as_posix()
+        except ValueError:
+            name = path.relative_to(self.data_dir).as_posix()
+        with self._lock:
+            for model_id, state in self._states.items():
+                record = state.files.get(name)
+                if record is not None:
+                    return model_id, name, record
+        raise FileChanged(f"{path.name} is no longer a whole file of the node cache")
+
+    def _refusal(self, model_id: str) -> ModelUnavailable:
+        reason = self.corruption(model_id) or "a file of it no longer matches its fill record"
+        return ModelUnavailable(
+            f"model {model_id!r}: {reason}; it is filled again from the origin on its next request",
+            retry_after=REFILL_RETRY_SECONDS,
+        )
+
+    def _verify(self, model_id: str, name: str, record: FillRecord) -> bool:
+        """Whether a cached file still is what its record says: one ``stat`` while its stamp
+        is the recorded one, else its bytes hashed again (a match is recorded with the new
+        stamp). A file that does not match is dropped, logged and counted."""
+        path = self.data_dir / name
+        try:
+            stamp = file_stamp(path.stat())
+        except OSError:
+            self._drop(model_id, name, record)  # gone: filled again, nothing was served
+            return False
+        if stamp == record.stamp:
+            return True
+        if stamp.size != record.size:
+            found = f"{stamp.size} bytes"
+        else:
+            try:
+                digest = hash_file(path, stamp)
+            except (FileChanged, OSError) as e:
+                found = f"a file changing while it was read ({e})"
+            else:
+                if digest == record.digest:
+                    with self._lock:
+                        state = self._states.get(model_id)
+                        if state is not None and state.files.get(name) is record:
+                            state.files[name] = replace(record, stamp=stamp)
+                            self._save(model_id)
+                        self._verified.add((name, stamp))
+                    return True
+                found = f"xxh3-128 {digest}"
+        self._drop_corrupt(model_id, name, record, found)
+        return False
+
+    def _drop_corrupt(self, model_id: str, name: str, record: FillRecord, found: str) -> None:
+        message = (
+            f"{name} in the node cache does not match what was filled from "
+            f"{self.origin.description} (expected {record.size} bytes with xxh3-128 "
+            f"{record.digest}, found {found})"
+        )
+        if self._drop(model_id, name, record, message):
+            log.warning("%s; it is not served and is filled again", message)
+
+    def _drop(
+        self, model_id: str, name: str, record: FillRecord, corruption: str | None = None
+    ) -> bool:
+        """Forget one file of the model and remove it (the model is no longer whole); False
+        when it was refilled or dropped meanwhile."""
+        with self._lock:
+            state = self._states.get(model_id)
+            if state is None or state.files.get(name) is not record:
+                return False
+            del state.files[name]
+            state.complete = False
+            self._save(model_id)
+            self._remove_data(name)
+            if corruption is not None:
+                self.stats.corrupt_files += 1
+                self._corruptions[model_id] = corruption
+            return True
+
     # -- filling -----------------------------------------------------------------------------
 
     def _list_origin(self) -> list[OriginFile]:
@@ -329,7 +514,8 @@ class NodeCache:
         recorded = state.files if state is not None else {}
         stale = []
         for file in files:
-            if recorded.get(file.name) != (file.size, file.version):
+            record = recorded.get(file.name)
+            if record is None or (record.size, record.version) != (file.size, file.version):
                 stale.append(file)
                 continue
             try:
@@ -390,7 +576,7 @@ class NodeCache:
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             try:
-                self.origin.fetch(
+                digest = self.origin.fetch(
                     file,
                     partial,
                     concurrency=self.concurrency,
@@ -407,6 +593,8 @@ class NodeCache:
                     f"{self.origin.description}: {file.name} arrived with {size} bytes where "
                     f"the listing said {file.size}; the object may be changing, try again"
                 )
+            if digest is None:  # the origin did not hash what it wrote: the record needs it
+                digest = hash_file(partial, file_stamp(partial.stat()))
             _fsync(partial)
             with self._lock:
                 state = self._states[model_id]
@@ -417,7 +605,9 @@ class NodeCache:
                     state.complete = False
                     self._save(model_id)
                 os.replace(partial, target)
-                state.files[file.name] = (file.size, file.version)
+                stamp = file_stamp(target.stat())
+                state.files[file.name] = FillRecord(file.size, file.version, digest, stamp)
+                self._verified.add((file.name, stamp))
                 fill.remaining -= file.size
                 self._save(model_id)
         except WeightserveError:
@@ -441,6 +631,7 @@ class NodeCache:
     def _finish(self, model_id: str, files: list[OriginFile]) -> None:
         with self._lock:
             self._record_whole(model_id, files)
+            self._corruptions.pop(model_id, None)
 
     def _record_whole(self, model_id: str, files: list[OriginFile]) -> None:
         """Record the model whole (under the lock); drop files its listing no longer has."""
@@ -535,8 +726,13 @@ class NodeCache:
             "model": model_id,
             "complete": state.complete,
             "files": {
-                name: {"size": size, "version": version}
-                for name, (size, version) in sorted(state.files.items())
+                name: {
+                    "size": record.size,
+                    "version": record.version,
+                    "digest": record.digest,
+                    "stamp": list(record.stamp),
+                }
+                for name, record in sorted(state.files.items())
             },
         }
         path = self._state_path(model_id)
@@ -548,35 +744,42 @@ class NodeCache:
         os.replace(temporary, path)
 
     def _load(self) -> None:
-        """Read the state files; remove partials and files no whole model records."""
+        """Read the state files; drop files that no longer match their fill record (a stat
+        each; one whose stamp changed is hashed again); remove partials and files no whole
+        model records."""
         for path in sorted(self._state_dir.iterdir()):
             if PARTIAL_MARK in path.name or path.suffix != ".json":
                 path.unlink(missing_ok=True)
                 continue
             try:
                 document = json.loads(path.read_text(encoding="utf-8"))
-                if document.get("format") != STATE_FORMAT:
-                    raise ValueError(f"unknown format {document.get('format')!r}")
                 model_id = _checked_name(document["model"], "model id")
-                files = {
-                    _checked_name(name, "file name"): (int(entry["size"]), str(entry["version"]))
-                    for name, entry in document["files"].items()
-                }
-                complete = bool(document["complete"])
+                if document.get("format") == 1:
+                    # No digest to check the files against: they are filled again.
+                    log.info("node cache state %s has no fill digests; refilling", path)
+                    files: dict[str, FillRecord] = {}
+                elif document.get("format") != STATE_FORMAT:
+                    raise ValueError(f"unknown format {document.get('format')!r}")
+                else:
+                    files = {
+                        _checked_name(name, "file name"): FillRecord(
+                            int(entry["size"]),
+                            str(entry["version"]),
+                            str(entry["digest"]),
+                            FileStamp(*(int(n) for n in entry["stamp"])),
+                        )
+                        for name, entry in document["files"].items()
+                    }
+                complete = bool(document["complete"]) and bool(files)
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
                 log.warning("ignoring unreadable node cache state %s: %s", path, e)
                 path.unlink(missing_ok=True)
                 continue
-            state = _ModelState(files, complete, last_used=path.stat().st_mtime)
-            for name, (size, _) in list(files.items()):
-                try:
-                    whole = (self.data_dir / name).stat().st_size == size
-                except OSError:
-                    whole = False
-                if not whole:
-                    del state.files[name]
-                    state.complete = False
-            self._states[model_id] = state
+            self._states[model_id] = _ModelState(
+                dict(files), complete, last_used=path.stat().st_mtime
+            )
+            for name, record in files.items():
+                self._verify(model_id, name, record)
         recorded = {name for state in self._states.values() for name in state.files}
         for root, _, names in os.walk(self.data_dir):
             for name in names:
@@ -584,6 +787,23 @@ class NodeCache:
                 if path.relative_to(self.data_dir).as_posix() not in recorded:
                     log.info("removing %s from the node cache: no whole model records it", path)
                     self._remove_data(path.relative_to(self.data_dir).as_posix())
+
+
+class CacheDigests(DigestStore):
+    """The content digests a catalog of the cache's data directory reports: the fill
+    records' (``NodeCache.recorded_digest``), so every node caching the same origin content
+    reports the origin's ETags, revision and commit; and each new mapping of a cached file is
+    checked against them before its first byte is served (``NodeCache.check_mapped``)."""
+
+    def __init__(self, cache: NodeCache) -> None:
+        super().__init__()
+        self.cache = cache
+
+    def digest(self, path: Path, stamp: FileStamp) -> str:
+        return self.cache.recorded_digest(path, stamp)
+
+    def content_check(self, path: Path) -> Callable[[FileStamp], None] | None:
+        return functools.partial(self.cache.check_mapped, path)
 
 
 def _belongs(model_id: str, name: str) -> bool:

@@ -42,7 +42,7 @@ from weightserve.service.sources.layout import (
 )
 from weightserve.service.sources.local import Catalog
 from weightserve.service.sources.model import Model
-from weightserve.service.sources.node_cache import CacheStats, NodeCache
+from weightserve.service.sources.node_cache import CacheDigests, CacheStats, NodeCache
 from weightserve.service.sources.origins import Origin, OriginFile
 from weightserve.service.sources.revisions import DigestStore
 
@@ -125,7 +125,13 @@ def default_cache_size(cache_dir: Any) -> int:
 class OriginCatalog:
     """The models of ``cache.origin``, a ``ModelSource``: cached ones indexed from
     ``cache.data_dir`` by a local catalog of the cache (``local``, which serves only whole
-    models), the others filled on their first request."""
+    models), the others filled on their first request.
+
+    Cached files are what their fill records say (``CacheDigests``): the revisions, commits
+    and ETags reported are the records' digests, and a file that no longer matches its record
+    is dropped (at each request and rescan, and before a new mapping is served) and filled
+    again. ``digests`` is not used for the cache's files, which need no other store.
+    """
 
     fills_on_request = True
     watch_files = False  # the cache changes only by its own fills and evictions
@@ -150,7 +156,7 @@ class OriginCatalog:
         self.local = Catalog(
             cache.data_dir,
             recheck_seconds=recheck_seconds,
-            digests=digests,
+            digests=CacheDigests(cache),
             whole_models=cache.cached_models,
         )
 
@@ -218,6 +224,7 @@ class OriginCatalog:
         """List the origin again, then index the cache. An origin that cannot be listed keeps
         the last listing (cached models are served all the same) and is logged."""
         self._list_origin()
+        self.cache.check_all()
         self.local.scan()
 
     def _list_origin(self) -> None:
@@ -261,7 +268,14 @@ class OriginCatalog:
         validate_model_id(model_id)
         base = base_model_id(model_id)
         remote = self.remote.get(base)
+        self.cache.check(base)  # a file found corrupt is dropped here, and filled again below
         cached = base in self.cache.cached_models()
+        corruption = None if cached else self.cache.corruption(base)
+        if corruption is not None and self.origin_error is not None:
+            raise ModelUnavailable(
+                f"model {model_id!r} is refused: {corruption}, and the origin cannot be "
+                f"listed to fill it again: {self.origin_error}"
+            )
         if not cached and self.origin_error is not None:
             # Not tried again per request: the rescan lists the origin again.
             raise OriginUnavailable(

@@ -97,7 +97,10 @@ class Origin(Protocol):
         concurrency: int = DEFAULT_CONCURRENCY,
         part_bytes: int = DEFAULT_PART_BYTES,
         on_bytes: Callable[[int], None] | None = None,
-    ) -> None: ...
+    ) -> str | None:
+        """Write ``file``'s bytes to ``dest``; the xxh3-128 (hex) of what was written where the
+        origin computed it anyway, else None (the node cache hashes the file itself)."""
+        ...
 
 
 class _Retryable(Exception):
@@ -453,7 +456,7 @@ class UpstreamOrigin:
         concurrency: int = DEFAULT_CONCURRENCY,
         part_bytes: int = DEFAULT_PART_BYTES,
         on_bytes: Callable[[int], None] | None = None,
-    ) -> None:
+    ) -> str:
         model, name = self._split(file.name)
 
         def receive(fd: int, offset: int, length: int) -> None:
@@ -500,6 +503,7 @@ class UpstreamOrigin:
                 f"origin {self.description}: {file.name} arrived with digest {digest}, not the "
                 f"listed {file.version}; list it again"
             )
+        return digest
 
     def close(self) -> None:
         self.transport.close()

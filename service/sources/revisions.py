@@ -20,7 +20,7 @@ import mmap
 import os
 import sqlite3
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import xxhash
@@ -141,6 +141,12 @@ class DigestStore:
         with self._lock:
             self._remember(stamp, digest)
         return digest
+
+    def content_check(self, path: Path) -> Callable[[FileStamp], None] | None:
+        """What a new mapping of ``path`` must pass, given the file's stamp as mapped, before
+        its first byte is served; None: nothing (a local root's files are what they are; a
+        node cache checks its files against their fill records)."""
+        return None
 
 
 def content_revision(files: Iterable[tuple[str, int, str]]) -> str:

@@ -158,6 +158,7 @@ def _configured_server(args: argparse.Namespace) -> WeightServer:
         uds=args.uds,
         uds_mode=args.uds_mode,
         uds_uids=args.uds_uids or (),
+        handoff_snapshot_bytes=args.handoff_snapshot_bytes,
     )
     check_listeners(config)  # before the scan: a taken port is the only line on stderr
     server = WeightServer(config)

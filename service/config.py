@@ -63,12 +63,17 @@ class Setting:
         return str(self.default)
 
 
-def byte_size(text: str) -> int:
-    """A number of bytes, optionally with a unit: 500GiB, 64MiB, 2TB."""
+def byte_budget(text: str) -> int:
+    """A number of bytes, optionally with a unit: 500GiB, 64MiB, 2TB; 0: none."""
     try:
-        value = parse_size(text)
+        return parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def byte_size(text: str) -> int:
+    """A number of bytes as ``byte_budget`` takes it, at least 1."""
+    value = byte_budget(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
     return value
@@ -140,6 +145,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("--uds-uids", "WEIGHTSERVE_UDS_UIDS", None,
             "only these user ids (comma-separated; checked with SO_PEERCRED) get file "
             "descriptors on the handoff socket", user_ids, "any"),
+    Setting("--handoff-snapshot-bytes", "WEIGHTSERVE_HANDOFF_SNAPSHOT_BYTES", None,
+            "memory for the sealed snapshots the handoff maps (a loaded model never changes "
+            "when its files are written later), e.g. 8GiB; files beyond it are copied by the "
+            "client; 0: none", byte_budget, "a quarter of the memory the server may use"),
     Setting("--grace", "WEIGHTSERVE_GRACE_SECONDS", 30.0,
             "seconds open streams get to finish on shutdown", non_negative_seconds, "30 s"),
     Setting("--max-streams", "WEIGHTSERVE_MAX_STREAMS", Limits.max_streams,

@@ -84,6 +84,9 @@ class ServerConfig:
     # Who may connect is decided by who can reach the directory.
     uds_mode: int = default_of("uds_mode")
     uds_uids: tuple[int, ...] = ()  # if given, only these user ids get descriptors
+    # Memory for the handoff's sealed snapshots (service/sources/snapshots.py); None: a
+    # quarter of what the server may use, 0: none (clients copy).
+    handoff_snapshot_bytes: int | None = None
 
 
 def is_origin_uri(root: str) -> bool:
@@ -210,6 +213,7 @@ def _origin_catalog(config: ServerConfig, digests: DigestStore | None) -> Origin
             concurrency=config.fill_concurrency,
             part_bytes=config.fill_part_size,
             pins=config.pins,
+            watch=config.watch,
         )
     except OSError as e:
         raise StartupError(
@@ -383,7 +387,9 @@ class WeightServer:
         planned.append(self._grpc)
         if paths is not None:
             uids = frozenset(c.uds_uids) if c.uds_uids else None
-            self._handoff_listener = HandoffListener(paths["handoff"], self.state, c.uds_mode, uids)
+            self._handoff_listener = HandoffListener(
+                paths["handoff"], self.state, c.uds_mode, uids, c.handoff_snapshot_bytes
+            )
             planned.append(self._handoff_listener)
         return planned
 

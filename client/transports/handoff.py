@@ -1,24 +1,31 @@
 """The client end of the same-node zero-copy handoff (server: service/transports/handoff.py).
 
-The server passes its open descriptors of the checkpoint files; this side maps each file
-read-only once and hands out NumPy views of the tensors' byte ranges. Every process on the node
-reads the same page-cache pages; no tensor byte goes through a socket. The arrays are flagged
-read-only (they are the node's shared file pages). The files are mapped private (copy on
-write), so an engine that insists on writable memory (MAX's ``Buffer.from_dlpack`` copies a
-read-only array, torch warns) can be given ``writable_alias(array)`` instead of a copy: a
-write then changes a private copy of that one page, never the file or another process's view.
+The server passes descriptors; this side maps each one read-only once and hands out NumPy
+views of the tensors' byte ranges, so every process on the node reads one copy in memory and
+no tensor byte goes through a socket. What a load returns never changes afterwards: a
+descriptor is mapped only when its bytes cannot change, a memfd sealed against writes,
+shrinking and growing (checked here, ``F_GET_SEALS``) or a file the server marks as its own
+(the node cache's, written once and replaced only by rename). Any other descriptor (a file of
+the model root, or from an older server) is not mapped: its ranges are copied out (``pread``,
+so a truncation ends the read instead of faulting) and every chunk of the copy is verified.
+
+The arrays of mapped descriptors are flagged read-only (they are the node's shared pages).
+The mappings are private (copy on write), so an engine that insists on writable memory
+(MAX's ``Buffer.from_dlpack`` copies a read-only array, torch warns) can be given
+``writable_alias(array)`` instead of a copy: a write then changes a private copy of that one
+page, never the shared bytes or another process's view.
 
 Before the arrays are handed out, the bytes are checked as a stream's are (chunk digests, as
-``verify`` says) and the file is checked to be the version the server described (size and
-modification time, read through the descriptor): a file written in place meanwhile fails the
-handoff with ``ModelUnavailable`` (the caller tries again and gets the new revision), a file
-renamed over is never seen (the descriptor holds the old inode).
+``verify`` says) and a descriptor that is not sealed is checked to be the version the server
+described (size and modification time): a file written in place meanwhile fails the handoff
+with ``ModelUnavailable`` (the caller tries again and gets the new revision).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -31,9 +38,17 @@ from typing import Any
 import numpy as np
 
 from weightserve.client.errors import ModelUnavailable, TransportError, WeightserveError
-from weightserve.client.receive.stream import ReceivedTensor, chunk_checker, verify_policy
+from weightserve.client.receive.stream import (
+    ReceivedTensor,
+    aligned_empty,
+    chunk_checker,
+    verify_policy,
+)
 from weightserve.client.transports.base import wire_error_from_json
 from weightserve.client.wire.handoff import (
+    FILE_COPY,
+    FILE_OWNED,
+    FILE_SEALED,
     HandoffProtocolError,
     encode_frame,
     read_fds,
@@ -46,6 +61,12 @@ log = logging.getLogger("weightserve.client")
 # Linux 5.14+: fault the range's page-cache pages into the page table in one call (no copy).
 _MADV_POPULATE_READ = 22
 _PAGE = mmap.PAGESIZE
+# The memfd seals that make bytes immutable (Linux); elsewhere nothing counts as sealed.
+_IMMUTABLE_SEALS = (
+    getattr(fcntl, "F_SEAL_WRITE", 0)
+    | getattr(fcntl, "F_SEAL_SHRINK", 0)
+    | getattr(fcntl, "F_SEAL_GROW", 0)
+)
 RELOAD_WAIT = 0.5  # seconds before asking again after a file changed under a handoff
 
 
@@ -105,13 +126,26 @@ def _populate(m: mmap.mmap, start: int, length: int) -> None:
         m.madvise(mmap.MADV_WILLNEED, aligned, length + start - aligned)  # older kernels
 
 
+@dataclass(frozen=True)
+class HandedFile:
+    """One descriptor a handoff passed: how its bytes were taken (``sealed`` or ``owned``:
+    mapped; ``copy``: copied out) and its identity (st_dev, st_ino), the same in every
+    process given the same snapshot."""
+
+    name: str
+    kind: str
+    identity: tuple[int, int]
+
+
 @dataclass
 class Handoff:
-    """What one handoff gave: tensors as read-only views, and the names to copy instead."""
+    """What one handoff gave: tensors (read-only views, or copies), the descriptors they came
+    from, and the names to fetch over a stream instead."""
 
     revision: str
     tensors: dict[str, ReceivedTensor] = field(default_factory=dict)
     copy: list[str] = field(default_factory=list)
+    files: list[HandedFile] = field(default_factory=list)
     nbytes: int = 0
 
 
@@ -167,7 +201,11 @@ class HandoffClient:
         """Tensors of ``model`` by names or prefix (a shard along an axis whose part is one
         byte range comes as a view too), verified as ``verify`` says."""
         verify = verify_policy(verify)  # a wrong value fails before any connection
-        request: dict[str, Any] = {"op": "open", "model": model, "revision": revision}
+        # can_copy: descriptors that are neither sealed nor the server's own are copied out
+        # here; without it (older clients) the server sends such tensors over a stream.
+        request: dict[str, Any] = {
+            "op": "open", "model": model, "revision": revision, "can_copy": True,
+        }  # fmt: skip
         if names is not None:
             request["names"] = list(names)
         else:
@@ -210,21 +248,56 @@ def _raise_if_error(answer: dict[str, Any], path: str) -> None:
     raise found.exception()
 
 
+def _sealed(fd: int) -> bool:
+    """Whether ``fd`` is a memfd sealed against writes, shrinking and growing: its bytes can
+    never change, whoever holds it."""
+    if not _IMMUTABLE_SEALS:
+        return False
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:  # not a memfd (EINVAL)
+        return False
+    return seals & _IMMUTABLE_SEALS == _IMMUTABLE_SEALS
+
+
+def _copy_range(fd: int, buffer: np.ndarray, offset: int, name: str) -> None:
+    """Read ``buffer``'s length from ``fd`` at ``offset`` (``pread``: a truncated file ends
+    the read short instead of faulting, as a mapping would)."""
+    view, done = buffer.data, 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise ModelUnavailable(
+                f"{name} was truncated during the handoff; the model reloads on its next request",
+                retry_after=RELOAD_WAIT,
+            )
+        done += n
+
+
 def _map_and_check(answer: dict[str, Any], fds: list[int], verify: str) -> Handoff:
     files = answer["files"]
-    maps: list[mmap.mmap] = []
+    maps: list[mmap.mmap | None] = []  # None: the file's ranges are copied
+    out = Handoff(answer["revision"], copy=list(answer.get("copy", [])))
     for fd, f in zip(fds, files, strict=True):
-        if os.fstat(fd).st_size < f["size"]:
+        st = os.fstat(fd)
+        if st.st_size < f["size"]:
             raise ModelUnavailable(
                 f"{f['name']} was truncated; the model reloads on its next request",
                 retry_after=RELOAD_WAIT,
             )
-        # Private: reads share the page cache, a write (by an engine given writable_alias)
-        # copies that page for this process alone.
+        kind = (
+            FILE_SEALED if _sealed(fd) else FILE_OWNED if f.get("kind") == FILE_OWNED else FILE_COPY
+        )
+        out.files.append(HandedFile(f["name"], kind, (st.st_dev, st.st_ino)))
+        if kind == FILE_COPY:
+            maps.append(None)
+            continue
+        # Private: reads share the node's one copy, a write (by an engine given
+        # writable_alias) copies that page for this process alone.
         m = mmap.mmap(fd, f["size"], access=mmap.ACCESS_COPY)
         _register(m, f["size"])
         maps.append(m)
-    out = Handoff(answer["revision"], copy=list(answer.get("copy", [])))
+    copied: list[tuple[dict[str, Any], np.ndarray]] = []
     try:
         for t in answer["tensors"]:
             total = t["nbytes"]
@@ -235,8 +308,11 @@ def _map_and_check(answer: dict[str, Any], fds: list[int], verify: str) -> Hando
             if t["file"] is None:
                 buffer = np.empty(0, dtype=np.uint8)
                 buffer.flags.writeable = False
+            elif (m := maps[t["file"]]) is None:
+                buffer = aligned_empty(total)
+                _copy_range(fds[t["file"]], buffer, t["offset"], files[t["file"]]["name"])
+                copied.append((t, buffer))
             else:
-                m = maps[t["file"]]
                 _populate(m, t["offset"], total)
                 buffer = np.frombuffer(m, dtype=np.uint8, count=total, offset=t["offset"])
                 buffer.flags.writeable = False
@@ -247,7 +323,10 @@ def _map_and_check(answer: dict[str, Any], fds: list[int], verify: str) -> Hando
             out.nbytes += total
         # After reading: a write in place changes the modification time before it changes
         # bytes, so unchanged times mean the bytes read (and hashed) are of this version.
-        for fd, f in zip(fds, files, strict=True):
+        # A sealed memfd cannot change at all.
+        for fd, f, handed in zip(fds, files, out.files, strict=True):
+            if handed.kind == FILE_SEALED:
+                continue
             st = os.fstat(fd)
             if [st.st_size, st.st_mtime_ns] != f["stamp"]:
                 raise ModelUnavailable(
@@ -255,6 +334,9 @@ def _map_and_check(answer: dict[str, Any], fds: list[int], verify: str) -> Hando
                     "on its next request",
                     retry_after=RELOAD_WAIT,
                 )
+        # Copies are checked whole whatever ``verify`` says: nothing guarantees their source.
+        for t, buffer in copied:
+            _check_digests(t, buffer, "full")
     except WeightserveError:
         out.tensors.clear()  # drop the views so the mappings can go
         raise

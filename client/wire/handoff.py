@@ -2,7 +2,7 @@
 
 Each frame is a 4-byte big-endian length and that many bytes of a UTF-8 JSON object.
 Descriptors (SCM_RIGHTS) ride on the bytes of an answer frame; the full protocol is in
-docs/protocol.md ("Same-node handoff").
+docs/protocol.md ("Same-node socket and zero-copy handoff").
 """
 
 from __future__ import annotations
@@ -18,6 +18,12 @@ FDS_PER_MESSAGE = 250
 # MB at most; a corrupt length prefix must not make either side allocate gigabytes.
 MAX_FRAME_BYTES = 64 << 20
 _LENGTH = struct.Struct(">I")
+
+# How the client takes a passed file's bytes (its "kind" in the answer): a completed load
+# must never change, so only bytes that cannot change are mapped.
+FILE_SEALED = "sealed"  # a memfd snapshot sealed against write, shrink and grow: mapped
+FILE_OWNED = "owned"  # a file the server wrote and never rewrites (the node cache's): mapped
+FILE_COPY = "copy"  # anything else: the client copies the ranges out and verifies them
 
 
 class HandoffProtocolError(ConnectionError):

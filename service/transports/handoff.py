@@ -1,23 +1,26 @@
-"""The same-node zero-copy handoff: checkpoint file descriptors over a Unix domain socket.
+"""The same-node zero-copy handoff: descriptors of immutable bytes over a Unix domain socket.
 
 A client on the same node asks for tensors as it would for a stream; instead of bytes it gets
-the server's open descriptors of the files that hold them (SCM_RIGHTS), with each tensor's
-file, offset, length and chunk digests. The client maps the files read-only, so every process
-on the node reads the one page-cache copy the server reads, and a load copies nothing through
-a socket. The wire (one connection, any number of requests, each frame a 4-byte big-endian
-length and a JSON object) is documented in docs/protocol.md ("Same-node handoff").
+descriptors (SCM_RIGHTS) of files that hold them, with each tensor's file, offset, length and
+chunk digests. The client maps them read-only, so every process on the node reads one copy in
+memory, and a load copies nothing through a socket. The wire (one connection, any number of
+requests, each frame a 4-byte big-endian length and a JSON object) is documented in
+docs/protocol.md ("Same-node socket and zero-copy handoff").
+
+A completed load never changes, whatever is written to the root later. So a descriptor is
+handed out for mapping only where its bytes cannot change: a file the source owns (the node
+cache writes its files once and replaces them by rename), or a sealed snapshot of the file
+version (``service/sources/snapshots.py``), made once and shared by every handoff of that
+version. Anything else (no room in the snapshot budget, no memfd seals) is marked ``copy``:
+the client copies those ranges out of the descriptor, verifies them and maps nothing.
 
 What the server checks is what every transport checks: the token and its model grants (a
 descriptor opens a whole file, so only files of models the token may read are handed out), the
 stream limits (a handoff holds a stream slot until the client says it has verified the bytes),
 the revision a request pins, and the file being the version indexed. The peer's credentials
 (SO_PEERCRED) name the client for per-client limits and logs, and may be limited to a set of
-user ids.
-
-Descriptors point at the inode the server indexed: a file renamed over later is never seen
-through them, and a request after the rename gets the new file and the new revision. While the
-client verifies, the server holds its read lease on the files (``MappedFile.hold``), so an
-in-place writer waits.
+user ids. While the client verifies (or copies), the server holds its read lease on the files
+(``MappedFile.hold``), so an in-place writer waits.
 """
 
 from __future__ import annotations
@@ -29,13 +32,22 @@ import socket
 import socketserver
 import struct
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from weightserve.client.errors import InvalidRequest, PermissionDenied, WeightserveError
+from weightserve.client.errors import (
+    InvalidRequest,
+    ModelUnavailable,
+    PermissionDenied,
+    WeightserveError,
+)
 from weightserve.client.wire.errors import WireError
 from weightserve.client.wire.handoff import (
     FDS_PER_MESSAGE,
+    FILE_COPY,
+    FILE_OWNED,
+    FILE_SEALED,
     MAX_FRAME_BYTES,
     HandoffProtocolError,
     encode_frame,
@@ -46,8 +58,11 @@ from weightserve.service.serving.auth import authorize
 from weightserve.service.serving.lease import StreamLease
 from weightserve.service.serving.request import from_handoff
 from weightserve.service.serving.state import ServiceState
-from weightserve.service.serving.streams import plan_stream, stream_chunks
+from weightserve.service.serving.streams import PlannedTensor, plan_stream, stream_chunks
 from weightserve.service.serving.views import server_version
+from weightserve.service.sources.mapped import RELOAD_RETRY_AFTER
+from weightserve.service.sources.model import Model
+from weightserve.service.sources.snapshots import Snapshot, SnapshotStore, default_snapshot_bytes
 from weightserve.service.transports.listener import StartupError, claim_socket_path
 
 log = logging.getLogger("weightserve.handoff")
@@ -99,6 +114,17 @@ class _Handler(socketserver.BaseRequestHandler):
                 _send(sock, _error(InvalidRequest(f"unknown handoff operation {op!r}")))
 
 
+@dataclass(frozen=True)
+class _FileSource:
+    """What a handoff passes for one file: how the client takes its bytes (``FILE_*``), the
+    descriptor, and its (size, mtime in ns) as passed."""
+
+    kind: str
+    fd: int
+    stamp: tuple[int, int]
+    snapshot: Snapshot | None = None
+
+
 def _error(e: WeightserveError) -> dict[str, Any]:
     return {"error": WireError.from_exception(e).to_json()}
 
@@ -134,11 +160,15 @@ class HandoffServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         instance: str,
         mode: int = 0o666,
         allowed_uids: frozenset[int] | None = None,
+        snapshot_bytes: int | None = None,
     ) -> None:
         self.path = Path(path)
         self.state = state
         self.instance = instance
         self.allowed_uids = allowed_uids
+        self.snapshots = SnapshotStore(
+            default_snapshot_bytes() if snapshot_bytes is None else snapshot_bytes
+        )
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
         super().__init__(str(self.path), _Handler)
@@ -155,6 +185,7 @@ class HandoffServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     def stop(self) -> None:
         self.shutdown()
         self.server_close()
+        self.snapshots.close()
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
 
@@ -164,15 +195,16 @@ class HandoffServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     def serve_open(self, sock: socket.socket, message: dict[str, Any], peer: str) -> bool:
         """One handoff: plan, take a slot and the files' leases, send the descriptors, hold
         the slot until the client says it verified the bytes. False: the client went away."""
+        held: list[Snapshot] = []  # snapshots whose descriptors this answer passes
         try:
             with StreamLease(self.state, "handoff") as lease:
-                frame, fds, nbytes = self._answer(lease, message, peer)
+                frame, fds, nbytes = self._answer(lease, message, peer, held)
                 try:
                     _send_with_fds(sock, frame, fds)
                 except OSError:
                     return False  # the client went away: counted as cancelled
-                # The client maps and checks the bytes now; the leases make an in-place
-                # writer wait until it is done.
+                # The client maps (or copies) and checks the bytes now; the leases make an
+                # in-place writer wait until it is done.
                 sock.settimeout(VERIFY_TIMEOUT)
                 try:
                     done = read_frame(sock)
@@ -186,13 +218,16 @@ class HandoffServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         except WeightserveError as e:
             _send(sock, _error(e))
             return True
+        finally:
+            for snapshot in held:
+                self.snapshots.release(snapshot)
         return done is not None
 
     def _answer(
-        self, lease: StreamLease, message: dict[str, Any], peer: str
+        self, lease: StreamLease, message: dict[str, Any], peer: str, held: list[Snapshot]
     ) -> tuple[bytes, list[int], int]:
         """The answer frame, the descriptors it carries and the bytes they hand out; the
-        lease holds the slot and the files from here on."""
+        lease holds the slot and the files from here on, ``held`` the snapshots passed."""
         state = self.state
         token = message.get("token")
         access = authorize(state.tokens, f"Bearer {token}" if token else None)
@@ -202,17 +237,22 @@ class HandoffServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         model = state.readable_model(access, model_id)
         request = from_handoff(message)
         planned = plan_stream(model, request, state.limits.max_names)
-        in_files = [p for p in planned if p.byte_offset is not None]
+        in_files = [p for p in planned if p.byte_offset is not None and p.nbytes]
         # Empty tensors need no file (an empty file has no mapping to pass on).
-        files = list(dict.fromkeys(p.entry.file for p in in_files if p.nbytes))
-        lease.admit(model, set(files), access.client_key(peer))
+        needed = list(dict.fromkeys(p.entry.file for p in in_files))
+        lease.admit(model, set(needed), access.client_key(peer))
+        can_copy = message.get("can_copy") is True
+        sources = {f: self._source(model, f, can_copy, held) for f in needed}
+        files = [f for f in needed if sources[f] is not None]
         index = {f: i for i, f in enumerate(files)}
         tensors = []
         nbytes = 0
-        for p in in_files:
-            # The stream's own chunking and digests: computed once per mapping and shared
-            # with every HTTP, gRPC and handoff client of the same bytes.
-            digests = [h.digest for h, _ in stream_chunks(model, [p], DEFAULT_CHUNK_BYTES)]
+        for p in planned:
+            if p.byte_offset is None:
+                continue
+            source = sources.get(p.entry.file) if p.nbytes else None
+            if p.nbytes and source is None:
+                continue  # streamed instead (listed under "copy")
             tensors.append(
                 {
                     "name": p.entry.name,
@@ -220,26 +260,36 @@ class HandoffServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
                     "shape": list(p.shape),
                     "logical_shape": list(p.logical_shape),
                     "encoding": p.encoding,
-                    "file": index[p.entry.file] if p.nbytes else None,
+                    "file": index[p.entry.file] if source is not None else None,
                     "offset": p.byte_offset,
                     "nbytes": p.nbytes,
                     "chunk_bytes": DEFAULT_CHUNK_BYTES,
-                    "digests": digests,
+                    "digests": self._digests(model, p, source),
                 }
             )
             nbytes += p.nbytes
-        mapped = [model.mapped(f) for f in files]
         answer = {
             "model": model.id,
             "revision": model.revision,
             "files": [
-                {"name": f.name, "size": m.size, "stamp": list(m.content_stamp())}
-                for f, m in zip(files, mapped, strict=True)
-            ],
+                {
+                    "name": f.name,
+                    "size": model.mapped(f).size,
+                    "kind": source.kind,
+                    "stamp": list(source.stamp),
+                }
+                for f in files
+                if (source := sources[f]) is not None
+            ],  # fmt: skip
             "tensors": tensors,
-            # Gathered on the way out (strided sources, inner-axis shards): not a byte
-            # range of a file, so the client fetches these over a copying transport.
-            "copy": [p.entry.name for p in planned if p.byte_offset is None],
+            # Gathered on the way out (strided sources, inner-axis shards), or in a file an
+            # older client would map although it may change: the client fetches these over
+            # a copying transport.
+            "copy": [
+                p.entry.name
+                for p in planned
+                if p.byte_offset is None or (p.nbytes and sources[p.entry.file] is None)
+            ],
         }
         frame = encode_frame(answer)
         if len(frame) > MAX_FRAME_BYTES:
@@ -247,7 +297,49 @@ class HandoffServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
                 f"the handoff answer for {len(planned)} tensors is too large; ask for "
                 "fewer tensors at once"
             )
-        return frame, [m.fileno() for m in mapped], nbytes
+        return frame, [s.fd for f in files if (s := sources[f]) is not None], nbytes
+
+    def _source(
+        self, model: Model, file: Path, can_copy: bool, held: list[Snapshot]
+    ) -> _FileSource | None:
+        """How a file's bytes are handed out: mapped where they cannot change (a file the
+        source owns, else a sealed snapshot of this version), else copied by the client;
+        None: streamed (a client that cannot copy would map a file that may change)."""
+        mapped = model.mapped(file)
+        if self._owned(file):
+            return _FileSource(FILE_OWNED, mapped.fileno(), mapped.content_stamp())
+        snapshot = self.snapshots.acquire(mapped)
+        if snapshot is not None:
+            held.append(snapshot)
+            return _FileSource(FILE_SEALED, snapshot.fileno(), snapshot.stamp(), snapshot)
+        if can_copy:
+            return _FileSource(FILE_COPY, mapped.fileno(), mapped.content_stamp())
+        return None
+
+    def _owned(self, file: Path) -> bool:
+        """Whether the source wrote the file itself and never rewrites it: files under the
+        root of a source whose files change by no other hands (``watch_files`` False: the
+        node cache, which fills each file once and replaces it only by rename)."""
+        catalog = self.state.catalog
+        return not catalog.watch_files and file.is_relative_to(catalog.root)
+
+    def _digests(self, model: Model, p: PlannedTensor, source: _FileSource | None) -> list[int]:
+        """The stream's chunk digests of a tensor: computed once per mapping and shared with
+        every HTTP, gRPC and handoff client of the same bytes. A snapshot's bytes are checked
+        against them (once per chunk): a copy that differs from the file is never passed."""
+        digests = []
+        for h, data in stream_chunks(model, [p], DEFAULT_CHUNK_BYTES):
+            digests.append(h.digest)
+            snapshot = source.snapshot if source is not None else None
+            start = p.byte_offset + h.offset  # type: ignore[operator]
+            if snapshot is not None and not snapshot.matches(start, len(data), h.digest):
+                self.snapshots.discard(snapshot)
+                raise ModelUnavailable(
+                    f"the snapshot of {snapshot.path.name} differs from the file; the model "
+                    "reloads on its next request",
+                    retry_after=RELOAD_RETRY_AFTER,
+                )
+        return digests
 
 
 class HandoffListener:
@@ -261,15 +353,22 @@ class HandoffListener:
         state: ServiceState,
         mode: int = 0o666,
         allowed_uids: frozenset[int] | None = None,
+        snapshot_bytes: int | None = None,
     ) -> None:
         self.path, self.state, self.mode, self.allowed_uids = path, state, mode, allowed_uids
+        self.snapshot_bytes = snapshot_bytes  # None: default_snapshot_bytes()
         self.server: HandoffServer | None = None
 
     def start(self) -> None:
         claim_socket_path(self.path)
         try:
             self.server = HandoffServer(
-                self.path, self.state, self.state.instance, self.mode, self.allowed_uids
+                self.path,
+                self.state,
+                self.state.instance,
+                self.mode,
+                self.allowed_uids,
+                self.snapshot_bytes,
             ).start()
         except OSError as e:
             raise StartupError("uds", f"cannot listen on {self.path}: {e.strerror or e}") from None

@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
         f"backoff; 0: never (env {retry_env}; default 60)"
     )
     retry_default = os.environ.get(retry_env) or None  # a string: argparse parses it too
+    revision_help = (
+        "the model's revision: a commit (40 hex digits, or a prefix of at least 12) or a ref "
+        "(main); the same as MODEL@REVISION in the URL"
+    )
     ls = sub.add_parser(
         "ls",
         help="list a server's models, or one model's tensors",
@@ -94,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ls.add_argument("url")
     ls.add_argument("--prefix", default="", help="only tensors whose name starts so")
+    ls.add_argument("--revision", default=None, help=revision_help)
     ls.add_argument("--token", default=None, help=token_help)
     ls.add_argument("--retry-seconds", type=_retry_seconds, default=retry_default, help=retry_help)
     ls.set_defaults(func=_ls)
@@ -121,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(safetensors and PyTorch models; GGUF is refused)",
     )
     pull.add_argument("--prefix", default="", help="with --to: only tensors whose name starts so")
+    pull.add_argument("--revision", default=None, help=revision_help)
     pull.add_argument("--token", default=None, help=token_help)
     pull.add_argument(
         "--retry-seconds", type=_retry_seconds, default=retry_default, help=retry_help
@@ -160,6 +166,8 @@ def _ls(args: argparse.Namespace) -> int:
     from weightserve.client.wire.routes import parse_url
 
     _, model_id = parse_url(args.url)
+    if model_id is None and args.revision is not None:
+        args.command_parser.error("--revision names a revision of one model: give a model URL")
     with Client(args.url, token=args.token, retry_seconds=args.retry_seconds) as client:
         if model_id is None:
             models, problems = client.list_models()
@@ -177,11 +185,12 @@ def _ls(args: argparse.Namespace) -> int:
             for p in problems:
                 print(f"refused {p.model}: {p.reason}")
             return 0
-        model = client.model(model_id)
+        model = client.model(model_id, revision=args.revision)
         info = model.info
+        commit = f"  commit {info.commit}" if info.commit else ""
         print(
             f"{info.id}  {info.format}  revision {info.revision}  "
-            f"{len(info.tensors)} tensors  {_size(info.total_bytes)}"
+            f"{len(info.tensors)} tensors  {_size(info.total_bytes)}{commit}"
         )
         for name in model.names(args.prefix):
             t = info.tensors[name]
@@ -192,7 +201,7 @@ def _ls(args: argparse.Namespace) -> int:
 
 def _pull(args: argparse.Namespace) -> int:
     from weightserve.client._client import Client, FetchOptions
-    from weightserve.client.wire.routes import parse_url
+    from weightserve.client.wire.routes import parse_url, split_revision
 
     _, model_id = parse_url(args.url)
     if model_id is None:
@@ -205,9 +214,12 @@ def _pull(args: argparse.Namespace) -> int:
         args.command_parser.error(
             "--prefix selects tensors: it needs --to safetensors (a plain pull writes files)"
         )
-    out_dir = Path(args.out) if args.out else Path(model_id.rstrip("/").split("/")[-1])
+    # The default directory is named by the model, not by the revision asked for.
+    name = split_revision(model_id)[0].rstrip("/").split("/")[-1]
+    out_dir = Path(args.out) if args.out else Path(name)
     with Client(args.url, token=args.token, retry_seconds=args.retry_seconds) as client:
-        model = client.model(model_id, FetchOptions(parallel=args.parallel, verify=args.verify))
+        options = FetchOptions(parallel=args.parallel, verify=args.verify)
+        model = client.model(model_id, options, revision=args.revision)
         if args.to == "safetensors":
             return _pull_converted(args, model, out_dir)
         from weightserve.client._download import FilePull

@@ -48,7 +48,7 @@ from weightserve.client.transports.planes import (
     make_transport,
 )
 from weightserve.client.wire.dtypes import numpy_dtype, wire_dtype
-from weightserve.client.wire.routes import ServerAddress, parse_url
+from weightserve.client.wire.routes import ServerAddress, parse_url, with_revision
 from weightserve.client.wire.schema import ChunkHeader
 
 _SUMMARY_FIELDS = frozenset(f.name for f in fields(ModelSummary))
@@ -134,8 +134,10 @@ class Client:
     def _with_retry(self, call: Callable[[], Any], what: str) -> Any:
         return call_with_retry(call, self.retry_seconds, what, self.on_wait)
 
-    def model_info(self, model_id: str) -> ModelInfo:
-        """One model's format, revision, metadata and tensor index."""
+    def model_info(self, model_id: str, *, revision: str | None = None) -> ModelInfo:
+        """One model's format, revision and commit, metadata and tensor index; ``revision``
+        (or ``ID@R``) asks for that revision of it (see ``model``)."""
+        model_id = with_revision(model_id, revision)
         info = self._with_retry(
             lambda: self.transport.model_info(model_id), f"{self.address.url} model {model_id!r}"
         )
@@ -152,8 +154,16 @@ class Client:
             [ModelProblem(**p) for p in listing["problems"]],
         )
 
-    def model(self, model_id: str, options: FetchOptions | None = None) -> RemoteModel:
-        return RemoteModel(self, model_id, options)
+    def model(
+        self, model_id: str, options: FetchOptions | None = None, *, revision: str | None = None
+    ) -> RemoteModel:
+        """The model ``model_id`` on this server. ``revision`` (or ``ID@R`` in the id) pins
+        one: a commit (40 hex digits, or a prefix of at least 12), the revision, or a ref
+        (``main``: the newest). Every load of it then gets exactly that revision's bytes, on
+        every transport, or ``RevisionNotFound`` naming the revisions the server holds;
+        ``RemoteModel.commit`` says what was resolved (pin it on every tensor-parallel rank).
+        """
+        return RemoteModel(self, model_id, options, revision=revision)
 
     def close(self) -> None:
         self._planes.close()
@@ -167,14 +177,36 @@ class Client:
 
 
 class RemoteModel:
-    """One model on a server: its index (fetched once) and bulk tensor fetches."""
+    """One model on a server: its index (fetched once) and bulk tensor fetches.
 
-    def __init__(self, client: Client, model_id: str, options: FetchOptions | None = None) -> None:
+    ``id`` is the id every request names (``ID@R`` when pinned to a revision); ``revision``
+    and ``commit`` are the revision the server resolved it to when the index was read, which
+    every stream of this model then pins."""
+
+    def __init__(
+        self,
+        client: Client,
+        model_id: str,
+        options: FetchOptions | None = None,
+        *,
+        revision: str | None = None,
+    ) -> None:
         self.client = client
-        self.id = model_id
+        self.id = with_revision(model_id, revision)
         self.options = options or FetchOptions()
-        self.info = client.model_info(model_id)
+        self.info = client.model_info(self.id)
         self._lock = threading.Lock()
+
+    @property
+    def revision(self) -> str:
+        """The content revision (16 hex digits) this model's loads get."""
+        return self.info.revision
+
+    @property
+    def commit(self) -> str:
+        """The revision as a 40-hex commit: ``ID@COMMIT`` loads exactly these bytes from any
+        server that holds them ("" from a server too old to say)."""
+        return self.info.commit
 
     @property
     def tensors(self) -> dict[str, TensorInfo]:

@@ -55,6 +55,8 @@ class ModelInfo:
     alignment: int
     metadata: dict[str, Any]
     tensors: dict[str, TensorInfo] = field(repr=False)  # in MAX's items() order
+    # The revision as a 40-hex commit (the revision is its prefix); "" from an older server.
+    commit: str = ""
 
     @property
     def total_bytes(self) -> int:
@@ -70,6 +72,7 @@ class ModelInfo:
             int(d.get("alignment", 1)),
             d.get("metadata") or {},
             tensors,
+            str(d.get("commit") or ""),
         )
 
 

@@ -12,7 +12,9 @@ and never cross the wire: no server sends them, so they have no row of their own
     ├── NotFound
     │   ├── ModelNotFound
     │   ├── TensorNotFound       also a KeyError, as MAX raises for missing weights
-    │   └── FileNotFound         a file name the model's repository does not hold
+    │   ├── FileNotFound         a file name the model's repository does not hold
+    │   └── RevisionNotFound     a revision (``ID@R``) the server holds no files of; the
+    │                            message names the revisions it does hold
     ├── InvalidRequest           a malformed request: bad slice, bad name, bad offset
     │   └── RangeNotSatisfiable  a byte range that starts past the end of a file
     ├── Unauthenticated          no valid token
@@ -85,6 +87,12 @@ class TensorNotFound(NotFound, KeyError):
 
 class FileNotFound(NotFound):
     """A file name that the model's repository does not hold (files API, Hub routes)."""
+
+
+class RevisionNotFound(NotFound):
+    """A revision (``ID@R``, ``revision=R``) the server holds no files of: a server serves the
+    revisions whose files it holds, so one whose model moved on cannot serve an older commit.
+    The message names the revisions it does hold."""
 
 
 class InvalidRequest(WeightserveError):
@@ -219,6 +227,7 @@ ERROR_CLASSES: dict[str, type[WeightserveError]] = {
         ModelNotFound,
         TensorNotFound,
         FileNotFound,
+        RevisionNotFound,
         InvalidRequest,
         RangeNotSatisfiable,
         Unauthenticated,

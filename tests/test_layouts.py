@@ -157,8 +157,8 @@ def test_hub_cache_is_served_by_repository_id(hub_cache: dict) -> None:
     assert pinned.tensors is tiny.tensors
     assert pinned.mapped(tiny.files[0]) is tiny.mapped(tiny.files[0])
     assert catalog.get("acme/tiny@v1").revision != tiny.revision
-    with pytest.raises(ModelNotFound, match="acme/tiny@main"):  # main is the plain id
-        catalog.get("acme/tiny@main")
+    # main is a ref like the others: the plain id's model.
+    assert catalog.get("acme/tiny@main") is tiny
 
 
 def test_hub_cache_refs_and_roots(hub_cache: dict, tmp_path: Path) -> None:

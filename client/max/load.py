@@ -106,15 +106,16 @@ def weights_format(
     tls: TLSOptions | None = None,
     timeout: float = DEFAULT_READ_TIMEOUT,
     retry_seconds: float | None = None,
+    revision: str | None = None,
 ) -> WeightsFormat:
     """The format of local checkpoint files (by suffix; directories by their contents) or of
-    the model several URLs name (asked from the server)."""
+    the model several URLs name (asked from the server; ``revision`` as for ``load_weights``)."""
     urls, paths = _split(paths_or_urls)
     if urls:
         url = _model_url(urls)
         _, model_id = parse_url(url)
         with Client(url, token=token, tls=tls, timeout=timeout, retry_seconds=retry_seconds) as c:
-            info = c.model_info(model_id or "")
+            info = c.model_info(model_id or "", revision=revision)
         return WeightsFormat(info.format)
     return _format_of_paths(_local_files(paths))
 
@@ -129,6 +130,7 @@ def load_weights(
     options: FetchOptions | None = None,
     retry_seconds: float | None = None,
     verify: str | None = None,
+    revision: str | None = None,
 ) -> Any:
     """``Weights`` for local checkpoint files or for a model on a weightserve server.
 
@@ -138,14 +140,19 @@ def load_weights(
     checkpoint files in it. ``retry_seconds`` bounds how long a busy or unreachable server
     is waited for (default ``WEIGHTSERVE_RETRY_SECONDS``, else 60 s; see ``Client``).
     ``verify`` says which chunk digests are checked: ``"full"``, ``"sample"`` or ``"none"``
-    (default ``WEIGHTSERVE_VERIFY``, else ``"full"``; see ``FetchOptions``).
+    (default ``WEIGHTSERVE_VERIFY``, else ``"full"``; see ``FetchOptions``). ``revision``
+    (or ``ID@R`` in the URLs: ``http://host:port/v1/models/NAME@COMMIT``) pins a revision:
+    a commit (40 hex digits, or a prefix of at least 12) or a ref (``main``); the load gets
+    exactly its bytes or ``RevisionNotFound``. Local paths take no revision.
     """
     urls, paths = _split(paths_or_urls)
     if urls:
         return RemoteWeights(
             _model_url(urls), use_max=use_max, token=token, tls=tls, timeout=timeout,
-            options=options, retry_seconds=retry_seconds, verify=verify,
+            options=options, retry_seconds=retry_seconds, verify=verify, revision=revision,
         )  # fmt: skip
+    if revision is not None:
+        raise ValueError("revision= pins a model on a weightserve server; local paths have none")
     files = _local_files(paths)
     fmt = _format_of_paths(files) if all(p.exists() for p in files) else None
     if fmt is WeightsFormat.pytorch:

@@ -132,7 +132,8 @@ class RemoteWeights:
     ``bulk=False`` turns off fetching a listed prefix as a whole. ``retry_seconds`` bounds
     how long a busy or unreachable server is waited for (see ``Client``). ``verify`` (``"full"``,
     ``"sample"``, ``"none"``; default ``WEIGHTSERVE_VERIFY``, else ``"full"``) says which chunk
-    digests are checked, overriding ``options.verify`` (see ``FetchOptions``).
+    digests are checked, overriding ``options.verify`` (see ``FetchOptions``). ``revision``
+    (or ``ID@R`` in the URL) pins a revision of the model, as ``Client.model`` does.
     """
 
     # Set per instance by _attach (never looked up through __getattr__).
@@ -151,8 +152,11 @@ class RemoteWeights:
         bulk: bool = True,
         retry_seconds: float | None = None,
         verify: str | None = None,
+        revision: str | None = None,
     ) -> RemoteWeights:
-        state = _open(source, use_max, token, tls, timeout, options, bulk, retry_seconds, verify)
+        state = _open(
+            source, use_max, token, tls, timeout, options, bulk, retry_seconds, verify, revision
+        )
         klass: type = cls
         if cls is RemoteWeights and state.backend.is_max and state.format == "safetensors":
             klass = safetensors_weights_class(state.backend.SafetensorWeights)
@@ -485,9 +489,15 @@ def _open(
     bulk: bool,
     retry_seconds: float | None = None,
     verify: str | None = None,
+    revision: str | None = None,
 ) -> _State:
     b = backend(use_max)
     if isinstance(source, RemoteModel):
+        if revision is not None:
+            raise ValueError(
+                "revision= goes with a URL; a RemoteModel is pinned where it is made: "
+                "client.model(ID, revision=R)"
+            )
         if verify is not None:  # the caller's model keeps its own options
             source = copy.copy(source)
             source.options = replace(source.options, verify=verify)
@@ -503,7 +513,7 @@ def _open(
         )
     client = Client(url, token=token, tls=tls, timeout=timeout, retry_seconds=retry_seconds)
     try:
-        model = client.model(model_id, options)
+        model = client.model(model_id, options, revision=revision)
     except BaseException:
         client.close()
         raise

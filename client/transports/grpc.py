@@ -260,6 +260,7 @@ class GrpcTransport:
             "id": m.id,
             "format": m.format,
             "revision": m.revision,
+            "commit": m.commit,
             "alignment": m.alignment,
             "metadata": json.loads(m.metadata_json or "{}"),
             "tensors": [

@@ -1,12 +1,14 @@
 """Parse weightserve URLs: a server (``http://h:p``, ``grpc://h:p``) or a model on one
 (``http://h:p/v1/models/ORG/NAME``, ``grpc://h:p/ORG/NAME``; ``https``/``grpcs`` for TLS;
-``unix:///PATH/TO/SOCKET/v1/models/ORG/NAME`` for a server's same-node socket), and build the
-HTTP paths of a model's routes."""
+``unix:///PATH/TO/SOCKET/v1/models/ORG/NAME`` for a server's same-node socket), read the
+revision a model id names (``ORG/NAME@R``), and build the HTTP paths of a model's routes."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from urllib.parse import quote, unquote, urlsplit
+
+from weightserve.client.errors import InvalidRequest
 
 SCHEMES = {
     "http": ("http", False),
@@ -18,6 +20,12 @@ SCHEMES = {
 # The path part that separates a model id from the route below it (``/v1/models/ID/-/stream``).
 # No model id has it, so no id or tensor name can be mistaken for a route.
 RESERVED_PART = "-"
+# ``ID@R`` names revision R of model ID; ``ID:VARIANT`` another weight set of a directory.
+# Neither character is in a name that forms an id, so both read without any lookup.
+REVISION_SEPARATOR = "@"
+VARIANT_SEPARATOR = ":"
+# The ref that names a model's files as the server holds them now (the newest revision).
+MAIN_REVISION = "main"
 DEFAULT_PORTS = {
     ("http", False): 80,
     ("http", True): 443,
@@ -94,6 +102,47 @@ def _parse_unix_url(url: str) -> tuple[ServerAddress, str | None]:
         model = model.partition(f"/{RESERVED_PART}/")[0]
     server = ServerAddress("http", False, "localhost", 0, socket_path=socket_path.rstrip("/"))
     return server, model or None
+
+
+def split_revision(model_id: str) -> tuple[str, str | None]:
+    """(the model id without its revision, the revision or None): ``org/name@R`` is revision
+    ``R`` of ``org/name``. The revision runs to the next ``/`` or ``:``, so a hub snapshot's
+    sub-model ``org/name@R/unet`` is ``org/name/unet`` at ``R`` (the Hub writes the revision on
+    the repository part) and ``org/name@R:fp16`` is ``org/name:fp16`` at ``R``."""
+    at = model_id.find(REVISION_SEPARATOR)
+    if at == -1:
+        return model_id, None
+    ends = [i for i in (model_id.find(c, at + 1) for c in ("/", VARIANT_SEPARATOR)) if i != -1]
+    end = min(ends, default=len(model_id))
+    revision = model_id[at + 1 : end]
+    base = model_id[:at] + model_id[end:]
+    if not revision or REVISION_SEPARATOR in model_id[at + 1 :]:
+        raise InvalidRequest(
+            f"invalid model id {model_id!r}: name one revision as ID{REVISION_SEPARATOR}REVISION "
+            f"(a commit, a prefix of one, or a ref such as {MAIN_REVISION!r})"
+        )
+    return base, revision
+
+
+def with_revision(model_id: str, revision: str | None) -> str:
+    """``model_id`` pinned to ``revision`` (``ID@R``), or as it is for None. An id that names
+    a revision already keeps it if it is the same one; another is InvalidRequest."""
+    if revision is None:
+        return model_id
+    if not revision or any(c in revision for c in ("/", VARIANT_SEPARATOR, REVISION_SEPARATOR)):
+        raise InvalidRequest(
+            f"invalid revision {revision!r}: give a commit, a prefix of at least 12 hex digits "
+            f"of one, or a ref such as {MAIN_REVISION!r} (no '/', ':' or '@')"
+        )
+    _, named = split_revision(model_id)
+    if named is None:
+        return f"{model_id}{REVISION_SEPARATOR}{revision}"
+    if named != revision:
+        raise InvalidRequest(
+            f"model id {model_id!r} names revision {named!r} and the load asks for revision "
+            f"{revision!r}; give one of them"
+        )
+    return model_id
 
 
 def http_model_path(model_id: str, *route: str) -> str:

@@ -23,7 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from weightserve.client.errors import PermissionDenied, Unauthenticated
+from weightserve.client.errors import InvalidRequest, PermissionDenied, Unauthenticated
+from weightserve.client.wire.routes import split_revision
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,14 @@ class Grant:
     patterns: tuple[str, ...]  # empty: every model
 
     def may_read(self, model_id: str) -> bool:
-        return not self.patterns or any(fnmatch.fnmatchcase(model_id, p) for p in self.patterns)
+        """Whether a pattern names the model; a grant for a model covers its revisions
+        (``ID@R`` is read as ``ID``)."""
+        names = {model_id}
+        with contextlib.suppress(InvalidRequest):  # a malformed id is refused where it is read
+            names.add(split_revision(model_id)[0])
+        return not self.patterns or any(
+            fnmatch.fnmatchcase(name, p) for name in names for p in self.patterns
+        )
 
     @property
     def identity(self) -> str:

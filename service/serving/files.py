@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from weightserve.client.errors import FileNotFound, RangeNotSatisfiable, RevisionMismatch
 from weightserve.service.sources.model import Model, RepoFile
+from weightserve.service.sources.pinning import names_content
 
 # Largest piece handed to a transport at once (a gRPC FileChunk; an HTTP write).
 FILE_CHUNK_BYTES = 2 << 20
@@ -47,9 +48,10 @@ def repo_file(model: Model, name: str) -> RepoFile:
 
 
 def check_revision(model: Model, revision: str | None) -> None:
-    """RevisionMismatch unless ``revision`` (the short revision or the 40-hex commit) is what
-    the model is now, so a resumed download never joins bytes of two versions."""
-    if revision and revision not in (model.revision, model.commit):
+    """RevisionMismatch unless ``revision`` (the revision, the commit or a prefix of them,
+    ``names_content``) is what the model is now, so a resumed download never joins bytes of
+    two versions."""
+    if revision and not names_content(model, revision):
         raise RevisionMismatch(
             f"model {model.id!r} is at revision {model.revision} (commit {model.commit}), the "
             f"request names {revision}; download the file again from the start"

@@ -126,7 +126,9 @@ class ServiceState:
                 self._stream_ended.notify_all()
 
     def readable_model(self, access: Access, model_id: str) -> Model:
-        """The model, if the caller may read it (else PermissionDenied / ModelNotFound)."""
+        """The model an id names, if the caller may read it (else PermissionDenied /
+        ModelNotFound): every transport's one way from an id to a model. ``ID@R`` is revision
+        R of it, resolved by the source (RevisionNotFound naming the revisions it holds)."""
         access.check(model_id)
         return self.catalog.get(model_id, access.may_read)
 

@@ -29,6 +29,7 @@ from weightserve.service.readers.base import TensorEntry
 from weightserve.service.serving.arrow_writer import END_OF_STREAM, chunk_message, schema_message
 from weightserve.service.serving.request import Shard, TensorRequest
 from weightserve.service.sources.model import Model
+from weightserve.service.sources.pinning import names_content
 
 # GGML block geometry: elements per block and bytes per block, from the gguf package.
 try:
@@ -115,7 +116,7 @@ def _slice_entry(entry: TensorEntry, shard: Shard | None) -> PlannedTensor:
 def plan_stream(
     model: Model, request: TensorRequest, max_names: int = 100_000
 ) -> list[PlannedTensor]:
-    if request.revision and request.revision != model.revision:
+    if request.revision and not names_content(model, request.revision):
         raise RevisionMismatch(
             f"model {model.id!r} is at revision {model.revision}, the request names "
             f"{request.revision}; start the transfer again"

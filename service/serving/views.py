@@ -45,8 +45,11 @@ def model_files(model: Model) -> list[dict[str, Any]]:
 
 
 def model_info(model: Model) -> dict[str, Any]:
+    """The summary, the revision as a 40-hex ``commit`` (what a pinned load names), the
+    files and the tensor index."""
     return {
         **model_summary(model),
+        "commit": model.commit,
         "files": model_files(model),
         "alignment": model.contents.alignment,
         "metadata": model.metadata,

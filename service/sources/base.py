@@ -29,8 +29,10 @@ class ModelSource(Protocol):
 
     The local catalog (a directory) and the origin catalog (an origin filled into a node
     cache, served through a local catalog of the cache) implement it; callers ask it, never
-    which source they hold. Room is left for what comes next: a revision pinned by name as a
-    keyword of ``get``, metadata answered before a fill beside ``get``, publish and watch.
+    which source they hold. ``get("ID@R")`` answers revision R of a model from the revisions
+    the source holds (service/sources/pinning.py): a source that keeps older revisions' files
+    offers them there. Room is left for metadata answered before a fill beside ``get``,
+    publish and watch.
     """
 
     # Told of each new refusal (the metrics count them); None: nobody listens.
@@ -110,8 +112,9 @@ class ModelSource(Protocol):
         ...
 
     def get(self, model_id: str, may_read: Callable[[str], bool] | None = None) -> Model:
-        """The model as its files are now, or ModelNotFound (a suggestion only among ids
-        ``may_read`` allows), ModelUnavailable, ModelFilling, OriginUnavailable."""
+        """The model as its files are now (``ID@R``: revision R of it, or RevisionNotFound
+        naming those held), or ModelNotFound (a suggestion only among ids ``may_read``
+        allows), ModelUnavailable, ModelFilling, OriginUnavailable."""
         ...
 
     def using(self, model_id: str) -> AbstractContextManager[None]:

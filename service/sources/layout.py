@@ -16,7 +16,7 @@ from pathlib import PurePosixPath
 from typing import Generic, TypeVar
 
 from weightserve.client.errors import InvalidRequest
-from weightserve.client.wire.routes import RESERVED_PART
+from weightserve.client.wire.routes import RESERVED_PART, REVISION_SEPARATOR, VARIANT_SEPARATOR
 
 SAFETENSORS_SUFFIXES = (".safetensors",)
 PYTORCH_SUFFIXES = (".bin", ".pt", ".pth")
@@ -42,11 +42,10 @@ TRAINER_FILES = frozenset({"training_args.bin", "optimizer.pt", "scheduler.pt", 
 # Hub cache ref names served as ORG/NAME@REF; refs with a '/' (pr/1) are reachable by commit.
 REF_NAME = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_.-]*")
 HUB_REPO_DIR = re.compile(r"(?P<type>models|datasets|spaces)--(?P<id>.+)")
-# ORG/NAME@REVISION names a snapshot of the hub cache, ID:VARIANT another weight set of a
-# directory. Both characters are refused in the names that form ids (and '-' as a whole path
-# part, for the routes), so no directory can be mistaken for a revision or a variant.
-REVISION_SEPARATOR = "@"
-VARIANT_SEPARATOR = ":"
+# ID@REVISION names a revision (a hub cache's snapshots and refs among them), ID:VARIANT
+# another weight set of a directory (client/wire/routes.py). Both characters are refused in
+# the names that form ids (and '-' as a whole path part, for the routes), so no directory can
+# be mistaken for a revision or a variant.
 ID_SEPARATORS = (REVISION_SEPARATOR, VARIANT_SEPARATOR)
 RESERVED_DIRECTORY = (
     f"a directory named {RESERVED_PART!r} is not served: that name is reserved in URLs "

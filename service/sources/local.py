@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from weightserve.client.errors import CheckpointError, ModelNotFound, ModelUnavailable
-from weightserve.client.wire.routes import RESERVED_PART
+from weightserve.client.wire.routes import MAIN_REVISION, RESERVED_PART, split_revision
 from weightserve.service.readers.base import FormatReader
 from weightserve.service.sources.base import Problem
 from weightserve.service.sources.layout import (
@@ -69,6 +69,7 @@ from weightserve.service.sources.layout import (
     weight_sets,
 )
 from weightserve.service.sources.model import Model
+from weightserve.service.sources.pinning import pick_revision
 from weightserve.service.sources.revisions import DigestStore
 from weightserve.service.sources.stamps import FileStamp, current_stamps
 
@@ -544,6 +545,31 @@ class Catalog:
         reason = problem.reason if problem else "its files are gone"
         raise ModelUnavailable(f"model {model.id!r} changed on disk and is refused: {reason}")
 
+    def _pinned(
+        self, model_id: str, revision: str, may_read: Callable[[str], bool] | None
+    ) -> Model:
+        """Revision ``revision`` of ``model_id`` among those this root holds: the model's
+        files as they are now (``main``) and a hub cache's other snapshots and refs
+        (``ID@REF``), by ``pick_revision``'s rule; RevisionNotFound names them."""
+        if revision == MAIN_REVISION:
+            return self.get(model_id, may_read)
+
+        def readable(some_id: str) -> bool:
+            return may_read is None or may_read(some_id) or may_read(model_id)
+
+        held: dict[str, Model] = {}
+        if readable(model_id) and (model_id in self.models or model_id in self.variants):
+            held[MAIN_REVISION] = self.get(model_id, may_read)
+        for other in list(self.models):
+            base, ref = split_revision(other)
+            model = self.models.get(other)
+            if base == model_id and ref is not None and model is not None and readable(other):
+                with contextlib.suppress(ModelUnavailable):  # changed and refused: not held
+                    held[ref] = self._fresh(model)
+        if not held:
+            return self.get(model_id, may_read)  # ModelNotFound, or why it is refused
+        return pick_revision(model_id, revision, held)
+
     @contextlib.contextmanager
     def using(self, model_id: str) -> Iterator[None]:
         """Hold the model while a stream reads it: nothing to do for a local root (a catalog
@@ -579,12 +605,16 @@ class Catalog:
         )
 
     def get(self, model_id: str, may_read: Callable[[str], bool] | None = None) -> Model:
-        """The model, or ModelNotFound. ``may_read`` limits the "did you mean" suggestion
-        to ids the caller may see: an error must not reveal what exists beyond a grant."""
+        """The model, or ModelNotFound; ``ID@R`` is revision R of it (``_pinned``). ``may_read``
+        limits the "did you mean" suggestion and the revisions offered to ids the caller may
+        see: an error must not reveal what exists beyond a grant."""
         validate_model_id(model_id)
         model = self.models.get(model_id)
         if model is not None:
             return self._fresh(model)
+        base, revision = split_revision(model_id)
+        if revision is not None:
+            return self._pinned(base, revision, may_read)
         if model_id in self.variants and model_id not in self.problems:
             model = self._load_variant(model_id)
             if model is not None:

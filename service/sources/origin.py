@@ -30,6 +30,7 @@ from weightserve.client.errors import (
     OriginChanged,
     OriginUnavailable,
 )
+from weightserve.client.wire.routes import split_revision
 from weightserve.service.sources.base import Problem
 from weightserve.service.sources.layout import (
     base_model_id,
@@ -266,7 +267,7 @@ class OriginCatalog:
     def get(self, model_id: str, may_read: Callable[[str], bool] | None = None) -> Model:
         """The model, filled into the cache first if it is not there (see ``_fill``)."""
         validate_model_id(model_id)
-        base = base_model_id(model_id)
+        base = base_model_id(split_revision(model_id)[0])  # ID@R: the local catalog picks R
         remote = self.remote.get(base)
         self.cache.check(base)  # a file found corrupt is dropped here, and filled again below
         cached = base in self.cache.cached_models()

@@ -150,6 +150,7 @@ class WeightService:
             id=info["id"],
             format=info["format"],
             revision=info["revision"],
+            commit=info["commit"],
             alignment=info["alignment"],
             metadata_json=json.dumps(info["metadata"]),
             tensors=[

@@ -11,16 +11,16 @@ vLLM, SGLang, TGI) fetch a model's files unchanged:
 - ``GET|HEAD /{repo}/resolve/{revision}/{filename}``: the file, with ``X-Repo-Commit``,
   ``ETag``, ``Content-Length`` and Range, as the Hub answers for files it stores itself.
 
-A repo id is a model id (any depth). The revision ``main`` (or none) is the model as served;
-its commit or short revision name that content (anything else served is a 404
-``RevisionNotFound``); another name ``R`` is the model ``{repo}@R`` when the catalog has one.
-Errors carry the Hub's ``X-Error-Code`` (``RepoNotFound``, ``RevisionNotFound``,
-``EntryNotFound``) so the clients raise their usual exceptions.
+A repo id is a model id (any depth). A revision ``R`` is the model ``{repo}@R``, resolved as
+every transport resolves a pinned load (``main`` or none: the model as served; its commit, its
+revision or a prefix of at least 12 hex digits of them; a hub cache's refs and snapshots): one
+not held is a 404 ``RevisionNotFound``. Errors carry the Hub's ``X-Error-Code``
+(``RepoNotFound``, ``RevisionNotFound``, ``EntryNotFound``) so the clients raise their usual
+exceptions.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qs, unquote
@@ -33,10 +33,17 @@ from weightserve.client.errors import (
     FileNotFound,
     ModelNotFound,
     NotFound,
+    RevisionNotFound,
     Unauthenticated,
     WeightserveError,
 )
 from weightserve.client.wire.errors import WireError
+from weightserve.client.wire.routes import (
+    MAIN_REVISION,
+    REVISION_SEPARATOR,
+    VARIANT_SEPARATOR,
+    with_revision,
+)
 from weightserve.service.serving import files
 from weightserve.service.serving.auth import Access
 from weightserve.service.serving.state import ServiceState
@@ -45,14 +52,10 @@ from weightserve.service.transports.http.common import ERROR_KEY, OPERATION_KEY,
 from weightserve.service.transports.http.files import file_response
 from weightserve.service.transports.http.routes import get_and_head
 
-DEFAULT_REVISION = "main"
-# A content revision as weightserve names it: the short revision or the 40-hex commit.
-_CONTENT_NAME = re.compile(r"[0-9a-f]{16}|[0-9a-f]{40}")
+DEFAULT_REVISION = MAIN_REVISION
 _API_ACTIONS = ("revision", "tree", "paths-info")
-
-
-class RevisionNotFound(NotFound):
-    """A Hub revision that names no content the server holds for the repository."""
+# A Hub revision holding these (``refs/pr/1``) names no model id's revision: by commit only.
+_NOT_IN_IDS = ("/", REVISION_SEPARATOR, VARIANT_SEPARATOR)
 
 
 _HUB_ERROR_CODES: dict[type[WeightserveError], str] = {
@@ -124,23 +127,13 @@ class HubRepos:
         state = self.state
         if revision in ("", DEFAULT_REVISION):
             return state.readable_model(caller, repo_id)
-        catalog = state.catalog
-        if _CONTENT_NAME.fullmatch(revision):
-            ids = [repo_id, *(m for m in list(catalog.models) if m.startswith(f"{repo_id}@"))]
-            for model_id in ids:
-                if model_id in catalog.models and caller.may_read(model_id):
-                    model = state.readable_model(caller, model_id)
-                    if revision in (model.revision, model.commit):
-                        return model
-        else:
-            alias = f"{repo_id}@{revision}"
-            if alias in catalog.models or alias in catalog.problems:
-                return state.readable_model(caller, alias)
-        main = state.readable_model(caller, repo_id)  # an unknown repo: RepoNotFound first
-        raise RevisionNotFound(
-            f"repository {repo_id!r} has no revision {revision!r} on this server: it serves "
-            f"'main' at commit {main.commit}"
-        )
+        if any(c in revision for c in _NOT_IN_IDS):  # refs/pr/1: reachable by commit only
+            main = state.readable_model(caller, repo_id)  # an unknown repo: RepoNotFound first
+            raise RevisionNotFound(
+                f"repository {repo_id!r} has no revision {revision!r} on this server: it "
+                f"serves 'main' at commit {main.commit}"
+            )
+        return state.readable_model(caller, with_revision(repo_id, revision))
 
 
 def _tree_entries(model: Model, under: str, recursive: bool) -> list[dict[str, Any]]:

@@ -111,20 +111,22 @@ class GetModelRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("id", "format", "revision", "alignment", "metadata_json", "tensors")
+    __slots__ = ("id", "format", "revision", "alignment", "metadata_json", "tensors", "commit")
     ID_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     ALIGNMENT_FIELD_NUMBER: _ClassVar[int]
     METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
     id: str
     format: str
     revision: str
     alignment: int
     metadata_json: str
     tensors: _containers.RepeatedCompositeFieldContainer[TensorInfo]
-    def __init__(self, id: _Optional[str] = ..., format: _Optional[str] = ..., revision: _Optional[str] = ..., alignment: _Optional[int] = ..., metadata_json: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ...) -> None: ...
+    commit: str
+    def __init__(self, id: _Optional[str] = ..., format: _Optional[str] = ..., revision: _Optional[str] = ..., alignment: _Optional[int] = ..., metadata_json: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., commit: _Optional[str] = ...) -> None: ...
 
 class TensorInfo(_message.Message):
     __slots__ = ("name", "dtype", "shape", "logical_shape", "encoding", "nbytes")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -159,6 +160,23 @@ def test_unchanged_stamp_costs_no_read_and_a_rehash_that_matches_keeps_the_file(
         state = json.loads((tmp_path / "cache" / "state" / "org%2Fm.json").read_text())
         record = state["files"]["org/m/model.safetensors"]
         assert record["stamp"] == list(file_stamp(weights.stat()))
+
+
+def test_a_file_written_in_place_is_dropped_on_its_file_system_event(tmp_path: Path) -> None:
+    root = tmp_path / "origin"
+    written = write_model(root, "org/m", 64 << 10, seed=5)
+    origin = CountingOrigin(open_origin(root.as_uri()))
+    with NodeCache(origin, tmp_path / "cache", LIMIT, watch=True) as cache:
+        path = cache.ensure("org/m", files_of(origin, "org/m"))
+        time.sleep(0.5)  # the watch is set up
+        corrupt_in_place(path / "model.safetensors")
+        deadline = time.monotonic() + 15
+        while cache.snapshot().corrupt_files == 0:  # no request, no rescan: the event alone
+            assert time.monotonic() < deadline, "the change was not noticed"
+            time.sleep(0.05)
+        assert cache.cached_models() == []
+        cache.ensure("org/m", files_of(origin, "org/m"))
+        assert (path / "model.safetensors").read_bytes() == written["org/m/model.safetensors"]
 
 
 def test_a_state_without_fill_digests_is_filled_again(tmp_path: Path) -> None:

@@ -38,6 +38,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
+import watchfiles
+
 from weightserve.client.errors import (
     CacheTooSmall,
     ModelNotFound,
@@ -177,6 +179,7 @@ class NodeCache:
         concurrency: int = 8,
         part_bytes: int = 16 << 20,
         pins: Iterable[str] = (),
+        watch: bool = False,
     ) -> None:
         if size_limit_bytes <= 0:
             raise ValueError(f"the cache size must be positive, not {size_limit_bytes} bytes")
@@ -202,6 +205,11 @@ class NodeCache:
         self._data_real = self.data_dir.resolve()  # catalogs name files by resolved paths
         self._lock_file = _lock_directory(self.directory)
         self._load()
+        self._stop_watching = threading.Event()
+        if watch:  # the files changed on disk are checked as the kernel reports them
+            threading.Thread(
+                target=self._watch, name="weightserve-cache-watch", daemon=True
+            ).start()
 
     # -- public API --------------------------------------------------------------------------
 
@@ -326,6 +334,7 @@ class NodeCache:
 
     def close(self) -> None:
         """Release the cache directory for another process (a restarted server)."""
+        self._stop_watching.set()
         self._lock_file.close()
 
     def __enter__(self) -> NodeCache:
@@ -408,6 +417,36 @@ class NodeCache:
             raise self._refusal(model_id)
         with self._lock:
             self._verified.add((name, stamp))
+
+    def _watch(self) -> None:
+        """Check each cached file the kernel reports changed (inotify through watchfiles) until
+        ``close``: one written in place is dropped once the writes settle, before a request
+        asks for it. Unrecorded names (partials) and models being filled are skipped; the
+        checks at each request and rescan remain where events are missed."""
+        try:
+            for changes in watchfiles.watch(
+                self.data_dir,
+                stop_event=self._stop_watching,
+                debounce=500,
+                rust_timeout=1000,
+                yield_on_timeout=False,
+                raise_interrupt=False,
+            ):
+                for _, changed in changes:
+                    try:
+                        name = Path(changed).relative_to(self.data_dir).as_posix()
+                    except ValueError:
+                        continue
+                    with self._lock:
+                        found = [
+                            (model_id, state.files[name])
+                            for model_id, state in self._states.items()
+                            if name in state.files and model_id not in self._fills
+                        ]
+                    for model_id, record in found:
+                        self._verify(model_id, name, record)
+        except Exception as e:  # e.g. the inotify watch limit: requests and rescans still check
+            log.warning("watching the node cache %s stopped: %s", self.data_dir, e)
 
     def _recorded(self, path: Path) -> tuple[str, str, FillRecord]:
         """(model id, file name, fill record) of a file under the data directory."""

@@ -229,6 +229,9 @@ def test_s3_corrupted_cache_file_is_never_served_also_after_a_restart(
         assert files_listing(server.http_port, "big") == origin_view
         assert corrupt_count(server) == 1
         assert node_cache(server).snapshot().fills == 2
+        with WeightServer(config(uri, tmp_path / "second")) as second:  # another node
+            assert_same_tensors(fetch_verified(second.http_url, "big"), want)
+            assert files_listing(second.http_port, "big") == origin_view
         corrupt_in_place(weights)
     with WeightServer(config(uri, tmp_path)) as restarted:
         assert node_cache(restarted).snapshot().corrupt_files == 1  # found at start

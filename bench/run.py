@@ -331,6 +331,12 @@ def main(argv: list[str] | None = None) -> int:
         idle = proc_status(ws_pid)
         args.unix_url = ws.info.get("unix_url")
         todo = contenders(ck, raw.info["port"], web.port, http, grpc, args, flight_min.info["port"])
+        if args.unix_url and any(c.group == "same_node" for c in todo):
+            # The handoff makes its sealed snapshot of the file once per file version: make it
+            # now, so every round measures what each load after the node's first one costs
+            # (the first load's cost: bench/handoff_snapshot.py).
+            run_group([Job("bench.weightserve_loads:fetch_load",
+                           {"base": args.unix_url, "model_id": MODEL_ID})])  # fmt: skip
         log(f"{len(todo)} contenders x {rounds} rounds; static server: {web.kind}")
         for r in range(rounds):
             for c in todo:

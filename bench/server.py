@@ -3,7 +3,8 @@
 A separate process so that no client shares the server's GIL (an in-process server would
 make every client/server pair fight over one interpreter lock and measure that instead).
 Prints ``BENCH-READY {"http_url", "grpc_url", "unix_url", "pid"}`` and serves until stdin
-closes. It also listens on a same-node socket in a temporary directory (``unix_url``).
+closes. It also listens on a same-node socket in a temporary directory (``unix_url``). An
+optional second argument is the handoff's snapshot budget in bytes (0: the client copies).
 """
 
 from __future__ import annotations
@@ -16,13 +17,20 @@ import tempfile
 from bench.procs import serve_until_stdin_closes
 
 
-def main(root: str) -> None:
+def main(root: str, snapshot_bytes: int | None = None) -> None:
     from weightserve.service.server import ServerConfig, WeightServer
 
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory(prefix="ws-bench-") as sockets:
         uds = f"{sockets}/ws.sock"
-        config = ServerConfig(root, http_port=0, grpc_port=0, flight_port=0, uds=uds)
+        config = ServerConfig(
+            root,
+            http_port=0,
+            grpc_port=0,
+            flight_port=0,
+            uds=uds,
+            handoff_snapshot_bytes=snapshot_bytes,
+        )
         server = WeightServer(config).start()
         try:
             serve_until_stdin_closes(
@@ -38,4 +46,4 @@ def main(root: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else None)

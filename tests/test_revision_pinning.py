@@ -9,6 +9,7 @@ once the server sees the new file, never the new bytes; ``main`` gets the new on
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -324,3 +325,52 @@ def test_hub_cache_snapshots_are_revisions_of_their_repository(tmp_path: Path) -
     assert catalog.get(f"acme/tiny@{main.commit}").commit == main.commit
     with pytest.raises(RevisionNotFound, match=f"v1 \\(commit {v1.commit}\\)"):
         catalog.get("acme/tiny@v2")
+
+
+def test_node_caches_serve_the_origins_revisions(tmp_path: Path) -> None:
+    """Two node caches in front of one upstream: both report the upstream's commit; once the
+    upstream's model changes, a load pinned to the old commit gets the old bytes or
+    RevisionNotFound on either node, never the new bytes, and ``main`` gets the new."""
+    root = tmp_path / "upstream"
+    write_model(root / "org" / "m", 1.0)
+    upstream_config = ServerConfig(
+        str(root), http_port=0, grpc_port=0, flight_port=None, rescan_seconds=0, watch=False
+    )
+    with WeightServer(upstream_config) as upstream, contextlib.ExitStack() as nodes:
+        origin = f"http://127.0.0.1:{upstream.http_port}"
+        caches = [
+            nodes.enter_context(
+                WeightServer(
+                    ServerConfig(
+                        origin,
+                        http_port=0,
+                        grpc_port=0,
+                        flight_port=None,
+                        rescan_seconds=0,
+                        watch=False,
+                        cache_dir=str(tmp_path / f"node-{n}"),
+                    )  # fmt: skip
+                )
+            )
+            for n in range(2)
+        ]
+        with Client(upstream.http_url) as client:
+            old = client.model("org/m").commit
+        for node in caches:
+            with Client(node.http_url, retry_seconds=30) as client:
+                pinned = client.model("org/m", revision=old)
+                assert pinned.commit == old
+                assert values(pinned.fetch(prefix="")) == values(arrays(1.0))
+        write_model(root / "org" / "m", 2.0)
+        upstream.rescan()
+        for node in caches:
+            node.rescan()
+            with Client(node.http_url, retry_seconds=30) as client:
+                try:
+                    got = client.model("org/m", revision=old).fetch(prefix="")
+                    assert values(got) == values(arrays(1.0))
+                except RevisionNotFound as e:
+                    assert old in str(e)
+                new = client.model("org/m", revision="main")
+                assert new.commit != old
+                assert values(new.fetch(prefix="")) == values(arrays(2.0))

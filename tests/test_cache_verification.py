@@ -162,6 +162,26 @@ def test_unchanged_stamp_costs_no_read_and_a_rehash_that_matches_keeps_the_file(
         assert record["stamp"] == list(file_stamp(weights.stat()))
 
 
+def test_a_full_check_finds_bytes_changed_under_an_unchanged_stamp(tmp_path: Path) -> None:
+    root = tmp_path / "origin"
+    write_model(root, "org/m", 64 << 10, seed=6)
+    origin = CountingOrigin(open_origin(root.as_uri()))
+    with NodeCache(origin, tmp_path / "cache", LIMIT) as cache:
+        cache.ensure("org/m", files_of(origin, "org/m"))
+    weights = tmp_path / "cache" / "data" / "org/m/model.safetensors"
+    corrupt_in_place(weights)
+    state_path = tmp_path / "cache" / "state" / "org%2Fm.json"
+    state = json.loads(state_path.read_text())
+    state["files"]["org/m/model.safetensors"]["stamp"] = list(file_stamp(weights.stat()))
+    state_path.write_text(json.dumps(state))  # bit rot: the stamp says nothing changed
+    with NodeCache(origin, tmp_path / "cache", LIMIT) as cache:
+        cache.check("org/m")
+        assert cache.snapshot().corrupt_files == 0 and cache.cached_models() == ["org/m"]
+        cache.check("org/m", full=True)  # every byte read: an operator's verify
+        assert cache.snapshot().corrupt_files == 1 and cache.cached_models() == []
+        assert not weights.exists()
+
+
 def test_a_file_written_in_place_is_dropped_on_its_file_system_event(tmp_path: Path) -> None:
     root = tmp_path / "origin"
     written = write_model(root, "org/m", 64 << 10, seed=5)

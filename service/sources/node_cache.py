@@ -345,17 +345,18 @@ class NodeCache:
 
     # -- verification ------------------------------------------------------------------------
 
-    def check(self, model_id: str) -> None:
+    def check(self, model_id: str, *, full: bool = False) -> None:
         """Drop the model's cached files that no longer match their fill record (one ``stat``
-        each; a file whose stamp changed is hashed again), so its next use fills them again.
-        Nothing is checked while the model is being filled."""
+        each; a file whose stamp changed is hashed again; with ``full`` every file is hashed,
+        which also finds bytes changed under an unchanged stamp), so its next use fills them
+        again. Nothing is checked while the model is being filled."""
         with self._lock:
             state = self._states.get(model_id)
             if state is None or model_id in self._fills:
                 return
             records = list(state.files.items())
         for name, record in records:
-            self._verify(model_id, name, record)
+            self._verify(model_id, name, record, full=full)
 
     def check_all(self) -> None:
         """``check`` every cached model (a rescan)."""
@@ -468,17 +469,18 @@ class NodeCache:
             retry_after=REFILL_RETRY_SECONDS,
         )
 
-    def _verify(self, model_id: str, name: str, record: FillRecord) -> bool:
+    def _verify(self, model_id: str, name: str, record: FillRecord, *, full: bool = False) -> bool:
         """Whether a cached file still is what its record says: one ``stat`` while its stamp
-        is the recorded one, else its bytes hashed again (a match is recorded with the new
-        stamp). A file that does not match is dropped, logged and counted."""
+        is the recorded one (unless ``full``), else its bytes hashed again (a match is
+        recorded with the new stamp). A file that does not match is dropped, logged and
+        counted."""
         path = self.data_dir / name
         try:
             stamp = file_stamp(path.stat())
         except OSError:
             self._drop(model_id, name, record)  # gone: filled again, nothing was served
             return False
-        if stamp == record.stamp:
+        if stamp == record.stamp and not full:
             return True
         if stamp.size != record.size:
             found = f"{stamp.size} bytes"

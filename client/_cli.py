@@ -1,4 +1,5 @@
-"""The ``weightserve`` command: ``serve`` (needs the server extra), ``ls`` and ``pull``."""
+"""The ``weightserve`` command: ``serve`` (needs the server extra), ``ls``, ``pull`` and
+``cache`` (client/_cache_cli.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from weightserve.client._arg_types import positive_int
+from weightserve.client._cache_cli import add_cache_parser
 from weightserve.client.errors import WeightserveError
 
 _SERVER_EXTRA = "pip install 'weightserve[server]'"
@@ -147,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pull.add_argument("--quiet", action="store_true", help="no progress bar")
     pull.set_defaults(func=_pull)
+    add_cache_parser(sub, _CommandParser, token_help)
     return parser
 
 

@@ -158,14 +158,24 @@ class HttpTransport:
 
     def _json(self, path: str, missing: dict[str, Any] | None = None) -> dict[str, Any]:
         """The JSON at ``path``; with ``missing`` given, that instead of a 404's error."""
-        conn, resp = self._request("GET", path, ok=(200,) if missing is None else (200, 404))
+        ok = (200,) if missing is None else (200, 404)
+        status, body = self._answer("GET", path, ok)
+        return body if status == 200 else dict(missing or {})
+
+    def request_json(self, method: str, path: str, ok: tuple[int, ...] = (200,)) -> dict[str, Any]:
+        """The JSON answer of any route (the operator's admin routes); another status raises
+        the server's error as its class."""
+        return self._answer(method, path, ok)[1]
+
+    def _answer(self, method: str, path: str, ok: tuple[int, ...]) -> tuple[int, Any]:
+        conn, resp = self._request(method, path, ok=ok)
         try:
             raw = resp.read()
         except (OSError, http.client.HTTPException) as e:
             conn.close()
             raise TransportError(f"{self.address.url}{path}: {e}") from e
         self.release(conn, resp)
-        return json.loads(raw) if resp.status == 200 else dict(missing or {})
+        return resp.status, json.loads(raw) if raw else None
 
     def list_models(self) -> dict[str, Any]:
         return self._json("/v1/models")

@@ -2,10 +2,13 @@
 gRPC, Flight, the same-node handoff).
 
 The token file holds one token per line, optionally followed by the model ids (or
-``fnmatch`` patterns) it may read; a token with no patterns may read every model::
+``fnmatch`` patterns) it may read; a token with no patterns may read every model.
+``admin=PATTERN`` lets the token use the operator's routes (prefetch, evict, verify a node
+cache's models) on the models PATTERN matches; it adds nothing to what the token reads::
 
     s3cr3t-token-for-everything
     team-a-token   team-a/*  shared/base-model
+    ops-token      admin=*
 
 Blank lines and lines starting with ``#`` are ignored. The file is re-read when it changes
 (checked at most once a second), so tokens rotate without a restart.
@@ -26,11 +29,14 @@ from pathlib import Path
 from weightserve.client.errors import InvalidRequest, PermissionDenied, Unauthenticated
 from weightserve.client.wire.routes import split_revision
 
+ADMIN_KEYWORD = "admin="
+
 
 @dataclass(frozen=True)
 class Grant:
     token: str
     patterns: tuple[str, ...]  # empty: every model
+    admin: tuple[str, ...] = ()  # models it may administer (``admin=PATTERN``); empty: none
 
     def may_read(self, model_id: str) -> bool:
         """Whether a pattern names the model; a grant for a model covers its revisions
@@ -41,6 +47,9 @@ class Grant:
         return not self.patterns or any(
             fnmatch.fnmatchcase(name, p) for name in names for p in self.patterns
         )
+
+    def may_administer(self, model_id: str) -> bool:
+        return any(fnmatch.fnmatchcase(model_id, p) for p in self.admin)
 
     @property
     def identity(self) -> str:
@@ -53,8 +62,14 @@ def parse_tokens(text: str) -> list[Grant]:
     grants = []
     for line in text.splitlines():
         fields = line.split("#", 1)[0].split()
-        if fields:
-            grants.append(Grant(fields[0], tuple(p.rstrip(",") for p in fields[1:])))
+        if not fields:
+            continue
+        patterns = [p.rstrip(",") for p in fields[1:]]
+        admin = tuple(p[len(ADMIN_KEYWORD) :] for p in patterns if p.startswith(ADMIN_KEYWORD))
+        if "" in admin:
+            raise ValueError(f"{ADMIN_KEYWORD} needs a model id or pattern (admin=*: every model)")
+        reads = tuple(p for p in patterns if not p.startswith(ADMIN_KEYWORD))
+        grants.append(Grant(fields[0], reads, admin))
     return grants
 
 
@@ -118,6 +133,25 @@ class Access:
     def check(self, model_id: str) -> None:
         if not self.may_read(model_id):
             raise PermissionDenied(f"this token may not read model {model_id!r}")
+
+    def check_admin(self, model_id: str, *, on_this_node: bool) -> None:
+        """The operator's routes (prefetch, evict, verify): with tokens, the grant's
+        ``admin=`` patterns must match the model; without a token file, only a caller on this
+        node (loopback, the Unix socket) may use them, since anyone who reaches the port
+        could otherwise empty the cache."""
+        if self.grant is None:
+            if not on_this_node:
+                raise PermissionDenied(
+                    "the operator routes answer only callers on this node (loopback or the Unix "
+                    "socket) while the server has no token file; give it --token-file with an "
+                    "admin=PATTERN grant to use them from elsewhere"
+                )
+            return
+        if not self.grant.may_administer(model_id):
+            raise PermissionDenied(
+                f"this token may not administer model {model_id!r}: its line in the token file "
+                "needs admin=PATTERN matching it"
+            )
 
 
 OPEN_ACCESS = Access(None)

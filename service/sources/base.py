@@ -24,6 +24,26 @@ class Problem:
     reason: str
 
 
+class CacheControls(Protocol):
+    """An operator's controls of a node cache (the admin routes): each answers JSON-ready."""
+
+    def cache_state(self, model_id: str) -> dict[str, Any]:
+        """``{id, state, bytes_done, bytes_total, pinned}``, ``error`` after a failed fill."""
+        ...
+
+    def prefetch(self, model_id: str) -> dict[str, Any]:
+        """Start the model's fill without a load; its state."""
+        ...
+
+    def evict(self, model_id: str) -> dict[str, Any]:
+        """Remove the model now, unless streamed, being filled or pinned."""
+        ...
+
+    def verify(self, model_id: str) -> dict[str, Any]:
+        """Re-check its cached files against the origin; a model that fails is evicted."""
+        ...
+
+
 class ModelSource(Protocol):
     """The models a server serves, by id: the one seam between sources and everything else.
 
@@ -31,7 +51,7 @@ class ModelSource(Protocol):
     cache, served through a local catalog of the cache) implement it; callers ask it, never
     which source they hold. ``get("ID@R")`` answers revision R of a model from the revisions
     the source holds (service/sources/pinning.py): a source that keeps older revisions' files
-    offers them there. Room is left for metadata answered before a fill beside ``get``,
+    offers them there. ``describe`` answers metadata before a fill. Room is left for
     publish and watch.
     """
 
@@ -94,6 +114,11 @@ class ModelSource(Protocol):
         ...
 
     @property
+    def cache_controls(self) -> CacheControls | None:
+        """The operator's controls of the node cache; None without one."""
+        ...
+
+    @property
     def pending_revisions(self) -> int:
         """How many models' content revisions are not computed yet."""
         ...
@@ -115,6 +140,12 @@ class ModelSource(Protocol):
         """The model as its files are now (``ID@R``: revision R of it, or RevisionNotFound
         naming those held), or ModelNotFound (a suggestion only among ids ``may_read``
         allows), ModelUnavailable, ModelFilling, OriginUnavailable."""
+        ...
+
+    def describe(self, model_id: str, may_read: Callable[[str], bool] | None = None) -> Model:
+        """The model's index, metadata and files, as ``get`` raises for it, without copying
+        it: over a node cache an uncached model is described from its headers (no tensor
+        byte is served from what this returns; ``get`` the model for that)."""
         ...
 
     def using(self, model_id: str) -> AbstractContextManager[None]:

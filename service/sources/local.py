@@ -104,6 +104,7 @@ class Catalog:
     watch_files = True  # files are put there by other hands: a watcher rescans sooner
     origin_error = None  # no origin to list
     cache_stats = None  # no node cache
+    cache_controls = None  # nothing for an operator to prefetch, evict or verify
 
     def __init__(
         self,
@@ -569,6 +570,10 @@ class Catalog:
         if not held:
             return self.get(model_id, may_read)  # ModelNotFound, or why it is refused
         return pick_revision(model_id, revision, held)
+
+    def describe(self, model_id: str, may_read: Callable[[str], bool] | None = None) -> Model:
+        """The model as ``get`` gives it: its files are all here."""
+        return self.get(model_id, may_read)
 
     @contextlib.contextmanager
     def using(self, model_id: str) -> Iterator[None]:

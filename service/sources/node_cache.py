@@ -97,6 +97,11 @@ def parse_size(text: str | int) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+class EvictionRefused(ResourceExhausted):
+    """An operator's evict of a model streamed, being filled or pinned (server only: the admin
+    route answers it 409 Conflict)."""
+
+
 @dataclass
 class CacheStats:
     """Counters since start (and two gauges) for the server's metrics."""
@@ -316,6 +321,30 @@ class NodeCache:
             if fill is None:
                 return None
             return FillProgress(model_id, fill.done_bytes, fill.total, fill.started)
+
+    def evict(self, model_id: str) -> int:
+        """Remove the whole model now (an operator's evict): the bytes freed. EvictionRefused
+        while it is streamed, being filled or pinned; ModelNotFound when it is not held."""
+        with self._lock:
+            holds = self._holds.get(model_id, 0)
+            refusal = (
+                "is pinned (--pin): pinned models are never evicted"
+                if model_id in self.pins
+                else "is being filled; evict it once the fill ends"
+                if model_id in self._fills
+                else f"is in use by {holds} stream(s); evict it when they end"
+                if holds
+                else None
+            )
+            if refusal is not None:
+                temporary = model_id not in self.pins
+                raise EvictionRefused(
+                    f"model {model_id!r} {refusal}",
+                    retry_after=FULL_RETRY_SECONDS if temporary else None,
+                )
+            if model_id not in self._states:
+                raise ModelNotFound(f"model {model_id!r} is not in this node's cache")
+            return self._evict(model_id)
 
     def cached_models(self) -> list[str]:
         """Ids of the models held whole (servable even while the origin is down)."""

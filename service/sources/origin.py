@@ -32,6 +32,7 @@ from weightserve.client.errors import (
 )
 from weightserve.client.wire.routes import split_revision
 from weightserve.service.sources.base import Problem
+from weightserve.service.sources.headers import HeaderImages
 from weightserve.service.sources.layout import (
     base_model_id,
     checkpoint_format,
@@ -43,7 +44,12 @@ from weightserve.service.sources.layout import (
 )
 from weightserve.service.sources.local import Catalog
 from weightserve.service.sources.model import Model
-from weightserve.service.sources.node_cache import CacheDigests, CacheStats, NodeCache
+from weightserve.service.sources.node_cache import (
+    CacheDigests,
+    CacheStats,
+    EvictionRefused,
+    NodeCache,
+)
 from weightserve.service.sources.origins import Origin, OriginFile
 from weightserve.service.sources.revisions import DigestStore
 
@@ -153,7 +159,10 @@ class OriginCatalog:
         self._fills: dict[str, concurrent.futures.Future[None]] = {}
         self._fills_lock = threading.Lock()
         self._ensured: dict[str, tuple[OriginFile, ...]] = {}  # the listing each fill matched
+        self._fill_errors: dict[str, BaseException] = {}  # why each model's last fill failed
         self._list_origin()
+        # Metadata of models not cached, from their headers (describe), beside the cache's data.
+        self.headers = HeaderImages(self.origin, cache.directory / "headers")
         self.local = Catalog(
             cache.data_dir,
             recheck_seconds=recheck_seconds,
@@ -303,13 +312,31 @@ class OriginCatalog:
             self.local.scan()
         return self.local.get(model_id, may_read)
 
-    def _fill(self, model_id: str, files: tuple[OriginFile, ...] | None) -> None:
+    def describe(self, model_id: str, may_read: Callable[[str], bool] | None = None) -> Model:
+        """The model's metadata: a model listed by the origin and not cached is described
+        from ranged reads of its headers (``HeaderImages``), without a fill; any other is what
+        ``get`` answers (a cached model, or the error a request gets)."""
+        base = base_model_id(validate_model_id(model_id))
+        remote = self.remote.get(base)
+        cached = base in self.cache.cached_models()  # as listed, or refreshed by ``get``
+        if remote is None or self.origin_error is not None or cached:
+            return self.get(model_id, may_read)
+        return self.headers.model(model_id, base, remote.files, may_read)
+
+    def _current(self, base: str, remote: RemoteModel) -> bool:
+        """Whether the cache holds the model as the origin lists it now."""
+        return base in self.cache.cached_models() and self._ensured.get(base) == remote.files
+
+    def _fill(
+        self, model_id: str, files: tuple[OriginFile, ...] | None, wait: float | None = None
+    ) -> None:
         """Fill the model (one fill for every concurrent request, whatever its transport) and
-        index it; a request waits ``fill_wait_seconds`` at most, then is told to retry with
-        the fill's progress, while the fill goes on."""
+        index it; a request waits ``fill_wait_seconds`` (or ``wait``) at most, then is told to
+        retry with the fill's progress, while the fill goes on."""
         with self._fills_lock:
             pending = self._fills.get(model_id)
             if pending is None:
+                self._fill_errors.pop(model_id, None)
                 pending = concurrent.futures.Future()
                 self._fills[model_id] = pending
                 threading.Thread(
@@ -319,7 +346,7 @@ class OriginCatalog:
                     daemon=True,
                 ).start()
         try:
-            pending.result(timeout=self.fill_wait_seconds)
+            pending.result(timeout=self.fill_wait_seconds if wait is None else wait)
         except concurrent.futures.TimeoutError:
             progress = self.cache.progress(model_id)
             done = (
@@ -353,6 +380,7 @@ class OriginCatalog:
                 self._ensured[model_id] = files
             self.local.scan()
         except BaseException as e:
+            self._fill_errors[model_id] = e  # for an operator's prefetch that nobody waits on
             pending.set_exception(e)
         else:
             pending.set_result(None)
@@ -365,3 +393,112 @@ class OriginCatalog:
         """Keep the model's files from eviction while a stream reads them."""
         with self.cache.using(base_model_id(model_id)):
             yield
+
+    # -- operator controls (the admin routes, service/transports/http/admin.py) ---------------
+
+    @property
+    def cache_controls(self) -> OriginCatalog:
+        return self
+
+    def cache_state(self, model_id: str) -> dict[str, Any]:
+        """The model's state in the cache: ``cached``, ``filling`` (bytes done of total) or
+        ``remote``, whether it is pinned, and why its last fill failed (``error``)."""
+        base = base_model_id(validate_model_id(model_id))
+        remote = self.remote.get(base)
+        if remote is None and base not in self.cache.cached_models():
+            raise ModelNotFound(f"No model {base!r} at the origin {self.origin.description}.")
+        progress = self.cache.progress(base)
+        state = self.state_of(base)
+        total = remote.total_bytes if remote is not None else 0
+        body: dict[str, Any] = {
+            "id": base,
+            "state": state,
+            "bytes_total": progress.bytes_total if progress is not None else total,
+            "bytes_done": progress.bytes_done
+            if progress is not None
+            else (total if state == "cached" else 0),
+            "pinned": base in self.cache.pins,
+        }
+        error = self._fill_errors.get(base)
+        if error is not None and progress is None:
+            body["error"] = f"{type(error).__name__}: {error}"
+        return body
+
+    def prefetch(self, model_id: str) -> dict[str, Any]:
+        """Start the model's fill unless the cache holds it as listed (the one fill requests
+        join; nobody waits for it), and say its state. What a request would be refused
+        before a fill (not found, refused, origin down) is raised here."""
+        base = base_model_id(validate_model_id(model_id))
+        remote = self.remote.get(base)
+        if remote is None or self.origin_error is not None:
+            self.get(model_id)  # a cached model, or the refusal a request gets
+        elif self._current(base, remote):
+            self.cache.touch(base)
+        else:
+            with contextlib.suppress(ModelFilling):
+                self._fill(base, remote.files, wait=0.5)  # a quick refusal (too large) shows
+        return self.cache_state(base)
+
+    def evict(self, model_id: str) -> dict[str, Any]:
+        """Remove the model from the cache now; EvictionRefused while it is streamed, being
+        filled or pinned, ModelNotFound when the cache does not hold it."""
+        base = base_model_id(validate_model_id(model_id))
+        freed = self.cache.evict(base)
+        self._ensured.pop(base, None)
+        self.local.scan()
+        return {"id": base, "state": self.state_of(base), "evicted_bytes": freed}
+
+    def verify(self, model_id: str) -> dict[str, Any]:
+        """Re-check each cached file of the model, every byte read again: against its fill
+        record (``NodeCache.check``, which drops a file that no longer matches), then against
+        the origin's listing: present, of the listed size, and (where the origin's version is
+        a content digest) of the listed content. A model that fails is evicted, so the next
+        request fills it again."""
+        base = base_model_id(validate_model_id(model_id))
+        if base not in self.cache.cached_models():
+            raise ModelNotFound(
+                f"model {base!r} is not in this node's cache: nothing to verify (prefetch it)"
+            )
+        self.cache.check(base, full=True)
+        remote = self.remote.get(base)
+        if remote is None:
+            raise ModelNotFound(
+                f"the origin {self.origin.description} no longer lists model {base!r}: evict it"
+            )
+        current = self._ensured.get(base) == remote.files
+        files = [self._check_file(base, f, current) for f in remote.files]
+        body: dict[str, Any] = {"id": base, "ok": all(f["status"] in _GOOD for f in files)}
+        body.update(files=files, evicted=False)
+        if not body["ok"]:
+            log.warning("model %r differs from the origin %s", base, self.origin.description)
+            try:
+                self.evict(base)
+                body["evicted"] = True
+            except EvictionRefused as e:
+                body["note"] = str(e)
+        return body
+
+    def _check_file(self, base: str, file: OriginFile, current: bool) -> dict[str, Any]:
+        path = self.cache.data_dir / file.name
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            dropped = self.cache.corruption(base)  # by the fill-record check just now
+            if dropped is not None:
+                return {"name": file.name, "status": "corrupt", "detail": dropped}
+            return {"name": file.name, "status": "missing"}
+        if size != file.size:
+            detail = f"{size} bytes, the origin lists {file.size}"
+            return {"name": file.name, "status": "corrupt", "detail": detail}
+        matches = self.origin.matches(file, path)
+        if matches is None:
+            return {"name": file.name, "status": "unchecked", "detail": "size only: the "
+                    "origin's version is no content digest"}  # fmt: skip
+        if matches:
+            return {"name": file.name, "status": "ok"}
+        # Filled from an older listing: the origin moved on, the bytes may be whole.
+        status = "corrupt" if current else "changed"
+        return {"name": file.name, "status": status, "detail": f"origin version {file.version}"}
+
+
+_GOOD = ("ok", "unchecked")  # a file that passed what could be checked

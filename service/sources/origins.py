@@ -16,16 +16,18 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import errno
+import hashlib
 import logging
 import os
 import queue
 import random
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import pyarrow.fs as pafs
@@ -57,6 +59,8 @@ RECEIVE_BYTES = 1 << 20
 LIST_CONCURRENCY = 16
 GCS_RETRY_SECONDS = 20  # how long the GCS client retries unless the URI says otherwise
 UPSTREAM_READ_TIMEOUT = 30.0  # longest silence tolerated from an upstream weightserve
+# An S3 ETag of a single-part upload: the MD5 of the object's bytes (a multipart one has "-N").
+_MD5_ETAG = re.compile(r"[0-9a-f]{32}")
 
 
 @dataclass(frozen=True)
@@ -86,8 +90,21 @@ class RetryPolicy:
 
 class Origin(Protocol):
     description: str  # for errors and logs, no credentials
+    # Whether each file's version is its xxh3-128 content digest, as weightserve names files
+    # (an upstream weightserve): revisions are then known before a fill.
+    lists_content_digests: bool
 
     def list_files(self) -> list[OriginFile]: ...
+
+    def read_range(self, file: OriginFile, offset: int, length: int) -> bytes:
+        """``length`` bytes of the file from ``offset`` (fewer at its end), of the version
+        ``file`` names: OriginChanged once it changed. For headers: one request per call."""
+        ...
+
+    def matches(self, file: OriginFile, path: Path) -> bool | None:
+        """Whether ``path`` holds the file's bytes, where its version tells (a content digest);
+        None where it does not (then only the size can be compared)."""
+        ...
 
     def fetch(
         self,
@@ -159,6 +176,8 @@ def _secrets_of(uri: str) -> list[str]:
 
 class FileSystemOrigin:
     """Objects below a prefix of a ``pyarrow.fs`` file system (S3, GCS, local)."""
+
+    lists_content_digests = False  # ETags (MD5 at best) or size and mtime
 
     def __init__(self, uri: str) -> None:
         self._secrets = _secrets_of(uri)
@@ -333,6 +352,31 @@ class FileSystemOrigin:
             _remove(dest)
             raise
 
+    def read_range(self, file: OriginFile, offset: int, length: int) -> bytes:
+        key = self._key(file.name)
+
+        def read() -> bytes:
+            with self.fs.open_input_file(key) as source:  # on S3 a HEAD: the version
+                if self._stat(key, source) != (file.size, file.version):
+                    raise OriginChanged(
+                        f"origin {self.description}: {file.name} changed since it was listed; "
+                        "list it again"
+                    )
+                source.seek(offset)
+                return bytes(source.read(length))
+
+        try:
+            return self._attempt(f"read bytes {offset}-{offset + length - 1} of {file.name}", read)
+        except FileNotFoundError as e:
+            raise OriginChanged(
+                f"origin {self.description}: {file.name} vanished; list it again"
+            ) from e
+
+    def matches(self, file: OriginFile, path: Path) -> bool | None:
+        if self._local or not _MD5_ETAG.fullmatch(file.version):
+            return None
+        return _file_digest(path, hashlib.md5(usedforsecurity=False)) == file.version
+
 
 # ------------------------------------------------------------------ an upstream weightserve
 
@@ -340,6 +384,8 @@ class FileSystemOrigin:
 class UpstreamOrigin:
     """The files of every model of another weightserve, through its files API (HTTP Range
     requests); names are ``MODEL_ID/FILE_NAME``, versions the files' ETags (xxh3-128)."""
+
+    lists_content_digests = True
 
     def __init__(
         self,
@@ -505,6 +551,36 @@ class UpstreamOrigin:
             )
         return digest
 
+    def read_range(self, file: OriginFile, offset: int, length: int) -> bytes:
+        model, name = self._split(file.name)
+
+        def receive() -> bytes:
+            source = self.transport.open_file(model, name, offset, length)
+            try:
+                if (source.etag, source.size) != (file.version, file.size):
+                    raise OriginChanged(
+                        f"origin {self.description}: {file.name} changed since it was listed; "
+                        "list it again"
+                    )
+                buffer = memoryview(bytearray(length))
+                done = 0
+                while done < length and (got := source.readinto(buffer[done:])):
+                    done += got
+                return bytes(buffer[:done])
+            finally:
+                source.close()
+
+        try:
+            what = f"read bytes {offset}-{offset + length - 1} of {file.name}"
+            return self._attempt(what, receive)
+        except NotFound as e:
+            raise OriginChanged(
+                f"origin {self.description}: {file.name} vanished; list it again"
+            ) from e
+
+    def matches(self, file: OriginFile, path: Path) -> bool | None:
+        return _file_digest(path, xxhash.xxh3_128()) == file.version
+
     def close(self) -> None:
         self.transport.close()
 
@@ -584,11 +660,15 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 
 def _xxh3_128_file(path: Path) -> str:
-    h = xxhash.xxh3_128()
+    return _file_digest(path, xxhash.xxh3_128())
+
+
+def _file_digest(path: Path, h: Any) -> str:
+    """The hex digest of the file's bytes by ``h`` (a hashlib or xxhash object)."""
     with open(path, "rb") as f:
         while block := f.read(16 << 20):
             h.update(block)
-    return h.hexdigest()
+    return str(h.hexdigest())
 
 
 def _remove(path: Path) -> None:

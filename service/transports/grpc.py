@@ -144,7 +144,8 @@ class WeightService:
 
     @_unary_call("model_info")
     def GetModel(self, request: pb.GetModelRequest, context: grpc.ServicerContext) -> Any:
-        model = self.state.readable_model(self._access(context), request.model)
+        # Metadata: a node cache describes an uncached model from its headers, no fill.
+        model = self.state.readable_metadata(self._access(context), request.model)
         info = models_view.model_info(model)
         return pb.ModelInfo(
             id=info["id"],

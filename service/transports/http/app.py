@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 
 from weightserve.client.errors import InvalidRequest, WeightserveError
 from weightserve.service.serving.state import ServiceState
+from weightserve.service.transports.http.admin import add_admin_routes
 from weightserve.service.transports.http.browser import add_browser_routes
 from weightserve.service.transports.http.common import access_check, error_response
 from weightserve.service.transports.http.docs import add_offline_docs
@@ -66,6 +67,7 @@ def create_app(state: ServiceState) -> FastAPI:
     add_tensor_routes(app, streams)
     add_browser_routes(app, state, access)  # the page at / and its stats route
     add_file_routes(app, state, access)
+    add_admin_routes(app, state, access)
     add_legacy_routes(app, streams)
     add_model_info_route(app, state, access)  # any path below /v1/models/: after those above
     # Last: the Hub's layout (/api/models/..., /{repo}/resolve/...) takes only what no route

@@ -122,16 +122,31 @@ class HubRepos:
             return readings[0]
         return "/".join(unquote(p) for p in parts), []
 
-    def model(self, caller: Access, repo_id: str, revision: str) -> Model:
-        """The model a repo id at a Hub revision names (see the module docstring)."""
+    def model(self, caller: Access, repo_id: str, revision: str, metadata: bool = False) -> Model:
+        """The model a repo id at a Hub revision names (see the module docstring). With
+        ``metadata`` (model info, listings), a node cache's uncached model is described from
+        its headers instead of filled, where its commit is known before a fill: Hub clients
+        pin the commit they are given."""
         state = self.state
-        if revision in ("", DEFAULT_REVISION):
+
+        def main() -> Model:
+            if metadata:
+                described = state.readable_metadata(caller, repo_id)
+                if described.commit:
+                    return described
             return state.readable_model(caller, repo_id)
+
+        if revision in ("", DEFAULT_REVISION):
+            return main()
+        if metadata:
+            current = main()  # a node cache's model, described before its fill
+            if revision in (current.revision, current.commit):
+                return current
         if any(c in revision for c in _NOT_IN_IDS):  # refs/pr/1: reachable by commit only
-            main = state.readable_model(caller, repo_id)  # an unknown repo: RepoNotFound first
+            current = main()  # an unknown repo: RepoNotFound first
             raise RevisionNotFound(
                 f"repository {repo_id!r} has no revision {revision!r} on this server: it "
-                f"serves 'main' at commit {main.commit}"
+                f"serves 'main' at commit {current.commit}"
             )
         return state.readable_model(caller, with_revision(repo_id, revision))
 
@@ -197,7 +212,7 @@ def add_hub_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -> No
             revision = unquote(rest[1]) if len(rest) > 1 else DEFAULT_REVISION
             if action not in ("revision", "tree") or (action == "revision" and len(rest) > 2):
                 raise NotFound(f"no Hub route /api/models/{path}")
-            model = repos.model(caller, repo_id, revision)
+            model = repos.model(caller, repo_id, revision, metadata=True)
             if action == "revision":
                 return JSONResponse(_model_info(model, repo_id))
             under = "/".join(unquote(p) for p in rest[2:])
@@ -220,7 +235,7 @@ def add_hub_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -> No
                 caller = access(http)
                 if len(rest) != 2:
                     raise NotFound(f"no Hub route POST /api/models/{path}")
-                model = repos.model(caller, repo_id, unquote(rest[1]))
+                model = repos.model(caller, repo_id, unquote(rest[1]), metadata=True)
                 wanted = {p.strip("/") for p in form.get("paths", [])}
                 listing = _tree_entries(model, "", recursive=True)
                 return JSONResponse([e for e in listing if e["path"] in wanted])

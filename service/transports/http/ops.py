@@ -79,11 +79,13 @@ def add_operations_routes(app: FastAPI, state: ServiceState, access: AccessCheck
 def model_info_response(
     state: ServiceState, access: AccessCheck, model_id: str, request: Request
 ) -> Response:
-    """One model's info, with its revision as ETag (304 for a matching ``If-None-Match``)."""
-    m = state.readable_model(access(request), model_id)
+    """One model's info, with its revision as ETag (304 for a matching ``If-None-Match``).
+    Over a node cache an uncached model is described from its headers, not filled; where its
+    revision is not known before a fill (object storage), it is "" and there is no ETag."""
+    m = state.readable_metadata(access(request), model_id)
     etag = f'"{m.revision}"'
-    headers = {"etag": etag, "cache-control": "no-cache"}
-    if request.headers.get("if-none-match") == etag:
+    headers = {"etag": etag, "cache-control": "no-cache"} if m.revision else {}
+    if m.revision and request.headers.get("if-none-match") == etag:
         return Response(status_code=304, headers=headers)
     return JSONResponse(models_view.model_info(m), headers=headers)
 

@@ -1,0 +1,149 @@
+"""Metadata of a node cache's uncached models without a fill: model info, the tensor index, the
+Hub's model_info and paths-info are answered from ranged reads of headers (safetensors, GGUF,
+PyTorch zip) and the shard index, through an upstream weightserve and a real S3 server; the
+origin bytes are counted with a TCP proxy, and the cache stays empty until tensor bytes are
+asked for.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from huggingface_hub import HfApi
+
+from tests.support import fixtures_gguf, fixtures_safetensors, fixtures_torch
+from tests.support._util import http_request
+from tests.support.byte_proxy import ByteCountingProxy
+from tests.support.s3_server import S3Server
+from tests.test_origin_serving import config, node_cache
+from weightserve.client import Client
+from weightserve.service.server import WeightServer
+
+MIB = 1 << 20
+BIG = "org/big"  # 256 MiB of weights in two shards, with an index and side files
+
+
+def write_big(root: Path) -> None:
+    model = root / BIG
+    model.mkdir(parents=True)
+    half = (128 * MIB) // 4
+    weight_map = {}
+    for shard in (1, 2):
+        name = f"model-0000{shard}-of-00002.safetensors"
+        tensors = {
+            f"layers.{shard}.w": np.full(half - 4096, shard, dtype=np.float32),
+            f"layers.{shard}.b": np.arange(4096, dtype=np.float32),
+        }
+        fixtures_safetensors.save_file(tensors, model / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+    (model / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
+    (model / "config.json").write_text('{"model_type": "llama"}\n')
+    (model / "tokenizer.json").write_text('{"version": "1.0"}\n' + " " * 200_000)
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("repository")
+    write_big(root)
+    (root / "q").mkdir()
+    fixtures_gguf.write_mixed(root / "q" / "tiny.gguf")
+    (root / "pt").mkdir()
+    fixtures_torch.write_views(root / "pt" / "pytorch_model.bin")
+    return root
+
+
+@pytest.fixture(scope="module")
+def upstream(repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WeightServer]:
+    with WeightServer(config(str(repository), tmp_path_factory.mktemp("upstream"))) as server:
+        yield server
+
+
+def assert_cache_empty(server: WeightServer) -> None:
+    cache = node_cache(server)
+    stats = cache.snapshot()
+    assert stats.fills == 0 and stats.bytes_used == 0 and not cache.cached_models()
+    assert not [p for p in cache.data_dir.rglob("*") if p.is_file()]
+
+
+def info(port: int, model_id: str) -> dict:
+    reply = http_request(port, f"/v1/models/{model_id}")
+    assert reply.status == 200, reply.body[:300]
+    return reply.json()
+
+
+def test_model_info_and_hub_metadata_of_an_uncached_256_mib_model_cost_under_1_mib(
+    upstream: WeightServer, tmp_path: Path
+) -> None:
+    want = info(upstream.http_port, BIG)
+    with (
+        ByteCountingProxy(upstream.http_port) as proxy,
+        WeightServer(config(f"http://127.0.0.1:{proxy.port}", tmp_path)) as node,
+    ):
+        proxy.reset()  # the start lists the upstream's models and files
+        got = info(node.http_port, BIG)
+        # The upstream lists content digests: the node names the same revision before a fill.
+        assert got == want
+        hub = HfApi(endpoint=node.http_url)
+        model = hub.model_info(BIG, files_metadata=True)
+        upstream_model = HfApi(endpoint=upstream.http_url).model_info(BIG, files_metadata=True)
+        assert model.sha == upstream_model.sha
+        assert {s.rfilename: s.size for s in model.siblings or []} == {
+            s.rfilename: s.size for s in upstream_model.siblings or []
+        }
+        paths = hub.get_paths_info(BIG, ["config.json", "model.safetensors.index.json"])
+        assert sorted(p.path for p in paths) == ["config.json", "model.safetensors.index.json"]
+        assert proxy.bytes_from_upstream < MIB, proxy.bytes_from_upstream
+        assert_cache_empty(node)
+        # Tensor bytes fill the model, once, and the metadata stays the same.
+        with Client(node.http_url, retry_seconds=30) as client:
+            got_bytes = client.model(BIG).fetch(["layers.2.b"])["layers.2.b"]
+        assert got_bytes.tobytes() == np.arange(4096, dtype=np.float32).tobytes()
+        assert node_cache(node).cached_models() == [BIG]
+        assert info(node.http_port, BIG) == want
+
+
+@pytest.mark.parametrize("model_id", ["q/tiny.gguf", "pt"])
+def test_gguf_and_pytorch_metadata_without_a_fill(
+    upstream: WeightServer, repository: Path, tmp_path: Path, model_id: str
+) -> None:
+    want = info(upstream.http_port, model_id)
+    for root in (f"http://127.0.0.1:{upstream.http_port}", repository.as_uri()):
+        with WeightServer(config(root, tmp_path / root.partition(":")[0])) as node:
+            got = info(node.http_port, model_id)
+            if root.startswith("file:"):  # no content digests listed: known once filled
+                for key in ("revision", "commit"):
+                    assert got.get(key, "") == ""
+                    got[key] = want.get(key)
+            assert got == want
+            assert_cache_empty(node)
+
+
+@pytest.mark.s3
+def test_s3_model_info_of_an_uncached_model_costs_headers_alone(
+    s3_server: S3Server, upstream: WeightServer, repository: Path, tmp_path: Path
+) -> None:
+    s3_server.upload(repository / "q", "headers/q")
+    s3_server.upload(repository / "pt", "headers/pt")
+    small = tmp_path / "small" / "m"
+    small.mkdir(parents=True)
+    fixtures_safetensors.save_file(
+        {"w": np.ones(8 * MIB // 4, dtype=np.float32)}, small / "model.safetensors"
+    )
+    s3_server.upload(tmp_path / "small", "headers")
+    with ByteCountingProxy(s3_server.port) as proxy:
+        uri = s3_server.uri("headers", port=proxy.port)
+        with WeightServer(config(uri, tmp_path / "node")) as node:
+            proxy.reset()
+            got = info(node.http_port, "m")
+            assert [t["name"] for t in got["tensors"]] == ["w"] and got["revision"] == ""
+            for model_id in ("q/tiny.gguf", "pt"):
+                want = info(upstream.http_port, model_id)
+                assert info(node.http_port, model_id)["tensors"] == want["tensors"]
+            assert proxy.bytes_from_upstream < MIB, proxy.bytes_from_upstream
+            assert_cache_empty(node)

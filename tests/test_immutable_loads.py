@@ -9,12 +9,14 @@
   streams are tested the same way in test_revisions.py); after a load over HTTP and gRPC the
   received arrays are unchanged.
 - The snapshot is made once per file version and shared: two clients map the same memfd; it
-  is let go when the file changes; the budget is kept; an older client (no ``can_copy``) gets
-  such tensors over a stream.
+  is let go when the file changes; the budget is kept (a model larger than it keeps its first
+  snapshots and copies the rest); an older client (no ``can_copy``) gets such tensors over a
+  stream; the budget's setting.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -362,3 +364,36 @@ def test_streamed_loads_outlive_an_in_place_write(one_model, transport: str) -> 
             got = client.model("m").fetch(prefix="")
         overwrite(root / "m" / "model.safetensors", "shorter")
     assert digests_of(got) == digests_of(arrays)
+
+
+def test_a_model_larger_than_the_budget_keeps_its_snapshots(tmp_path, sockets) -> None:
+    """Room for one of two shards: the first is a snapshot, the second copied, on every load
+    (a shard being handed out is never let go to make room for the next)."""
+    root = tmp_path / "root"
+    (root / "two").mkdir(parents=True)
+    shards = [tensors(seed, 2, MIB) for seed in (31, 32)]
+    for i, arrays in enumerate(shards):
+        named = {f"s{i}.{name}": arr for name, arr in arrays.items()}
+        save_file(named, str(root / "two" / f"model-0000{i + 1}-of-00002.safetensors"))
+    size = (root / "two" / "model-00001-of-00002.safetensors").stat().st_size
+    with local_server(root, sockets, handoff_snapshot_bytes=size + 4096) as srv:
+        handoff = HandoffClient(handoff_socket_path(srv.config.uds))
+        for _ in range(2):
+            got = handoff.open("two", prefix="")
+            assert [f.kind for f in got.files] == [FILE_SEALED, FILE_COPY]
+            for i, arrays in enumerate(shards):
+                for name, arr in arrays.items():
+                    assert got.tensors[f"s{i}.{name}"].buffer.tobytes() == arr.tobytes()
+        assert srv._handoff.snapshots.bytes_held == size  # type: ignore[union-attr]
+
+
+def test_the_snapshot_budget_setting() -> None:
+    from weightserve.service.config import SETTINGS_BY_DEST, byte_budget
+
+    assert byte_budget("0") == 0 and byte_budget("8GiB") == 8 << 30
+    with pytest.raises(argparse.ArgumentTypeError):
+        byte_budget("plenty")
+    setting = SETTINGS_BY_DEST["handoff_snapshot_bytes"]
+    assert setting.env == "WEIGHTSERVE_HANDOFF_SNAPSHOT_BYTES"
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert 0 < snapshots.default_snapshot_bytes() <= total // 4

@@ -220,13 +220,18 @@ class SnapshotStore:
             snapshot.close()
 
     def _make_room(self, size: int) -> bool:
-        """Under the lock: let least recently used snapshots go until ``size`` fits."""
-        held = sum(s.size for s in self._snapshots.values()) + self._reserved
-        while held + size > self.budget_bytes and self._snapshots:
-            key = next(iter(self._snapshots))
-            held -= self._snapshots[key].size
+        """Under the lock: let least recently used snapshots go until ``size`` fits. Those
+        a handoff is passing now stay: a model larger than the budget then gets its first
+        files as snapshots and the rest copied, instead of each file evicting the last."""
+        used = sum(s.size for s in self._snapshots.values()) + self._reserved
+        idle = [key for key, s in self._snapshots.items() if s.holds == 0]  # LRU first
+        if used - sum(self._snapshots[key].size for key in idle) + size > self.budget_bytes:
+            return False  # it would not fit even so: keep what is there
+        while used + size > self.budget_bytes:
+            key = idle.pop(0)
+            used -= self._snapshots[key].size
             self._drop(key)
-        return held + size <= self.budget_bytes
+        return True
 
     def _sweep(self) -> None:
         """Under the lock: let go of snapshots whose file is no longer that version."""

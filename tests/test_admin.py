@@ -87,6 +87,14 @@ def test_prefetch_evict_verify_over_http_on_this_node(
         assert reply.json()["evicted_bytes"] > 0 and catalog.cache.cached_models() == []
         assert admin(node.http_port, "GET", "big").json()["state"] == "remote"
 
+        # A revision: the one the origin lists is warmed, another is RevisionNotFound.
+        commit = http_request(upstream.http_port, "/v1/models/big").json()["commit"]
+        assert admin(node.http_port, "POST", f"big@{commit[:12]}", "prefetch").status == 202
+        assert wait_cached(node.http_port, "big")["state"] == "cached"
+        reply = admin(node.http_port, "POST", "big@0123456789ab", "prefetch")
+        assert reply.status == 404 and reply.error()[0] == "RevisionNotFound", reply.body
+        assert admin(node.http_port, "DELETE", "big").status == 200
+
         # Unknown models and models not cached say so.
         assert admin(node.http_port, "POST", "nope", "prefetch").status == 404
         assert admin(node.http_port, "DELETE", "big").status == 404

@@ -98,6 +98,9 @@ def test_model_info_and_hub_metadata_of_an_uncached_256_mib_model_cost_under_1_m
         }
         paths = hub.get_paths_info(BIG, ["config.json", "model.safetensors.index.json"])
         assert sorted(p.path for p in paths) == ["config.json", "model.safetensors.index.json"]
+        pinned = info(node.http_port, f"{BIG}@{want['commit'][:12]}")
+        assert pinned["commit"] == want["commit"] and pinned["tensors"] == want["tensors"]
+        assert http_request(node.http_port, f"/v1/models/{BIG}@0123456789ab").status == 404
         assert proxy.bytes_from_upstream < MIB, proxy.bytes_from_upstream
         assert_cache_empty(node)
         # Tensor bytes fill the model, once, and the metadata stays the same.

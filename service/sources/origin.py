@@ -30,7 +30,7 @@ from weightserve.client.errors import (
     OriginChanged,
     OriginUnavailable,
 )
-from weightserve.client.wire.routes import split_revision
+from weightserve.client.wire.routes import MAIN_REVISION, split_revision
 from weightserve.service.sources.base import Problem
 from weightserve.service.sources.headers import HeaderImages
 from weightserve.service.sources.layout import (
@@ -51,6 +51,7 @@ from weightserve.service.sources.node_cache import (
     NodeCache,
 )
 from weightserve.service.sources.origins import Origin, OriginFile
+from weightserve.service.sources.pinning import pick_revision
 from weightserve.service.sources.revisions import DigestStore
 
 log = logging.getLogger("weightserve.service")
@@ -315,13 +316,20 @@ class OriginCatalog:
     def describe(self, model_id: str, may_read: Callable[[str], bool] | None = None) -> Model:
         """The model's metadata: a model listed by the origin and not cached is described
         from ranged reads of its headers (``HeaderImages``), without a fill; any other is what
-        ``get`` answers (a cached model, or the error a request gets)."""
-        base = base_model_id(validate_model_id(model_id))
+        ``get`` answers (a cached model, or the error a request gets). ``ID@R`` is checked
+        against the revision the origin lists, where it lists content digests."""
+        plain, revision = split_revision(validate_model_id(model_id))
+        base = base_model_id(plain)
         remote = self.remote.get(base)
         cached = base in self.cache.cached_models()  # as listed, or refreshed by ``get``
         if remote is None or self.origin_error is not None or cached:
             return self.get(model_id, may_read)
-        return self.headers.model(model_id, base, remote.files, may_read)
+        described = self.headers.model(plain, base, remote.files, may_read)
+        if revision is None:
+            return described
+        if not described.commit:  # known once filled: the filled model answers for R
+            return self.get(model_id, may_read)
+        return pick_revision(plain, revision, {MAIN_REVISION: described})
 
     def _current(self, base: str, remote: RemoteModel) -> bool:
         """Whether the cache holds the model as the origin lists it now."""
@@ -403,7 +411,7 @@ class OriginCatalog:
     def cache_state(self, model_id: str) -> dict[str, Any]:
         """The model's state in the cache: ``cached``, ``filling`` (bytes done of total) or
         ``remote``, whether it is pinned, and why its last fill failed (``error``)."""
-        base = base_model_id(validate_model_id(model_id))
+        base = _cached_id(model_id)
         remote = self.remote.get(base)
         if remote is None and base not in self.cache.cached_models():
             raise ModelNotFound(f"No model {base!r} at the origin {self.origin.description}.")
@@ -427,11 +435,16 @@ class OriginCatalog:
     def prefetch(self, model_id: str) -> dict[str, Any]:
         """Start the model's fill unless the cache holds it as listed (the one fill requests
         join; nobody waits for it), and say its state. What a request would be refused
-        before a fill (not found, refused, origin down) is raised here."""
-        base = base_model_id(validate_model_id(model_id))
+        before a fill (not found, refused, origin down) is raised here; so is
+        RevisionNotFound for ``ID@R`` where the origin lists content digests (elsewhere the
+        fill is what the origin holds now, and a load of R checks it)."""
+        plain, revision = split_revision(validate_model_id(model_id))
+        base = base_model_id(plain)
         remote = self.remote.get(base)
+        if revision is not None and remote is not None and self.origin.lists_content_digests:
+            self.describe(model_id)
         if remote is None or self.origin_error is not None:
-            self.get(model_id)  # a cached model, or the refusal a request gets
+            self.get(plain)  # a cached model, or the refusal a request gets
         elif self._current(base, remote):
             self.cache.touch(base)
         else:
@@ -442,7 +455,7 @@ class OriginCatalog:
     def evict(self, model_id: str) -> dict[str, Any]:
         """Remove the model from the cache now; EvictionRefused while it is streamed, being
         filled or pinned, ModelNotFound when the cache does not hold it."""
-        base = base_model_id(validate_model_id(model_id))
+        base = _cached_id(model_id)
         freed = self.cache.evict(base)
         self._ensured.pop(base, None)
         self.local.scan()
@@ -454,7 +467,7 @@ class OriginCatalog:
         the origin's listing: present, of the listed size, and (where the origin's version is
         a content digest) of the listed content. A model that fails is evicted, so the next
         request fills it again."""
-        base = base_model_id(validate_model_id(model_id))
+        base = _cached_id(model_id)
         if base not in self.cache.cached_models():
             raise ModelNotFound(
                 f"model {base!r} is not in this node's cache: nothing to verify (prefetch it)"
@@ -502,3 +515,9 @@ class OriginCatalog:
 
 
 _GOOD = ("ok", "unchecked")  # a file that passed what could be checked
+
+
+def _cached_id(model_id: str) -> str:
+    """The model the cache holds for ``model_id``: ``org/name`` for ``org/name@R:fp16`` (a
+    node holds the files of one revision of a directory model)."""
+    return base_model_id(split_revision(validate_model_id(model_id))[0])

@@ -260,6 +260,14 @@ def _sealed(fd: int) -> bool:
     return seals & _IMMUTABLE_SEALS == _IMMUTABLE_SEALS
 
 
+def _kind(fd: int, described: dict[str, Any]) -> str:
+    """How this client takes a passed file's bytes: mapped when sealed (checked here) or the
+    server's own file; anything else, whatever the server says, copied."""
+    if _sealed(fd):
+        return FILE_SEALED
+    return FILE_OWNED if described.get("kind") == FILE_OWNED else FILE_COPY
+
+
 def _copy_range(fd: int, buffer: np.ndarray, offset: int, name: str) -> None:
     """Read ``buffer``'s length from ``fd`` at ``offset`` (``pread``: a truncated file ends
     the read short instead of faulting, as a mapping would)."""
@@ -285,9 +293,7 @@ def _map_and_check(answer: dict[str, Any], fds: list[int], verify: str) -> Hando
                 f"{f['name']} was truncated; the model reloads on its next request",
                 retry_after=RELOAD_WAIT,
             )
-        kind = (
-            FILE_SEALED if _sealed(fd) else FILE_OWNED if f.get("kind") == FILE_OWNED else FILE_COPY
-        )
+        kind = _kind(fd, f)
         out.files.append(HandedFile(f["name"], kind, (st.st_dev, st.st_ino)))
         if kind == FILE_COPY:
             maps.append(None)

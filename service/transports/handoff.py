@@ -280,7 +280,7 @@ class HandoffServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
                 }
                 for f in files
                 if (source := sources[f]) is not None
-            ],  # fmt: skip
+            ],
             "tensors": tensors,
             # Gathered on the way out (strided sources, inner-axis shards), or in a file an
             # older client would map although it may change: the client fetches these over

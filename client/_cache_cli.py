@@ -7,11 +7,13 @@ import argparse
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-from weightserve.client.transports.http import HttpTransport
-from weightserve.client.wire.routes import RESERVED_PART, parse_url
+from weightserve.client.wire.routes import RESERVED_PART
+
+if TYPE_CHECKING:
+    from weightserve.client.transports.http import HttpTransport
 
 ADMIN_PATH = "/v1/admin/cache"
 POLL_SECONDS = 0.5  # how often a prefetch's progress is asked for
@@ -55,6 +57,10 @@ def admin_path(model_id: str, action: str | None = None) -> str:
 
 
 def run_cache(args: argparse.Namespace) -> int:
+    # Imported when run, as the other commands do: `weightserve --help` stays quick.
+    from weightserve.client.transports.http import HttpTransport
+    from weightserve.client.wire.routes import parse_url
+
     try:
         address, in_url = parse_url(args.url)
     except ValueError as e:

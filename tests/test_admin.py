@@ -142,8 +142,14 @@ def test_admin_keyword_and_the_default_without_tokens() -> None:
     assert reader.patterns == ("org/*",) and reader.admin == ()
     assert operator.patterns == () and operator.admin == ("org/*", "big")
     Access(operator).check_admin("org/x", on_this_node=False)
+    # A grant for a model covers its revisions, as read grants do.
+    Access(operator).check_admin("big@main", on_this_node=False)
+    Access(operator).check_admin("org/x@0123456789ab:fp16", on_this_node=False)
+    assert not operator.may_administer("bigger@main")
     with pytest.raises(PermissionDenied, match="admin="):
         Access(reader).check_admin("org/x", on_this_node=True)
+    with pytest.raises(PermissionDenied, match="admin="):
+        Access(reader).check_admin("org/x@main", on_this_node=True)
     Access(None).check_admin("anything", on_this_node=True)
     with pytest.raises(PermissionDenied, match="token file"):
         Access(None).check_admin("anything", on_this_node=False)

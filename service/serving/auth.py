@@ -41,21 +41,25 @@ class Grant:
     def may_read(self, model_id: str) -> bool:
         """Whether a pattern names the model; a grant for a model covers its revisions
         (``ID@R`` is read as ``ID``)."""
-        names = {model_id}
-        with contextlib.suppress(InvalidRequest):  # a malformed id is refused where it is read
-            names.add(split_revision(model_id)[0])
-        return not self.patterns or any(
-            fnmatch.fnmatchcase(name, p) for name in names for p in self.patterns
-        )
+        return not self.patterns or _names_any(model_id, self.patterns)
 
     def may_administer(self, model_id: str) -> bool:
-        return any(fnmatch.fnmatchcase(model_id, p) for p in self.admin)
+        """Whether an ``admin=`` pattern names the model, its revisions covered as for reads."""
+        return _names_any(model_id, self.admin)
 
     @property
     def identity(self) -> str:
         """Who holds this token, safe to log and to show in errors: a short hash of it
         (never the token itself)."""
         return "token " + hashlib.sha256(self.token.encode()).hexdigest()[:12]
+
+
+def _names_any(model_id: str, patterns: tuple[str, ...]) -> bool:
+    """Whether a pattern matches ``model_id`` or, for ``ID@R``, ``ID``."""
+    names = {model_id}
+    with contextlib.suppress(InvalidRequest):  # a malformed id is refused where it is read
+        names.add(split_revision(model_id)[0])
+    return any(fnmatch.fnmatchcase(name, p) for name in names for p in patterns)
 
 
 def parse_tokens(text: str) -> list[Grant]:

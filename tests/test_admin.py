@@ -6,6 +6,7 @@ through an upstream weightserve and a real S3 server.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 from tests.support import fixtures_safetensors
 from tests.support._util import Reply, http_request
 from tests.support.s3_server import S3Server
+from tests.test_cache_verification import corrupt_in_place
 from tests.test_origin_serving import config, node_cache
 from tests.test_origins import write_repository
 from weightserve.client import Client
@@ -24,6 +26,7 @@ from weightserve.client.errors import PermissionDenied
 from weightserve.service.server import WeightServer
 from weightserve.service.serving.auth import Access, parse_tokens
 from weightserve.service.sources.origin import OriginCatalog
+from weightserve.service.sources.stamps import file_stamp
 
 READER = "reader-token"
 OPERATOR = "operator-token"  # may read everything, administer big only
@@ -99,6 +102,34 @@ def test_prefetch_evict_verify_over_http_on_this_node(
         assert admin(node.http_port, "POST", "nope", "prefetch").status == 404
         assert admin(node.http_port, "DELETE", "big").status == 404
         assert admin(node.http_port, "POST", "big", "verify").status == 404
+
+
+def test_verify_reads_every_byte_of_a_file_whose_stamp_is_unchanged(
+    upstream: WeightServer, tmp_path: Path
+) -> None:
+    """Bit rot: 16 bytes changed, the mtime put back and the fill record's stamp made to match
+    (so no cheap check at start or per request sees it); the operator's verify hashes every
+    byte against the fill record, reports the file, evicts it, and the next fill is whole."""
+    with WeightServer(config(upstream.http_url, tmp_path)) as node:
+        admin(node.http_port, "POST", "big", "prefetch")
+        assert wait_cached(node.http_port, "big")["state"] == "cached"
+        expected = Client(node.http_url).model("big").fetch(["w"])["w"]
+    shard = tmp_path / "node-cache" / "data" / "big" / "model.safetensors"
+    corrupt_in_place(shard)
+    state_path = tmp_path / "node-cache" / "state" / "big.json"
+    state = json.loads(state_path.read_text())
+    state["files"]["big/model.safetensors"]["stamp"] = list(file_stamp(shard.stat()))
+    state_path.write_text(json.dumps(state))
+    with WeightServer(config(upstream.http_url, tmp_path)) as node:
+        cache = node_cache(node)
+        assert cache.cached_models() == ["big"]  # the stamp says nothing changed
+        checked = admin(node.http_port, "POST", "big", "verify").json()
+        assert not checked["ok"] and checked["evicted"], checked
+        bad = [(f["name"], f["status"]) for f in checked["files"] if f["status"] != "ok"]
+        assert bad == [("big/model.safetensors", "corrupt")]
+        assert cache.snapshot().corrupt_files == 1 and cache.cached_models() == []
+        got = Client(node.http_url, retry_seconds=30).model("big").fetch(["w"])["w"]
+        np.testing.assert_array_equal(got, expected)  # filled again from the origin
 
 
 def test_evict_is_refused_while_in_use_or_pinned(upstream: WeightServer, tmp_path: Path) -> None:

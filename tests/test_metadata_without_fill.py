@@ -78,7 +78,7 @@ def info(port: int, model_id: str) -> dict:
 
 
 def test_model_info_and_hub_metadata_of_an_uncached_256_mib_model_cost_under_1_mib(
-    upstream: WeightServer, tmp_path: Path
+    upstream: WeightServer, repository: Path, tmp_path: Path
 ) -> None:
     want = info(upstream.http_port, BIG)
     with (
@@ -101,6 +101,15 @@ def test_model_info_and_hub_metadata_of_an_uncached_256_mib_model_cost_under_1_m
         pinned = info(node.http_port, f"{BIG}@{want['commit'][:12]}")
         assert pinned["commit"] == want["commit"] and pinned["tensors"] == want["tensors"]
         assert http_request(node.http_port, f"/v1/models/{BIG}@0123456789ab").status == 404
+        # Side files are fetched alone (what AutoConfig and tokenizers read): no fill.
+        for path, name in [
+            (f"/{BIG}/resolve/main/config.json", "config.json"),
+            (f"/v1/models/{BIG}/-/files/tokenizer.json", "tokenizer.json"),
+        ]:
+            reply = http_request(node.http_port, path)
+            assert reply.status == 200, reply.body[:300]
+            assert reply.body == (repository / BIG / name).read_bytes()
+            assert reply.headers["etag"] == http_request(upstream.http_port, path).headers["etag"]
         assert proxy.bytes_from_upstream < MIB, proxy.bytes_from_upstream
         assert_cache_empty(node)
         # Tensor bytes fill the model, once, and the metadata stays the same.

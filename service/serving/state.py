@@ -132,11 +132,11 @@ class ServiceState:
         access.check(model_id)
         return self.catalog.get(model_id, access.may_read)
 
-    def readable_metadata(self, access: Access, model_id: str) -> Model:
-        """The model's index and files for its metadata (``ModelSource.describe``: no fill),
-        if the caller may read it."""
+    def readable_metadata(self, access: Access, model_id: str, file: str | None = None) -> Model:
+        """The model's index and files for its metadata (``ModelSource.describe``: no fill;
+        with ``file``, that file servable), if the caller may read it."""
         access.check(model_id)
-        return self.catalog.describe(model_id, access.may_read)
+        return self.catalog.describe(model_id, access.may_read, file)
 
     def wait_for_streams(self, timeout: float) -> bool:
         """Block until every open stream ended (True) or the timeout passed (False)."""

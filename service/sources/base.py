@@ -142,10 +142,17 @@ class ModelSource(Protocol):
         allows), ModelUnavailable, ModelFilling, OriginUnavailable."""
         ...
 
-    def describe(self, model_id: str, may_read: Callable[[str], bool] | None = None) -> Model:
+    def describe(
+        self,
+        model_id: str,
+        may_read: Callable[[str], bool] | None = None,
+        file: str | None = None,
+    ) -> Model:
         """The model's index, metadata and files, as ``get`` raises for it, without copying
         it: over a node cache an uncached model is described from its headers (no tensor
-        byte is served from what this returns; ``get`` the model for that)."""
+        byte is served from what this returns; ``get`` the model for that). With ``file``
+        (a name in the model's repository), that file's bytes can be served from it: a side
+        file is fetched alone, a checkpoint fills the model."""
         ...
 
     def using(self, model_id: str) -> AbstractContextManager[None]:

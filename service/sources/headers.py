@@ -1,8 +1,9 @@
 """Metadata of a node cache's uncached models without a fill: each weight file as a sparse
 image of its size holding only the byte ranges its reader parses (fetched with ranged reads),
-a shard index fetched whole, other files as empty images of their size. The images lie apart
-from the cache's data and a local catalog indexes them with the unchanged readers; nothing is
-ever served from them but metadata.
+a shard index fetched whole, other files as empty images of their size until one is asked
+for (then fetched alone, whole and verified as a fill verifies it). The images lie apart from
+the cache's data and a local catalog indexes them with the unchanged readers; nothing is
+served from them but metadata and the side files fetched whole.
 
 What is read per format: safetensors, the 8-byte length and the JSON header; GGUF, a prefix
 that grows (doubling) until the header ends inside it; PyTorch zip, the first bytes, the
@@ -50,10 +51,12 @@ ReadRange = Callable[[int, int], bytes]  # (offset, length) -> the bytes there
 class HeaderModel(Model):
     """A model as its headers describe it before a fill: index, metadata, files and sizes. Its
     revision, commit and file digests are known only where the origin lists content digests
-    (an upstream weightserve); otherwise they are "" until the model is filled. No tensor or
-    file byte is ever served from it: its weight files are mostly holes."""
+    (an upstream weightserve); otherwise they are "" until the model is filled. Only the side
+    files in ``whole`` (fetched alone, verified) are ever read from it: its weight files are
+    mostly holes."""
 
     digests_known: bool = False
+    whole: frozenset[Path] = frozenset()
 
     @property
     def revision(self) -> str:
@@ -71,6 +74,8 @@ class HeaderModel(Model):
         return super().file_digest(path) if self.digests_known else ""
 
     def mapped(self, file: Path) -> MappedFile:
+        if file in self.whole:
+            return super().mapped(file)
         raise ModelUnavailable(
             f"model {self.id!r}: only its headers are on this node; its bytes are served once "
             "it is filled"
@@ -104,6 +109,7 @@ class HeaderImages:
         self.origin_bytes = 0
         self._digests = ListedDigests()
         self._made: dict[str, tuple[OriginFile, ...]] = {}  # model id -> files it shows
+        self._whole: set[Path] = set()  # side files' images that hold every byte, verified
         self._lock = threading.Lock()
         self._count_lock = threading.Lock()
         self._catalog = Catalog(self.directory, digests=self._digests, whole_models=self._made.keys)
@@ -114,16 +120,44 @@ class HeaderImages:
         base: str,
         files: tuple[OriginFile, ...],
         may_read: Callable[[str], bool] | None = None,
+        side_file: str | None = None,
     ) -> HeaderModel:
         """``model_id`` (of the directory or file model ``base``, whose origin files are
-        ``files``) as its headers describe it; images are made once per listing."""
+        ``files``) as its headers describe it; images are made once per listing. With
+        ``side_file`` (a name relative to the model; never a checkpoint), that file is
+        fetched whole first, so it can be served."""
         with self._lock:
             if self._made.get(base) != files:
                 self._make(base, files)
             model = self._catalog.get(model_id, may_read)
+            wanted = model.repo_files.get(side_file) if side_file is not None else None
+            if wanted is not None and wanted.path not in self._whole:
+                if checkpoint_format(wanted.name) is not None:
+                    raise ValueError(f"{wanted.name} is a checkpoint: its bytes need a fill")
+                by_path = {self.directory / f.name: f for f in files}
+                self._fetch_whole(by_path[wanted.path], wanted.path)
+                self._catalog.scan()
+                model = self._catalog.get(model_id, may_read)
         fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(Model)}
         fields = {k: v for k, v in fields.items() if not k.startswith("_")}
-        return HeaderModel(**fields, digests_known=self.origin.lists_content_digests)
+        whole = frozenset(self._whole.intersection(model.all_files))
+        return HeaderModel(**fields, digests_known=self.origin.lists_content_digests, whole=whole)
+
+    def describes(self, base: str) -> bool:
+        """Whether the model's images are made (for its current or an earlier listing)."""
+        return base in self._made
+
+    def _fetch_whole(self, file: OriginFile, path: Path) -> None:
+        """One file fetched alone and verified as a fill verifies it, renamed over its image."""
+        partial = path.with_name(f".{path.name}.partial")
+
+        def on_bytes(n: int) -> None:
+            with self._count_lock:
+                self.origin_bytes += n
+
+        self.origin.fetch(file, partial, on_bytes=on_bytes)
+        os.replace(partial, path)
+        self._whole.add(path)
 
     def _make(self, base: str, files: tuple[OriginFile, ...]) -> None:
         """Write the images of one model's files (under the lock) and index them; GGUF
@@ -136,6 +170,7 @@ class HeaderImages:
             if self.origin.lists_content_digests:
                 self._digests.listed[path] = file.version
             pieces = self._pieces(file)
+            self._whole.discard(path)  # a new listing: a side file is fetched again
             if checkpoint_format(file.name) == "gguf":
                 gguf[file] = pieces[0][1] if pieces else b""
             write_image(path, file.size, pieces)

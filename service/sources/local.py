@@ -571,7 +571,12 @@ class Catalog:
             return self.get(model_id, may_read)  # ModelNotFound, or why it is refused
         return pick_revision(model_id, revision, held)
 
-    def describe(self, model_id: str, may_read: Callable[[str], bool] | None = None) -> Model:
+    def describe(
+        self,
+        model_id: str,
+        may_read: Callable[[str], bool] | None = None,
+        file: str | None = None,
+    ) -> Model:
         """The model as ``get`` gives it: its files are all here."""
         return self.get(model_id, may_read)
 

@@ -313,18 +313,28 @@ class OriginCatalog:
             self.local.scan()
         return self.local.get(model_id, may_read)
 
-    def describe(self, model_id: str, may_read: Callable[[str], bool] | None = None) -> Model:
+    def describe(
+        self,
+        model_id: str,
+        may_read: Callable[[str], bool] | None = None,
+        file: str | None = None,
+    ) -> Model:
         """The model's metadata: a model listed by the origin and not cached is described
         from ranged reads of its headers (``HeaderImages``), without a fill; any other is what
         ``get`` answers (a cached model, or the error a request gets). ``ID@R`` is checked
-        against the revision the origin lists, where it lists content digests."""
+        against the revision the origin lists, where it lists content digests. ``file``, a
+        side file, is fetched alone to be served where its ETag is known before a fill (an
+        upstream weightserve); a checkpoint's bytes need the fill."""
         plain, revision = split_revision(validate_model_id(model_id))
         base = base_model_id(plain)
         remote = self.remote.get(base)
         cached = base in self.cache.cached_models()  # as listed, or refreshed by ``get``
-        if remote is None or self.origin_error is not None or cached:
+        alone = file is None or (
+            checkpoint_format(file) is None and self.origin.lists_content_digests
+        )
+        if remote is None or self.origin_error is not None or cached or not alone:
             return self.get(model_id, may_read)
-        described = self.headers.model(plain, base, remote.files, may_read)
+        described = self.headers.model(plain, base, remote.files, may_read, file)
         if revision is None:
             return described
         if not described.commit:  # known once filled: the filled model answers for R
@@ -398,8 +408,14 @@ class OriginCatalog:
 
     @contextlib.contextmanager
     def using(self, model_id: str) -> Iterator[None]:
-        """Keep the model's files from eviction while a stream reads them."""
-        with self.cache.using(base_model_id(model_id)):
+        """Keep the model's files from eviction while a stream reads them. A model not
+        cached whose side file is read from its header images holds nothing: holding it
+        would fill it."""
+        base = base_model_id(model_id)
+        if base not in self.cache.cached_models() and self.headers.describes(base):
+            yield
+            return
+        with self.cache.using(base):
             yield
 
     # -- operator controls (the admin routes, service/transports/http/admin.py) ---------------

@@ -107,6 +107,7 @@ def add_file_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -> N
         `-n` gives 206; `ETag` is the file's xxh3-128 digest (`If-None-Match`, `If-Range`);
         `revision` (the model's revision or commit) fails with 412 once the model changed."""
         caller = access(http)
-        m = state.readable_model(caller, model)
+        # A node cache serves a side file without a fill; a checkpoint's bytes fill it.
+        m = state.readable_metadata(caller, model, file=name)
         files.check_revision(m, revision)
         return file_response(http, state, caller, m, files.repo_file(m, name))

@@ -122,16 +122,23 @@ class HubRepos:
             return readings[0]
         return "/".join(unquote(p) for p in parts), []
 
-    def model(self, caller: Access, repo_id: str, revision: str, metadata: bool = False) -> Model:
+    def model(
+        self,
+        caller: Access,
+        repo_id: str,
+        revision: str,
+        metadata: bool = False,
+        file: str | None = None,
+    ) -> Model:
         """The model a repo id at a Hub revision names (see the module docstring). With
-        ``metadata`` (model info, listings), a node cache's uncached model is described from
-        its headers instead of filled, where its commit is known before a fill: Hub clients
-        pin the commit they are given."""
+        ``metadata`` (model info, listings, one ``file`` to serve), a node cache's uncached
+        model is described from its headers instead of filled, where its commit is known
+        before a fill: Hub clients pin the commit they are given."""
         state = self.state
 
         def main() -> Model:
             if metadata:
-                described = state.readable_metadata(caller, repo_id)
+                described = state.readable_metadata(caller, repo_id, file)
                 if described.commit:
                     return described
             return state.readable_model(caller, repo_id)
@@ -258,9 +265,10 @@ def add_hub_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -> No
                 raise FileNotFound(
                     f"a Hub file URL is /REPO/resolve/REVISION/FILE, got {http.url.path}"
                 )
-            model = repos.model(caller, repo_id, unquote(after[1]))
+            name = "/".join(unquote(p) for p in after[2:])
+            model = repos.model(caller, repo_id, unquote(after[1]), metadata=True, file=name)
             commit = model.commit
-            file = files.repo_file(model, "/".join(unquote(p) for p in after[2:]))
+            file = files.repo_file(model, name)
             return file_response(http, state, caller, model, file, {"x-repo-commit": commit})
         except WeightserveError as e:
             return _hub_error(http, e, commit)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGUFValueType, GGUFWriter
 from huggingface_hub import HfApi
 
 from tests.support import fixtures_gguf, fixtures_safetensors, fixtures_torch
@@ -47,12 +48,26 @@ def write_big(root: Path) -> None:
     (model / "tokenizer.json").write_text('{"version": "1.0"}\n' + " " * 200_000)
 
 
+def write_long_header_gguf(path: Path) -> None:
+    """A GGUF whose key-values (a 200,000-token vocabulary) are longer than the first prefix
+    a node reads: the prefix must grow until the header ends inside it."""
+    writer = GGUFWriter(path, arch="llama")
+    tokens = [f"token-{i:07d}" for i in range(200_000)]
+    writer.add_key_value("tokenizer.ggml.tokens", tokens, GGUFValueType.ARRAY, GGUFValueType.STRING)
+    writer.add_tensor("w", np.arange(1 << 20, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 @pytest.fixture(scope="module")
 def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("repository")
     write_big(root)
     (root / "q").mkdir()
     fixtures_gguf.write_mixed(root / "q" / "tiny.gguf")
+    write_long_header_gguf(root / "q" / "vocab.gguf")
     (root / "pt").mkdir()
     fixtures_torch.write_views(root / "pt" / "pytorch_model.bin")
     return root
@@ -120,7 +135,7 @@ def test_model_info_and_hub_metadata_of_an_uncached_256_mib_model_cost_under_1_m
         assert info(node.http_port, BIG) == want
 
 
-@pytest.mark.parametrize("model_id", ["q/tiny.gguf", "pt"])
+@pytest.mark.parametrize("model_id", ["q/tiny.gguf", "q/vocab.gguf", "pt"])
 def test_gguf_and_pytorch_metadata_without_a_fill(
     upstream: WeightServer, repository: Path, tmp_path: Path, model_id: str
 ) -> None:

@@ -271,7 +271,8 @@ def test_hub_routes_answer_as_the_hub(hub_server: WeightServer, hub_root: Path) 
         reply = http_request(port, path, headers=auth())
         assert (reply.status, reply.headers.get("x-error-code")) == (404, code), path
     limited = http_request(port, f"/{REPO_ID}/resolve/main/config.json", headers=auth(OTHER_TOKEN))
-    assert limited.status == 403
+    assert limited.status == 403 and limited.headers.get("x-error-code") == "GatedRepo"
+    assert "may not read model" in limited.headers["x-error-message"]
     # The Hub's routes never shadow weightserve's own.
     assert http_request(port, "/v1/models", headers=auth()).status == 200
     assert http_request(port, "/healthz").status == 200

@@ -15,8 +15,9 @@ A repo id is a model id (any depth). A revision ``R`` is the model ``{repo}@R``,
 every transport resolves a pinned load (``main`` or none: the model as served; its commit, its
 revision or a prefix of at least 12 hex digits of them; a hub cache's refs and snapshots): one
 not held is a 404 ``RevisionNotFound``. Errors carry the Hub's ``X-Error-Code``
-(``RepoNotFound``, ``RevisionNotFound``, ``EntryNotFound``) so the clients raise their usual
-exceptions.
+(``RepoNotFound``, ``RevisionNotFound``, ``EntryNotFound``; ``GatedRepo`` for a token not
+granted the model) and ``X-Error-Message`` so the clients raise their usual exceptions with
+the server's reason: huggingface_hub reports a 4xx it has no code for as a network failure.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from weightserve.client.errors import (
     FileNotFound,
     ModelNotFound,
     NotFound,
+    PermissionDenied,
     RevisionNotFound,
     Unauthenticated,
     WeightserveError,
@@ -62,12 +64,17 @@ _HUB_ERROR_CODES: dict[type[WeightserveError], str] = {
     RevisionNotFound: "RevisionNotFound",
     FileNotFound: "EntryNotFound",
     ModelNotFound: "RepoNotFound",
+    # The Hub's answer to a token not on a repo's access list: huggingface_hub raises
+    # GatedRepoError with the message; an uncoded 403 it hides behind "check your connection".
+    PermissionDenied: "GatedRepo",
 }
 
 
 def _hub_error(http: Request, exc: WeightserveError, commit: str | None = None) -> JSONResponse:
-    """An error as the Hub sends it: JSON ``{"error": message}``, ``X-Error-Code`` when the
-    Hub has one for it, ``X-Repo-Commit`` on a missing file (clients cache its absence)."""
+    """An error as the Hub sends it: JSON ``{"error": message}``, ``X-Error-Message`` (all a
+    HEAD carries), ``X-Error-Code`` when the Hub has one for it, ``X-Repo-Commit`` on a
+    missing file (clients cache its absence). A 401 has no code: huggingface_hub raises it
+    as the HTTP error it is, message included."""
     error = WireError.from_exception(exc)  # the status and retry hint every transport gives it
     http.scope[ERROR_KEY] = error.type  # for CallMetrics
     message = error.message

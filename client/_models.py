@@ -83,9 +83,14 @@ class ModelSummary:
     revision: str
     tensor_count: int
     total_bytes: int
-    # A node cache's models: "cached", "filling" or "remote" (listed by its origin, filled on
-    # first use; revision "" and tensor_count 0 until then). "local": a server's own root.
+    # A node cache's models: "cached", "outdated" (held, but the origin's files changed since;
+    # the next load fills them), "filling" or "remote" (listed by its origin, filled on first
+    # use; tensor_count 0 until then). "local": a server's own root. Over a node cache
+    # revision and commit are the origin's current ones ("" where its listing does not tell
+    # them: object storage, for a model not held as listed).
     state: str = "local"
+    commit: str = ""  # the revision as a 40-hex commit id ("" from an older server)
+    cached_revision: str = ""  # the revision of the copy a node cache holds; "" none
 
 
 @dataclass(frozen=True)

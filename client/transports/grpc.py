@@ -245,6 +245,8 @@ class GrpcTransport:
                     "tensor_count": m.tensor_count,
                     "total_bytes": m.total_bytes,
                     "state": m.state or "local",
+                    "commit": m.commit,
+                    "cached_revision": m.cached_revision,
                 }
                 for m in resp.models
             ],

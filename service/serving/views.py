@@ -34,6 +34,7 @@ def model_summary(model: Model) -> dict[str, Any]:
         "id": model.id,
         "format": model.format,
         "revision": model.revision,
+        "commit": model.commit,
         "tensor_count": len(model.tensors),
         "total_bytes": model.total_bytes,
     }
@@ -61,12 +62,14 @@ def model_list(
     catalog: ModelSource, may_read: Callable[[str], bool] = lambda _: True
 ) -> dict[str, Any]:
     """Models (and refused models) the caller may read; the others are not even named.
-    Over a node cache, each model has a ``state`` (``cached``, ``filling``, ``remote``) and
-    the origin's models not cached yet are listed too."""
-    summaries = [model_summary(m) for m in catalog.models.values() if may_read(m.id)]
-    if catalog.fills_on_request:
-        for summary in summaries:
-            summary["state"] = "cached"
+    Over a node cache, each model has a ``state`` (``cached``, ``outdated``, ``filling``,
+    ``remote``) and the revision the origin lists now, and the origin's models not cached
+    yet are listed too."""
+    summaries = [
+        {**model_summary(m), **catalog.listing_fields(m)}
+        for m in catalog.models.values()
+        if may_read(m.id)
+    ]
     summaries += catalog.remote_summaries(may_read)
     return {
         "models": summaries,

@@ -164,6 +164,12 @@ class ModelSource(Protocol):
         ``state``; none for a local root."""
         ...
 
+    def listing_fields(self, model: Model) -> dict[str, Any]:
+        """What a listing adds to (or puts in place of) the summary of a model indexed here:
+        over a node cache its ``state`` and the origin's current revision; nothing for a
+        local root."""
+        ...
+
     def close(self) -> None:
         """Let go of what the source holds (a node cache's directory lock)."""
         ...

@@ -597,6 +597,9 @@ class Catalog:
     def remote_summaries(self, may_read: Callable[[str], bool]) -> list[dict[str, Any]]:
         return []  # every model offered is indexed here
 
+    def listing_fields(self, model: Model) -> dict[str, Any]:
+        return {}  # the model as indexed is all there is
+
     def close(self) -> None:
         pass  # mappings close with their last stream
 

@@ -15,6 +15,7 @@ from weightserve.client.errors import ModelUnavailable, TensorNotFound
 from weightserve.service.readers.base import ModelContents, TensorEntry
 from weightserve.service.sources.mapped import MappedFile
 from weightserve.service.sources.revisions import (
+    COMMIT_CHARS,
     REVISION_CHARS,
     DigestStore,
     FileChanged,
@@ -100,7 +101,7 @@ class Model:
     def commit(self) -> str:
         """The revision as a 40-hex commit id (what Hub clients expect); the revision is its
         first characters."""
-        return self.revision_digest()[:40]
+        return self.revision_digest()[:COMMIT_CHARS]
 
     def _relative_name(self, file: Path) -> str:
         base = self.path if self.path.is_dir() else self.path.parent

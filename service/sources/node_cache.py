@@ -33,7 +33,7 @@ import secrets
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
@@ -350,6 +350,16 @@ class NodeCache:
         """Ids of the models held whole (servable even while the origin is down)."""
         with self._lock:
             return sorted(m for m, state in self._states.items() if state.complete)
+
+    def holds(self, model_id: str, files: Collection[OriginFile]) -> bool:
+        """Whether the model is held whole as ``files`` (the origin's listing of it) name it:
+        by its fill records, each file of the listed size and version and no other file."""
+        with self._lock:
+            state = self._states.get(model_id)
+            if state is None or not state.complete:
+                return False
+            recorded = {name: (r.size, r.version) for name, r in state.files.items()}
+        return recorded == {f.name: (f.size, f.version) for f in files}
 
     def bytes_used(self) -> int:
         with self._lock:

@@ -52,7 +52,12 @@ from weightserve.service.sources.node_cache import (
 )
 from weightserve.service.sources.origins import Origin, OriginFile
 from weightserve.service.sources.pinning import pick_revision
-from weightserve.service.sources.revisions import DigestStore
+from weightserve.service.sources.revisions import (
+    COMMIT_CHARS,
+    REVISION_CHARS,
+    DigestStore,
+    content_revision,
+)
 
 log = logging.getLogger("weightserve.service")
 
@@ -254,25 +259,70 @@ class OriginCatalog:
     # -- lookup ------------------------------------------------------------------------------
 
     def state_of(self, model_id: str) -> str:
-        """``cached``, ``filling`` or ``remote`` (listed by the origin, not in the cache)."""
+        """``filling``; ``cached`` (held as the origin lists it now, or as it was last listed
+        while the origin cannot be listed); ``outdated`` (held, but the origin's files have
+        changed since: the next load of the model fills them); ``remote`` (listed by the
+        origin, not in the cache)."""
         if self.cache.progress(model_id) is not None:
             return "filling"
-        return "cached" if model_id in self.models else "remote"
+        if model_id not in self.models:
+            return "remote"
+        return "cached" if self._holds_listed(model_id) else "outdated"
+
+    def _holds_listed(self, model_id: str) -> bool:
+        """Whether the cache's copy is of the files the origin's last listing names (by its
+        fill records: no byte read), or the origin does not list the model."""
+        remote = self.remote.get(model_id)
+        return remote is None or self.cache.holds(model_id, remote.files)
+
+    def _listed_revision(self, remote: RemoteModel) -> str:
+        """The full content digest of the model as the origin lists it now, where the
+        listing's versions are content digests (an upstream weightserve): the revision and
+        commit its fill will have. "" elsewhere (object storage: known once filled)."""
+        if not self.origin.lists_content_digests:
+            return ""
+        directory = remote.id + "/"
+        return content_revision(
+            (f.name.removeprefix(directory) if f.name.startswith(directory)
+             else f.name.rpartition("/")[2], f.size, f.version)  # a file model: by its name
+            for f in remote.files
+        )  # fmt: skip
+
+    def listing_fields(self, model: Model) -> dict[str, Any]:
+        """The state of a cached model, and what its summary says of the revision: the
+        revision and commit the origin lists now, with ``cached_revision`` the copy's. A copy
+        the origin has changed since never reports its revision as current: the origin's
+        stands in its place ("" where the listing does not tell it: object storage)."""
+        fields: dict[str, Any] = {
+            "state": self.state_of(model.id),
+            "cached_revision": model.revision,
+        }
+        if not self._holds_listed(model.id):
+            digest = self._listed_revision(self.remote[model.id])
+            fields.update(revision=digest[:REVISION_CHARS], commit=digest[:COMMIT_CHARS])
+        return fields
 
     def remote_summaries(self, may_read: Callable[[str], bool]) -> list[dict[str, Any]]:
-        """The listed models not cached yet, as model summaries with their state."""
-        return [
-            {
-                "id": m.id,
-                "format": m.format,
-                "revision": "",  # known once filled: it is the content's digest
-                "tensor_count": 0,
-                "total_bytes": m.total_bytes,
-                "state": self.state_of(m.id),
-            }
-            for m in sorted(self.remote.values(), key=lambda m: m.id)
-            if m.id not in self.models and may_read(m.id)
-        ]
+        """The listed models not cached yet, as model summaries with their state and the
+        revision and commit the origin lists (where its listing tells them)."""
+        summaries = []
+        for m in sorted(self.remote.values(), key=lambda m: m.id):
+            if m.id in self.models or not may_read(m.id):
+                continue
+            digest = self._listed_revision(m)
+            summaries.append(
+                {
+                    "id": m.id,
+                    "format": m.format,
+                    "revision": digest[:REVISION_CHARS],
+                    "commit": digest[:COMMIT_CHARS],
+                    "cached_revision": "",
+                    "tensor_count": 0,
+                    "total_bytes": m.total_bytes,
+                    "state": self.state_of(m.id),
+                }
+            )
+        return summaries
 
     def get(self, model_id: str, may_read: Callable[[str], bool] | None = None) -> Model:
         """The model, filled into the cache first if it is not there (see ``_fill``)."""

@@ -31,6 +31,7 @@ log = logging.getLogger("weightserve.revisions")
 
 HASH_BLOCK = 16 << 20  # bytes hashed per step: big enough to run at memory speed
 REVISION_CHARS = 16
+COMMIT_CHARS = 40  # the revision as a commit id, what Hub clients expect
 
 
 class FileChanged(OSError):

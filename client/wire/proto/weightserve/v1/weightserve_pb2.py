@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n weightserve/v1/weightserve.proto\x12\x0eweightserve.v1\"a\n\x08\x46ileList\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x0e\n\x06\x63ommit\x18\x03 \x01(\t\x12\'\n\x05\x66iles\x18\x04 \x03(\x0b\x32\x18.weightserve.v1.FileInfo\"4\n\x08\x46ileInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0c\n\x04\x65tag\x18\x03 \x01(\t\"\\\n\x0b\x46ileRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x10\n\x08revision\x18\x05 \x01(\t\"\x19\n\tFileChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"\x16\n\x14GetServerInfoRequest\"d\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x13\n\x0b\x66light_port\x18\x02 \x01(\x05\x12\x10\n\x08instance\x18\x03 \x01(\t\x12\x11\n\thttp_port\x18\x04 \x01(\x05\x12\x0b\n\x03uds\x18\x05 \x01(\t\"\x13\n\x11ListModelsRequest\"r\n\x12ListModelsResponse\x12,\n\x06models\x18\x01 \x03(\x0b\x32\x1c.weightserve.v1.ModelSummary\x12.\n\x08problems\x18\x02 \x03(\x0b\x32\x1c.weightserve.v1.ModelProblem\"v\n\x0cModelSummary\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\t\x12\x14\n\x0ctensor_count\x18\x04 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x03\x12\r\n\x05state\x18\x06 \x01(\t\";\n\x0cModelProblem\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04\x66ile\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\" \n\x0fGetModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xa0\x01\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\t\x12\x11\n\talignment\x18\x04 \x01(\x03\x12\x15\n\rmetadata_json\x18\x05 \x01(\t\x12+\n\x07tensors\x18\x06 \x03(\x0b\x32\x1a.weightserve.v1.TensorInfo\x12\x0e\n\x06\x63ommit\x18\x07 \x01(\t\"q\n\nTensorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x15\n\rlogical_shape\x18\x04 \x03(\x03\x12\x10\n\x08\x65ncoding\x18\x05 \x01(\t\x12\x0e\n\x06nbytes\x18\x06 \x01(\x03\"\xe4\x01\n\rTensorRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05names\x18\x02 \x03(\t\x12\x0e\n\x06prefix\x18\x03 \x01(\t\x12\x12\n\nuse_prefix\x18\x04 \x01(\x08\x12\x13\n\x0bshard_index\x18\x05 \x01(\x05\x12\x13\n\x0bshard_count\x18\x06 \x01(\x05\x12\x12\n\nshard_axis\x18\x07 \x01(\x05\x12\x15\n\rresume_tensor\x18\x08 \x01(\t\x12\x15\n\rresume_offset\x18\t \x01(\x03\x12\x13\n\x0b\x63hunk_bytes\x18\n \x01(\x03\x12\x10\n\x08revision\x18\x0b \x01(\t\"U\n\x10GetTensorRequest\x12.\n\x07request\x18\x01 \x01(\x0b\x32\x1d.weightserve.v1.TensorRequest\x12\x11\n\tmax_bytes\x18\x02 \x01(\x03\"\xa7\x01\n\nTensorData\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x15\n\rlogical_shape\x18\x04 \x03(\x03\x12\x10\n\x08\x65ncoding\x18\x05 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x07 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x08 \x01(\x0c\x12\x11\n\ttoo_large\x18\t \x01(\x08\"\x19\n\tArrowData\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x32\xa5\x04\n\rWeightService\x12S\n\nListModels\x12!.weightserve.v1.ListModelsRequest\x1a\".weightserve.v1.ListModelsResponse\x12\x46\n\x08GetModel\x12\x1f.weightserve.v1.GetModelRequest\x1a\x19.weightserve.v1.ModelInfo\x12K\n\rStreamTensors\x12\x1d.weightserve.v1.TensorRequest\x1a\x19.weightserve.v1.ArrowData0\x01\x12I\n\tGetTensor\x12 .weightserve.v1.GetTensorRequest\x1a\x1a.weightserve.v1.TensorData\x12Q\n\rGetServerInfo\x12$.weightserve.v1.GetServerInfoRequest\x1a\x1a.weightserve.v1.ServerInfo\x12\x46\n\tListFiles\x12\x1f.weightserve.v1.GetModelRequest\x1a\x18.weightserve.v1.FileList\x12\x44\n\x08ReadFile\x12\x1b.weightserve.v1.FileRequest\x1a\x19.weightserve.v1.FileChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n weightserve/v1/weightserve.proto\x12\x0eweightserve.v1\"a\n\x08\x46ileList\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x0e\n\x06\x63ommit\x18\x03 \x01(\t\x12\'\n\x05\x66iles\x18\x04 \x03(\x0b\x32\x18.weightserve.v1.FileInfo\"4\n\x08\x46ileInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0c\n\x04\x65tag\x18\x03 \x01(\t\"\\\n\x0b\x46ileRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x10\n\x08revision\x18\x05 \x01(\t\"\x19\n\tFileChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"\x16\n\x14GetServerInfoRequest\"d\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x13\n\x0b\x66light_port\x18\x02 \x01(\x05\x12\x10\n\x08instance\x18\x03 \x01(\t\x12\x11\n\thttp_port\x18\x04 \x01(\x05\x12\x0b\n\x03uds\x18\x05 \x01(\t\"\x13\n\x11ListModelsRequest\"r\n\x12ListModelsResponse\x12,\n\x06models\x18\x01 \x03(\x0b\x32\x1c.weightserve.v1.ModelSummary\x12.\n\x08problems\x18\x02 \x03(\x0b\x32\x1c.weightserve.v1.ModelProblem\"\x9f\x01\n\x0cModelSummary\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\t\x12\x14\n\x0ctensor_count\x18\x04 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x03\x12\r\n\x05state\x18\x06 \x01(\t\x12\x0e\n\x06\x63ommit\x18\x07 \x01(\t\x12\x17\n\x0f\x63\x61\x63hed_revision\x18\x08 \x01(\t\";\n\x0cModelProblem\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04\x66ile\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\" \n\x0fGetModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xa0\x01\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\t\x12\x11\n\talignment\x18\x04 \x01(\x03\x12\x15\n\rmetadata_json\x18\x05 \x01(\t\x12+\n\x07tensors\x18\x06 \x03(\x0b\x32\x1a.weightserve.v1.TensorInfo\x12\x0e\n\x06\x63ommit\x18\x07 \x01(\t\"q\n\nTensorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x15\n\rlogical_shape\x18\x04 \x03(\x03\x12\x10\n\x08\x65ncoding\x18\x05 \x01(\t\x12\x0e\n\x06nbytes\x18\x06 \x01(\x03\"\xe4\x01\n\rTensorRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05names\x18\x02 \x03(\t\x12\x0e\n\x06prefix\x18\x03 \x01(\t\x12\x12\n\nuse_prefix\x18\x04 \x01(\x08\x12\x13\n\x0bshard_index\x18\x05 \x01(\x05\x12\x13\n\x0bshard_count\x18\x06 \x01(\x05\x12\x12\n\nshard_axis\x18\x07 \x01(\x05\x12\x15\n\rresume_tensor\x18\x08 \x01(\t\x12\x15\n\rresume_offset\x18\t \x01(\x03\x12\x13\n\x0b\x63hunk_bytes\x18\n \x01(\x03\x12\x10\n\x08revision\x18\x0b \x01(\t\"U\n\x10GetTensorRequest\x12.\n\x07request\x18\x01 \x01(\x0b\x32\x1d.weightserve.v1.TensorRequest\x12\x11\n\tmax_bytes\x18\x02 \x01(\x03\"\xa7\x01\n\nTensorData\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x15\n\rlogical_shape\x18\x04 \x03(\x03\x12\x10\n\x08\x65ncoding\x18\x05 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x07 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x08 \x01(\x0c\x12\x11\n\ttoo_large\x18\t \x01(\x08\"\x19\n\tArrowData\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x32\xa5\x04\n\rWeightService\x12S\n\nListModels\x12!.weightserve.v1.ListModelsRequest\x1a\".weightserve.v1.ListModelsResponse\x12\x46\n\x08GetModel\x12\x1f.weightserve.v1.GetModelRequest\x1a\x19.weightserve.v1.ModelInfo\x12K\n\rStreamTensors\x12\x1d.weightserve.v1.TensorRequest\x1a\x19.weightserve.v1.ArrowData0\x01\x12I\n\tGetTensor\x12 .weightserve.v1.GetTensorRequest\x1a\x1a.weightserve.v1.TensorData\x12Q\n\rGetServerInfo\x12$.weightserve.v1.GetServerInfoRequest\x1a\x1a.weightserve.v1.ServerInfo\x12\x46\n\tListFiles\x12\x1f.weightserve.v1.GetModelRequest\x1a\x18.weightserve.v1.FileList\x12\x44\n\x08ReadFile\x12\x1b.weightserve.v1.FileRequest\x1a\x19.weightserve.v1.FileChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -48,24 +48,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTMODELSREQUEST']._serialized_end=471
   _globals['_LISTMODELSRESPONSE']._serialized_start=473
   _globals['_LISTMODELSRESPONSE']._serialized_end=587
-  _globals['_MODELSUMMARY']._serialized_start=589
-  _globals['_MODELSUMMARY']._serialized_end=707
-  _globals['_MODELPROBLEM']._serialized_start=709
-  _globals['_MODELPROBLEM']._serialized_end=768
-  _globals['_GETMODELREQUEST']._serialized_start=770
-  _globals['_GETMODELREQUEST']._serialized_end=802
-  _globals['_MODELINFO']._serialized_start=805
-  _globals['_MODELINFO']._serialized_end=965
-  _globals['_TENSORINFO']._serialized_start=967
-  _globals['_TENSORINFO']._serialized_end=1080
-  _globals['_TENSORREQUEST']._serialized_start=1083
-  _globals['_TENSORREQUEST']._serialized_end=1311
-  _globals['_GETTENSORREQUEST']._serialized_start=1313
-  _globals['_GETTENSORREQUEST']._serialized_end=1398
-  _globals['_TENSORDATA']._serialized_start=1401
-  _globals['_TENSORDATA']._serialized_end=1568
-  _globals['_ARROWDATA']._serialized_start=1570
-  _globals['_ARROWDATA']._serialized_end=1595
-  _globals['_WEIGHTSERVICE']._serialized_start=1598
-  _globals['_WEIGHTSERVICE']._serialized_end=2147
+  _globals['_MODELSUMMARY']._serialized_start=590
+  _globals['_MODELSUMMARY']._serialized_end=749
+  _globals['_MODELPROBLEM']._serialized_start=751
+  _globals['_MODELPROBLEM']._serialized_end=810
+  _globals['_GETMODELREQUEST']._serialized_start=812
+  _globals['_GETMODELREQUEST']._serialized_end=844
+  _globals['_MODELINFO']._serialized_start=847
+  _globals['_MODELINFO']._serialized_end=1007
+  _globals['_TENSORINFO']._serialized_start=1009
+  _globals['_TENSORINFO']._serialized_end=1122
+  _globals['_TENSORREQUEST']._serialized_start=1125
+  _globals['_TENSORREQUEST']._serialized_end=1353
+  _globals['_GETTENSORREQUEST']._serialized_start=1355
+  _globals['_GETTENSORREQUEST']._serialized_end=1440
+  _globals['_TENSORDATA']._serialized_start=1443
+  _globals['_TENSORDATA']._serialized_end=1610
+  _globals['_ARROWDATA']._serialized_start=1612
+  _globals['_ARROWDATA']._serialized_end=1637
+  _globals['_WEIGHTSERVICE']._serialized_start=1640
+  _globals['_WEIGHTSERVICE']._serialized_end=2189
 # @@protoc_insertion_point(module_scope)

@@ -79,20 +79,24 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelSummary, _Mapping]]] = ..., problems: _Optional[_Iterable[_Union[ModelProblem, _Mapping]]] = ...) -> None: ...
 
 class ModelSummary(_message.Message):
-    __slots__ = ("id", "format", "revision", "tensor_count", "total_bytes", "state")
+    __slots__ = ("id", "format", "revision", "tensor_count", "total_bytes", "state", "commit", "cached_revision")
     ID_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    CACHED_REVISION_FIELD_NUMBER: _ClassVar[int]
     id: str
     format: str
     revision: str
     tensor_count: int
     total_bytes: int
     state: str
-    def __init__(self, id: _Optional[str] = ..., format: _Optional[str] = ..., revision: _Optional[str] = ..., tensor_count: _Optional[int] = ..., total_bytes: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
+    commit: str
+    cached_revision: str
+    def __init__(self, id: _Optional[str] = ..., format: _Optional[str] = ..., revision: _Optional[str] = ..., tensor_count: _Optional[int] = ..., total_bytes: _Optional[int] = ..., state: _Optional[str] = ..., commit: _Optional[str] = ..., cached_revision: _Optional[str] = ...) -> None: ...
 
 class ModelProblem(_message.Message):
     __slots__ = ("model", "file", "reason")

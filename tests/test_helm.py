@@ -135,9 +135,10 @@ def test_daemonset_node_socket_mounts_the_node_directory_for_a_non_root_server(
     (init,) = pod["initContainers"]
     assert init["image"] == server["image"]
     assert init["command"][:2] == ["python", "-c"]
-    assert init["command"][3:] == ["/run/weightserve", "10001", "10001"]
+    assert init["command"][3:] == ["10001", "10001", "/var/cache/weightserve", "/run/weightserve"]
     assert {m["name"]: m["mountPath"] for m in init["volumeMounts"]} == {
-        "node-socket": "/run/weightserve"
+        "cache": "/var/cache/weightserve",
+        "node-socket": "/run/weightserve",
     }
     security = init["securityContext"]
     assert security["runAsUser"] == 0 and security["runAsNonRoot"] is False
@@ -151,9 +152,86 @@ def test_daemonset_node_socket_mounts_the_node_directory_for_a_non_root_server(
 def test_node_socket_is_off_by_default(helm: Path) -> None:
     objects = render(helm, *ORIGIN, "--set", "mode=daemonset")
     (daemonset,) = find(objects, "DaemonSet")
-    assert "initContainers" not in daemonset["spec"]["template"]["spec"]
+    pod = daemonset["spec"]["template"]["spec"]
+    assert "node-socket" not in {v["name"] for v in pod["volumes"]}
+    (init,) = pod["initContainers"]  # the cache's node directory only
+    assert init["command"][5:] == ["/var/cache/weightserve"]
     (config,) = find(objects, "ConfigMap")
     assert not [key for key in config["data"] if key.startswith("WEIGHTSERVE_UDS")]
+
+
+def pod_volumes(objects: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    (workload,) = find(objects, kind)
+    return {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+
+
+def test_daemonset_default_cache_is_a_release_directory_on_the_node(helm: Path) -> None:
+    """A rolling upgrade finds each node's cache where the old pod left it: a hostPath in a
+    directory of the release's own, handed to the non-root server by an init container."""
+    objects = render(helm, *ORIGIN, "--set", "mode=daemonset", "--namespace", "gpu")
+    validate(objects)
+    assert pod_volumes(objects, "DaemonSet")["cache"] == {
+        "name": "cache",
+        "hostPath": {"path": "/var/lib/weightserve/gpu/ws", "type": "DirectoryOrCreate"},
+    }
+    (daemonset,) = find(objects, "DaemonSet")
+    pod = daemonset["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    assert init["command"][3:] == ["10001", "10001", "/var/cache/weightserve"]
+    assert {m["name"]: m["mountPath"] for m in init["volumeMounts"]} == {
+        "cache": "/var/cache/weightserve"
+    }
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    server = container(objects, "DaemonSet")
+    assert {m["name"]: m["mountPath"] for m in server["volumeMounts"]}["cache"] == (
+        "/var/cache/weightserve"
+    )
+    assert server["securityContext"]["runAsNonRoot"] is True
+    assert server["securityContext"]["readOnlyRootFilesystem"] is True
+    (config,) = find(objects, "ConfigMap")
+    assert config["data"]["WEIGHTSERVE_CACHE_DIR"] == "/var/cache/weightserve"
+    # Another release on the same node gets a directory of its own.
+    result = run_helm(
+        helm,
+        "template",
+        "ws2",
+        str(CHART),
+        *ORIGIN,
+        "--set",
+        "mode=daemonset",
+        "--namespace",
+        "gpu",
+    )
+    other = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    assert pod_volumes(other, "DaemonSet")["cache"]["hostPath"]["path"] == (
+        "/var/lib/weightserve/gpu/ws2"
+    )
+
+
+def test_daemonset_cache_can_be_an_emptydir_or_a_chosen_node_path(helm: Path) -> None:
+    objects = render(
+        helm, *ORIGIN, "--set", "mode=daemonset", "--set", "cache.type=emptyDir",
+        "--set", "cache.size=200Gi",
+    )  # fmt: skip
+    validate(objects)
+    assert pod_volumes(objects, "DaemonSet")["cache"] == {
+        "name": "cache",
+        "emptyDir": {"sizeLimit": "200Gi"},
+    }
+    (daemonset,) = find(objects, "DaemonSet")
+    assert "initContainers" not in daemonset["spec"]["template"]["spec"]
+    chosen = render(
+        helm, *ORIGIN, "--set", "mode=daemonset", "--set", "cache.hostPath.path=/data/ws",
+    )  # fmt: skip
+    validate(chosen)
+    assert pod_volumes(chosen, "DaemonSet")["cache"]["hostPath"]["path"] == "/data/ws"
+
+
+def test_deployment_default_cache_is_an_emptydir(helm: Path) -> None:
+    objects = render(helm, *ORIGIN)
+    assert "emptyDir" in pod_volumes(objects, "Deployment")["cache"]
+    (deployment,) = find(objects, "Deployment")
+    assert "initContainers" not in deployment["spec"]["template"]["spec"]
 
 
 def test_tls_moves_probes_off_plaintext_grpc(helm: Path) -> None:
@@ -234,10 +312,14 @@ def test_example_manifests_are_valid(manifest: Path) -> None:
          "at '/nodeSocket/uids/0'"),
         (["--set", "mode=daemonset", "--set", "nodeSocket.hostPath=run/weightserve"],
          "at '/nodeSocket/hostPath'"),
+        (["--set", "mode=daemonset", "--set", "cache.hostPath.path=var/ws"],
+         "at '/cache/hostPath/path'"),
+        (["--set", "mode=daemonset", "--set", "daemonset.updateStrategy.rollingUpdate.maxSurge=1"],
+         "maxSurge must be 0 with a hostPath cache"),
     ],
     ids=["mode", "negative-size", "port", "replicas", "typo", "pvc-replicas", "pvc-daemonset",
          "socket-deployment", "socket-mode", "socket-mode-digit", "socket-negative-uid",
-         "socket-relative-path"],
+         "socket-relative-path", "cache-relative-path", "hostpath-surge"],
 )  # fmt: skip
 def test_bad_values_are_refused(helm: Path, args: list[str], message: str) -> None:
     result = run_helm(helm, "template", "ws", str(CHART), *ORIGIN, *args)

@@ -80,15 +80,36 @@ store and files being filled), else nothing (the server takes 9/10 of the free d
 {{- end }}
 {{- end }}
 
+{{/*
+The cache volume's type: cache.type, else by mode. A daemonset's node cache is a hostPath, so a
+rolling upgrade finds each node's cache where the old pod left it; a deployment's is an emptyDir.
+*/}}
+{{- define "weightserve.cacheType" -}}
+{{- .Values.cache.type | default (ternary "hostPath" "emptyDir" (eq .Values.mode "daemonset")) }}
+{{- end }}
+
+{{/*
+The node directory of a hostPath cache: cache.hostPath.path, else one per release (namespace
+and name), so two releases on a node never share a cache directory (the server locks it).
+*/}}
+{{- define "weightserve.cacheHostPath" -}}
+{{- .Values.cache.hostPath.path | default (printf "/var/lib/weightserve/%s/%s" .Release.Namespace .Release.Name) }}
+{{- end }}
+
 {{/* Refuse combinations the schema cannot express, naming the values to change. */}}
 {{- define "weightserve.validate" -}}
-{{- if eq .Values.cache.type "persistentVolumeClaim" }}
+{{- $cacheType := include "weightserve.cacheType" . }}
+{{- if eq $cacheType "persistentVolumeClaim" }}
 {{- if eq .Values.mode "daemonset" }}
 {{- fail "cache.type=persistentVolumeClaim cannot be used with mode=daemonset: one claim cannot be every node's cache; use hostPath or emptyDir" }}
 {{- end }}
 {{- if or (gt (int .Values.replicaCount) 1) .Values.autoscaling.enabled }}
 {{- fail "cache.type=persistentVolumeClaim needs replicaCount=1 and autoscaling.enabled=false: replicas cannot share one node cache; use emptyDir (each replica fills its own) or run one release per volume" }}
 {{- end }}
+{{- end }}
+{{- $surge := dig "rollingUpdate" "maxSurge" 0 .Values.daemonset.updateStrategy | toString }}
+{{- if and (eq .Values.mode "daemonset") (eq $cacheType "hostPath") (not (has $surge (list "0" "0%"))) }}
+{{- fail "daemonset.updateStrategy.rollingUpdate.maxSurge must be 0 with a hostPath cache: the new pod would start beside the old one on the node's locked cache directory" }}
 {{- end }}
 {{- if and .Values.tls.requireClientCert (not .Values.tls.secret) }}
 {{- fail "tls.requireClientCert=true needs tls.secret (a Secret with tls.crt, tls.key and ca.crt)" }}

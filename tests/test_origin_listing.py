@@ -79,6 +79,12 @@ def test_every_nodes_listing_shows_the_upstreams_revision_within_one_rescan(
         assert outdated["cached_revision"] == before["org/m"]["revision"]
         assert listing(idle)["org/m"]["state"] == "remote"
         assert listing(idle)["org/m"]["cached_revision"] == ""
+        # The model's info follows too, from its headers: no fill.
+        info = http_request(loaded.http_port, "/v1/models/org/m").json()
+        assert (info["revision"], info["commit"]) == (
+            after["org/m"]["revision"],
+            after["org/m"]["commit"],
+        )
         assert node_cache(loaded).snapshot().fills == fills  # the listing filled nothing
 
         with Client(loaded.grpc_url) as client:  # gRPC ListModels says the same
@@ -118,6 +124,8 @@ def test_an_s3_object_changed_under_a_cached_model_lists_it_outdated(
         assert outdated["state"] == "outdated" and outdated["cached_revision"] == old
         assert (outdated["revision"], outdated["commit"]) == ("", "")  # never the old one
         assert listing(idle)["m"]["state"] == "remote"
+        info = http_request(loaded.http_port, "/v1/models/m").json()
+        assert info["revision"] != old  # described from its headers: known once filled
         assert node_cache(loaded).snapshot().fills == fills
 
         with Client(loaded.http_url, retry_seconds=30) as client:

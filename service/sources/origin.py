@@ -369,8 +369,9 @@ class OriginCatalog:
         may_read: Callable[[str], bool] | None = None,
         file: str | None = None,
     ) -> Model:
-        """The model's metadata: a model listed by the origin and not cached is described
-        from ranged reads of its headers (``HeaderImages``), without a fill; any other is what
+        """The model's metadata: a model listed by the origin and not cached (or cached of
+        files the origin changed since) is described from ranged reads of its headers
+        (``HeaderImages``), without a fill; any other is what
         ``get`` answers (a cached model, or the error a request gets). ``ID@R`` is checked
         against the revision the origin lists, where it lists content digests. ``file``, a
         side file, is fetched alone to be served where its ETag is known before a fill (an
@@ -378,7 +379,11 @@ class OriginCatalog:
         plain, revision = split_revision(validate_model_id(model_id))
         base = base_model_id(plain)
         remote = self.remote.get(base)
-        cached = base in self.cache.cached_models()  # as listed, or refreshed by ``get``
+        # A copy the origin changed since answers only for a revision named (``get``); the
+        # model as listed now is described from its headers, as an uncached one.
+        cached = base in self.cache.cached_models() and (
+            revision is not None or self._holds_listed(base)
+        )
         alone = file is None or (
             checkpoint_format(file) is None and self.origin.lists_content_digests
         )

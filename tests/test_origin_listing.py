@@ -8,16 +8,23 @@ SeaweedFS as S3 in front of two node caches each.
 from __future__ import annotations
 
 import contextlib
+import http.client
+import io
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
 import pytest
+from safetensors.numpy import save_file
 
 from tests.support._util import http_request
 from tests.support.s3_server import S3Server
 from tests.test_origin_serving import config, node_cache
 from tests.test_revision_pinning import arrays, values, write_model
 from weightserve.client import Client
+from weightserve.client.errors import RevisionNotFound
 from weightserve.service.server import ServerConfig, WeightServer
 
 
@@ -133,3 +140,93 @@ def test_an_s3_object_changed_under_a_cached_model_lists_it_outdated(
         current = listing(loaded)["m"]
         assert current["state"] == "cached" and current["revision"] not in ("", old)
         assert current["cached_revision"] == current["revision"]
+
+
+def test_a_node_serves_the_revision_it_holds_after_its_origin_moved_on(tmp_path: Path) -> None:
+    """``ID@R`` for the copy a node holds is served as it is, with no origin byte read, on
+    HTTP and gRPC, until a ``main`` load refills the model; R then names nothing held."""
+    root = tmp_path / "upstream"
+    write_model(root / "org" / "m", 1.0)
+    upstream_config = ServerConfig(
+        str(root), http_port=0, grpc_port=0, flight_port=None, rescan_seconds=0, watch=False
+    )
+    with (
+        WeightServer(upstream_config) as upstream,
+        WeightServer(config(upstream.http_url, tmp_path / "node")) as node,
+    ):
+        with Client(node.http_url, retry_seconds=30) as client:
+            assert values(client.model("org/m").fetch(prefix="")) == values(arrays(1.0))
+        old = listing(node)["org/m"]["commit"]
+        write_model(root / "org" / "m", 2.0)  # a new file renamed over the old
+        upstream.rescan()
+        node.rescan()
+        new = listing(upstream)["org/m"]["commit"]
+        assert new != old and listing(node)["org/m"]["state"] == "outdated"
+        before = node_cache(node).snapshot()
+        for url in (node.http_url, node.grpc_url):
+            with Client(url, retry_seconds=30) as client:
+                for pin in (old, old[:12]):
+                    got = client.model(f"org/m@{pin}").fetch(prefix="")
+                    assert values(got) == values(arrays(1.0)), (url, pin)
+                # Neither held nor the origin's: refused without a fill, naming both.
+                with pytest.raises(RevisionNotFound, match=f"main \\(commit {old}.*{new}"):
+                    client.model(f"org/m@{'0' * 40}").fetch(prefix="")
+        info = http_request(node.http_port, f"/v1/models/org/m@{old}").json()
+        assert info["commit"] == old
+        after = node_cache(node).snapshot()
+        assert (after.origin_bytes, after.fills) == (before.origin_bytes, before.fills)
+        assert listing(node)["org/m"]["state"] == "outdated"
+
+        with Client(node.http_url, retry_seconds=30) as client:
+            assert values(client.model("org/m").fetch(prefix="")) == values(arrays(2.0))
+            assert values(client.model(f"org/m@{new}").fetch(prefix="")) == values(arrays(2.0))
+        assert node_cache(node).snapshot().origin_bytes > after.origin_bytes
+        for url in (node.http_url, node.grpc_url):
+            with (
+                Client(url, retry_seconds=30) as client,
+                pytest.raises(RevisionNotFound, match=f"main \\(commit {new}"),
+            ):
+                client.model(f"org/m@{old}").fetch(prefix="")
+
+
+def test_a_stream_of_the_held_revision_outlives_a_refill(tmp_path: Path) -> None:
+    """A stream pinned to the copy a node holds, running while a ``main`` load refills the
+    model from its moved-on origin, ends with the held revision's bytes (the refill renames
+    new files over the old, whose mapping the stream keeps); then R names nothing held."""
+    root = tmp_path / "upstream"
+    big = 16 * 1024 * 1024  # float32s: 64 MiB, more than the sockets buffer between them
+
+    def write_big(value: float) -> None:
+        (root / "big").mkdir(parents=True, exist_ok=True)
+        fresh = root / "big" / "model.safetensors.tmp"
+        save_file({"w": np.full(big, value, dtype=np.float32)}, str(fresh))
+        os.replace(fresh, root / "big" / "model.safetensors")
+
+    write_big(1.0)
+    upstream_config = ServerConfig(
+        str(root), http_port=0, grpc_port=0, flight_port=None, rescan_seconds=0, watch=False
+    )
+    with (
+        WeightServer(upstream_config) as upstream,
+        WeightServer(config(upstream.http_url, tmp_path / "node")) as node,
+        Client(node.http_url, retry_seconds=30) as client,
+    ):
+        assert client.model("big").fetch(prefix="")["w"][-1] == 1.0
+        old = listing(node)["big"]["commit"]
+        write_big(2.0)
+        upstream.rescan()
+        node.rescan()
+        connection = http.client.HTTPConnection("127.0.0.1", node.http_port, timeout=60)
+        connection.request("GET", f"/v1/models/big@{old}/-/stream?prefix=")
+        response = connection.getresponse()
+        assert response.status == 200
+        head = response.read(1 << 16)  # the stream is under way, most of it unsent
+        assert client.model("big").fetch(prefix="")["w"][-1] == 2.0  # the refill
+        table = pa.ipc.open_stream(io.BytesIO(head + response.read())).read_all()
+        connection.close()
+        pinned = np.concatenate(
+            [np.frombuffer(c.as_py(), np.float32) for c in table.column("data")]
+        )
+        assert pinned.size == big and bool((pinned == 1.0).all())
+        with pytest.raises(RevisionNotFound):
+            client.model(f"big@{old}").fetch(prefix="")

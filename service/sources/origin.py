@@ -29,6 +29,7 @@ from weightserve.client.errors import (
     ModelUnavailable,
     OriginChanged,
     OriginUnavailable,
+    RevisionNotFound,
 )
 from weightserve.client.wire.routes import MAIN_REVISION, split_revision
 from weightserve.service.sources.base import Problem
@@ -326,8 +327,8 @@ class OriginCatalog:
 
     def get(self, model_id: str, may_read: Callable[[str], bool] | None = None) -> Model:
         """The model, filled into the cache first if it is not there (see ``_fill``)."""
-        validate_model_id(model_id)
-        base = base_model_id(split_revision(model_id)[0])  # ID@R: the local catalog picks R
+        plain, revision = split_revision(validate_model_id(model_id))
+        base = base_model_id(plain)  # ID@R: the local catalog picks R
         remote = self.remote.get(base)
         self.cache.check(base)  # a file found corrupt is dropped here, and filled again below
         cached = base in self.cache.cached_models()
@@ -355,13 +356,38 @@ class OriginCatalog:
                 msg += f" Did you mean {close[0]!r}?"
             raise ModelNotFound(msg)
         files = remote.files if remote is not None else None
-        if cached and (files is None or self._ensured.get(base) == files):
+        if cached and (
+            files is None
+            or self._ensured.get(base) == files
+            or self._serves_held(plain, base, revision)
+        ):
             self.cache.ensure(base)  # a hit: counted, and marked used for eviction order
         else:
             self._fill(base, files)
         if base not in self.models and model_id not in self.variants:
             self.local.scan()
         return self.local.get(model_id, may_read)
+
+    def _serves_held(self, plain: str, base: str, revision: str | None) -> bool:
+        """Whether ``ID@R`` is answered by the copy the cache holds, as it is and with no fill:
+        R names that copy even where the origin has moved on since. ``main`` (or no R) fills
+        to the origin's newest; an R naming neither the copy nor the revision the origin
+        lists is refused here, before a fill could replace the copy."""
+        held = self.models.get(base)
+        if revision is None or revision == MAIN_REVISION or held is None:
+            return False
+        try:
+            pick_revision(plain, revision, {MAIN_REVISION: held})
+        except RevisionNotFound as e:
+            remote = self.remote.get(base)
+            listed = self._listed_revision(remote) if remote is not None else ""
+            if not listed or listed.startswith(revision.lower()):
+                return False  # the origin's revision (or one known once filled): fill it
+            raise RevisionNotFound(
+                f"{e}; the origin {self.origin.description} lists commit "
+                f"{listed[:COMMIT_CHARS]} of it now"
+            ) from None
+        return True
 
     def describe(
         self,

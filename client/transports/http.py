@@ -125,17 +125,22 @@ class HttpTransport:
                 conn.close()
                 if reused:
                     continue  # the server closed an idle kept-alive connection: use a new one
-                if isinstance(e, http.client.RemoteDisconnected):
-                    # A new connection closed without an answer: not an outage (that refuses
-                    # the connection) but a TLS port spoken to in plain text, or a refused
-                    # client certificate.
+                if (
+                    isinstance(e, http.client.RemoteDisconnected)
+                    and self._ssl is None
+                    and self.address.socket_path is None
+                    and _speaks_tls(self.address.host, self.address.port, self.timeout)
+                ):
+                    # Not an outage: a TLS port spoken to in plain text closes without an
+                    # answer every time.
                     raise TransportError(
                         f"weightserve at {self.address.url} closed the connection without "
-                        "answering: is it a TLS port (use https://), or does it require a "
-                        "client certificate it accepts?"
+                        "answering and its port speaks TLS: use https://"
                     ) from e
+                # A server killed or restarting while the request waited: retried.
                 raise ServerUnreachable(
-                    f"cannot reach weightserve at {self.address.url}: {e}"
+                    f"weightserve at {self.address.url} closed the connection without "
+                    f"answering (stopped or restarting?): {e!r}"
                 ) from e
             except (ConnectionRefusedError, TimeoutError, OSError) as e:
                 conn.close()
@@ -173,7 +178,8 @@ class HttpTransport:
             raw = resp.read()
         except (OSError, http.client.HTTPException) as e:
             conn.close()
-            raise TransportError(f"{self.address.url}{path}: {e}") from e
+            # The server went away mid-answer: retried like one that cannot be reached.
+            raise ServerUnreachable(f"{self.address.url}{path}: answer cut short: {e!r}") from e
         self.release(conn, resp)
         return resp.status, json.loads(raw) if raw else None
 
@@ -355,6 +361,27 @@ class _HttpFileSource(_HttpSource):
 
     def readinto(self, view: memoryview) -> int:
         return 0 if self.empty else super().readinto(view)
+
+
+def _speaks_tls(host: str, port: int, timeout: float) -> bool:
+    """Whether ``host:port`` answers a TLS ClientHello with a TLS record (a handshake or an
+    alert): what tells a TLS port spoken to in plain text from a server that died mid-request
+    or restarts (which refuses, resets or closes, or answers in HTTP)."""
+    probe = ssl.create_default_context()
+    probe.check_hostname = False
+    probe.verify_mode = ssl.CERT_NONE  # only whether it speaks TLS, not whom
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    hello = probe.wrap_bio(incoming, outgoing, server_hostname=host)
+    with contextlib.suppress(ssl.SSLWantReadError):
+        hello.do_handshake()
+    try:
+        with socket.create_connection((host, port), timeout=min(timeout, 5.0)) as sock:
+            sock.sendall(outgoing.read())
+            head = sock.recv(2)
+    except OSError:
+        return False
+    # A TLS record opens with its type (22 handshake, 21 alert) and major version 3.
+    return len(head) == 2 and head[0] in (21, 22) and head[1] == 3
 
 
 def _broken_exchange(address: ServerAddress, e: http.client.HTTPException) -> WeightserveError:

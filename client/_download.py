@@ -3,7 +3,9 @@
 Every file of the model's repository (weights, index, config, tokenizer...) is written byte
 for byte, each verified against the server's digest and renamed into place only when whole.
 What arrived stays in ``NAME.partial``; the next run asks only for the rest, pinned to the
-same file content (``.weightserve-pull.json`` in the directory remembers which).
+same file content (``.weightserve-pull.json`` in the directory remembers which). When the
+model changes on the server mid-way, the pull lists it again and ends with the files of the new
+revision: what is unchanged is kept or resumed, what changed is fetched again.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -25,6 +28,7 @@ from weightserve.client._retry import Backoff, OnWait, call_with_retry, retry_re
 from weightserve.client.errors import (
     DataCorruption,
     DestinationError,
+    RevisionMismatch,
     TransportError,
     WeightserveError,
 )
@@ -34,6 +38,10 @@ from weightserve.client.wire.routes import ServerAddress
 STATE_FILE = ".weightserve-pull.json"  # which file content each .partial holds
 PARTIAL_SUFFIX = ".partial"
 _BLOCK = 1 << 20  # bytes per read from the server and per write
+# A model that changes this often during one pull is being rewritten: wait for it to settle.
+MAX_REVISIONS = 5
+
+log = logging.getLogger("weightserve.client")
 
 
 class ModelClient(Protocol):
@@ -93,7 +101,9 @@ class FilePull:
         """Bytes that need no transfer: kept files and resumable .partial prefixes."""
         return sum(p.have for p in self.files or ())
 
-    def plan(self) -> FilePull:
+    def plan(self, replaceable: frozenset[Path] = frozenset()) -> FilePull:
+        """List the model's files and look at what is here; ``replaceable``: files this pull
+        wrote, which a newer revision may overwrite without ``force``."""
         client = self.model.client
         listing = call_with_retry(
             lambda: client.transport.list_files(self.model.id),
@@ -122,7 +132,7 @@ class FilePull:
             if target.exists():
                 if target.stat().st_size == f.size and _file_digest(target) == f.etag:
                     p.keep, p.have = True, f.size
-                else:
+                elif target not in replaceable:
                     conflicts.append(target)
             if not p.keep and state.get(f.name) == f.etag and p.partial.is_file():
                 have = p.partial.stat().st_size
@@ -146,14 +156,46 @@ class FilePull:
             self.plan()
         assert self.files is not None
         dest = self.dest
-        todo = [p for p in self.files if not p.keep]
-        # Written before any byte: the next run resumes a .partial only for the same content.
-        _write_state(dest, self.model.id, {p.file.name: p.file.etag for p in todo})
-        for p in todo:
-            self._fetch(p, on_bytes, on_wait or self.model.client.on_wait)
-        with contextlib.suppress(FileNotFoundError):
-            (dest / STATE_FILE).unlink()
-        return dest
+        written: set[Path] = set()  # put in place by this pull, of an earlier revision maybe
+        for _ in range(MAX_REVISIONS):
+            todo = [p for p in self.files if not p.keep]
+            # Written before any byte: the next run resumes a .partial only for the same content.
+            _write_state(dest, self.model.id, {p.file.name: p.file.etag for p in todo})
+            try:
+                for p in todo:
+                    self._fetch(p, on_bytes, on_wait or self.model.client.on_wait)
+                    written.add(p.target)
+            except RevisionMismatch as e:
+                self._follow_new_revision(e, written)
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                (dest / STATE_FILE).unlink()
+            return dest
+        raise RevisionMismatch(
+            f"model {self.model.id!r} changed {MAX_REVISIONS} times during the pull; run the "
+            "pull again once it is no longer being rewritten: it keeps what is already here"
+        )
+
+    def _follow_new_revision(self, changed: RevisionMismatch, written: set[Path]) -> None:
+        """List the model again after it changed mid-way: unchanged files are kept (or
+        resumed from their .partial), changed ones fetched again, and the files of the old
+        revision that the new one lacks removed, so the pull ends with one revision."""
+        before = self.files or []
+        old = self.revision
+        self.plan(replaceable=frozenset(written))
+        assert self.files is not None
+        now = {p.target for p in self.files}
+        for p in before:
+            if p.target not in now:
+                with contextlib.suppress(FileNotFoundError):
+                    p.partial.unlink()
+                if p.target in written:
+                    with contextlib.suppress(FileNotFoundError):
+                        p.target.unlink()
+        log.warning(
+            "model %r changed during the pull (%s); going on with revision %s (was %s)",
+            self.model.id, changed, self.revision, old,
+        )  # fmt: skip
 
     def _fetch(
         self,
@@ -252,7 +294,8 @@ def _safe_relative(name: str, model_id: str) -> PurePosixPath:
     ):
         raise WeightserveError(
             f"the server listed a file {name!r} for model {model_id!r}, which is no plain "
-            "relative name inside a directory; refusing to write it"
+            "relative name inside a directory; refusing to write it (ask the server's operator "
+            "to rename that file)"
         )
     return PurePosixPath(*parts)
 
@@ -280,7 +323,10 @@ def destination_error(e: OSError, path: Path, missing: int | None = None) -> Des
         )
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return DestinationError(f"cannot write {path}: {e.strerror}; choose another --out")
-    return DestinationError(f"cannot write {path}: {e.strerror or e}")
+    return DestinationError(
+        f"cannot write {path}: {e.strerror or e}; fix that and run the pull again: it goes on "
+        "where it stopped"
+    )
 
 
 def _file_digest(path: Path) -> str:

@@ -22,9 +22,17 @@ import pytest
 from safetensors.numpy import save_file
 
 from tests.test_cli import Served, clean_env, free_port, run_cli, start_server
-from tests.test_security import Certs, Root, certs, root, tls_server  # noqa: F401 - fixtures
+from tests.test_security import (  # noqa: F401 - fixtures
+    Certs,
+    Root,
+    certs,
+    mtls_server,
+    root,
+    tls_server,
+)
 from weightserve.client._client import Client
 from weightserve.client.errors import TransportError
+from weightserve.client.transports.base import TLSOptions
 from weightserve.service.server import ServerConfig, WeightServer
 
 MODEL = "org/m"
@@ -232,6 +240,18 @@ def test_a_tls_port_spoken_to_in_plain_http_gets_the_tls_hint(
     with Client(plain, timeout=10, retry_seconds=60) as client:
         started = time.monotonic()
         with pytest.raises(TransportError, match="speaks TLS: use https://"):
+            client.list_models()
+        assert time.monotonic() - started < 10  # not waited out as an outage
+
+
+def test_a_refused_client_certificate_gets_its_hint_at_once(
+    mtls_server: WeightServer,  # noqa: F811
+    certs: Certs,  # noqa: F811
+) -> None:
+    address = f"https://127.0.0.1:{mtls_server.http_port}"
+    with Client(address, tls=TLSOptions(ca_file=certs.ca), timeout=10, retry_seconds=60) as client:
+        started = time.monotonic()
+        with pytest.raises(TransportError, match="client certificate"):
             client.list_models()
         assert time.monotonic() - started < 10  # not waited out as an outage
 

@@ -137,6 +137,16 @@ class HttpTransport:
                         f"weightserve at {self.address.url} closed the connection without "
                         "answering and its port speaks TLS: use https://"
                     ) from e
+                if (
+                    isinstance(e, http.client.RemoteDisconnected)
+                    and self._ssl is not None
+                    and self._refuses_this_client()
+                ):
+                    raise TransportError(
+                        f"weightserve at {self.address.url} completed TLS and closed the "
+                        "connection without answering, again: does it require a client "
+                        "certificate it accepts (TLSOptions.cert_file)?"
+                    ) from e
                 # A server killed or restarting while the request waited: retried.
                 raise ServerUnreachable(
                     f"weightserve at {self.address.url} closed the connection without "
@@ -160,6 +170,28 @@ class HttpTransport:
                 resp.getheader("retry-after"),
             )
         return conn, resp
+
+    def _refuses_this_client(self) -> bool:
+        """Whether a second TLS connection, made as this transport makes them, is closed
+        unanswered too (a refused client certificate does that after the handshake), where a
+        restarting server refuses the connection or answers."""
+        assert self._ssl is not None
+        probe = (
+            f"HEAD /v1/server HTTP/1.1\r\nHost: {self.address.host}\r\nConnection: close\r\n\r\n"
+        )
+        try:
+            with (
+                socket.create_connection(
+                    (self.address.host, self.address.port), timeout=min(self.timeout, 5.0)
+                ) as raw,
+                self._ssl.wrap_socket(raw, server_hostname=self.address.host) as sock,
+            ):
+                sock.sendall(probe.encode())
+                return not sock.recv(5)
+        except ssl.SSLError:
+            return True  # refused in TLS (an alert): the same client would be again
+        except OSError:
+            return False  # refused, reset or silent: down, or restarting
 
     def _json(self, path: str, missing: dict[str, Any] | None = None) -> dict[str, Any]:
         """The JSON at ``path``; with ``missing`` given, that instead of a 404's error."""

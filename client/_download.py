@@ -11,6 +11,7 @@ revision: what is unchanged is kept or resumed, what changed is fetched again.
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import json
 import logging
@@ -168,6 +169,10 @@ class FilePull:
             except RevisionMismatch as e:
                 self._follow_new_revision(e, written)
                 continue
+            except TransportError as e:  # an outage longer than the retry budget
+                again = copy.copy(e)  # the same class, the next step added
+                again.args = (f"{e}; run the pull again: it goes on where it stopped",)
+                raise again from e
             with contextlib.suppress(FileNotFoundError):
                 (dest / STATE_FILE).unlink()
             return dest

@@ -6,8 +6,10 @@ the unchanged big file crossed the wire once.
 
 from __future__ import annotations
 
+import contextlib
 import filecmp
 import os
+import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from safetensors.numpy import save_file
 from tests.support.byte_proxy import ByteCountingProxy
 from weightserve.client._client import Client
 from weightserve.client._download import STATE_FILE
+from weightserve.client.errors import TransportError
 from weightserve.service.server import ServerConfig, WeightServer
 
 MODEL = "org/m"
@@ -136,3 +139,22 @@ def test_a_rerun_after_a_change_keeps_everything(served, tmp_path: Path) -> None
         client.model(MODEL).download(pulled)
     same_as_server(pulled, source)
     assert proxy.bytes_from_upstream < 100_000  # a listing, no file
+
+
+def test_a_pull_cut_off_by_an_outage_says_to_run_it_again(served, tmp_path: Path) -> None:
+    srv, source, proxy = served
+
+    def outage(n: int) -> None:
+        # The server is gone (its connections cut, no new ones taken), and no retry budget is
+        # left to wait for it.
+        for sock in list(proxy._socks):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        proxy.close()
+
+    with (
+        Client(f"http://127.0.0.1:{proxy.port}", retry_seconds=0) as client,
+        pytest.raises(TransportError, match="run the pull again: it goes on where it stopped"),
+    ):
+        client.model(MODEL).download(tmp_path / "out", on_bytes=outage)
+    assert (tmp_path / "out" / STATE_FILE).exists()  # what arrived is kept for the next run

@@ -155,6 +155,7 @@ def _configured_server(args: argparse.Namespace) -> WeightServer:
         pins=tuple(args.pin),
         origin_token=args.origin_token,
         origin_tls=(args.origin_ca, args.origin_cert, args.origin_key),
+        origin_stall_seconds=args.origin_stall_seconds,
         uds=args.uds,
         uds_mode=args.uds_mode,
         uds_uids=args.uds_uids or (),

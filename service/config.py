@@ -22,7 +22,11 @@ from weightserve.client._arg_types import (
 )
 from weightserve.service.serving.state import Limits
 from weightserve.service.sources.node_cache import parse_size
-from weightserve.service.sources.origins import DEFAULT_CONCURRENCY, DEFAULT_PART_BYTES
+from weightserve.service.sources.origins import (
+    DEFAULT_CONCURRENCY,
+    DEFAULT_PART_BYTES,
+    UPSTREAM_READ_TIMEOUT,
+)
 
 
 @dataclass(frozen=True)
@@ -205,6 +209,10 @@ SETTINGS: tuple[Setting, ...] = (
             str, "none"),
     Setting("--origin-key", "WEIGHTSERVE_ORIGIN_KEY", None,
             "the unencrypted PEM private key of --origin-cert", str, "none"),
+    Setting("--origin-stall-seconds", "WEIGHTSERVE_ORIGIN_STALL_SECONDS", UPSTREAM_READ_TIMEOUT,
+            "with an http(s):// origin: a read that receives no byte for this long is abandoned "
+            "and retried; a fill fails with OriginUnavailable after 4 such attempts",
+            positive_seconds),
     Setting("--require-models", "WEIGHTSERVE_REQUIRE_MODELS", False,
             "refuse to start when the root holds no servable model (otherwise: a warning)"),
     Setting("--log-level", "WEIGHTSERVE_LOG_LEVEL", "info",

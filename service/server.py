@@ -77,6 +77,7 @@ class ServerConfig:
     origin_token: str | None = None  # bearer token for an upstream weightserve
     # (CA, client certificate, key) PEM files for an https:// upstream; None: system CAs
     origin_tls: tuple[str | None, str | None, str | None] | None = None
+    origin_stall_seconds: float = default_of("origin_stall_seconds")
     # Same-node Unix sockets (docs/deploy.md): HTTP on UDS, gRPC on UDS.grpc and the
     # zero-copy descriptor handoff on UDS.handoff; None: none. Plain (no TLS): the kernel is
     # the transport, and peers are told apart by their credentials.
@@ -198,7 +199,12 @@ def _origin_catalog(config: ServerConfig, digests: DigestStore | None) -> Origin
     try:
         ca, cert, key = config.origin_tls or (None, None, None)
         tls = TLSOptions(ca, cert, key) if ca or cert or key else None
-        origin = open_origin(config.root, token=config.origin_token, tls=tls)
+        origin = open_origin(
+            config.root,
+            token=config.origin_token,
+            tls=tls,
+            stall_seconds=config.origin_stall_seconds,
+        )
     except ValueError as e:
         raise StartupError("root", str(e)) from None
     cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()

@@ -58,7 +58,9 @@ RECEIVE_BYTES = 1 << 20
 # HEAD requests in flight while listing an object store (one per object, for its ETag).
 LIST_CONCURRENCY = 16
 GCS_RETRY_SECONDS = 20  # how long the GCS client retries unless the URI says otherwise
-UPSTREAM_READ_TIMEOUT = 30.0  # longest silence tolerated from an upstream weightserve
+# Longest silence tolerated from an upstream weightserve before a read is abandoned and
+# retried (--origin-stall-seconds).
+UPSTREAM_READ_TIMEOUT = 30.0
 # An S3 ETag of a single-part upload: the MD5 of the object's bytes (a multipart one has "-N").
 _MD5_ETAG = re.compile(r"[0-9a-f]{32}")
 
@@ -130,6 +132,7 @@ def open_origin(
     token: str | None = None,
     tls: TLSOptions | None = None,
     retry: RetryPolicy | None = None,
+    stall_seconds: float = UPSTREAM_READ_TIMEOUT,
 ) -> Origin:
     """The origin ``uri`` names:
 
@@ -140,11 +143,14 @@ def open_origin(
     - ``file:///absolute/dir``.
     - ``http(s)://HOST:PORT``: another weightserve, read through its files API with
       ``token`` and ``tls``; file names are ``MODEL_ID/FILE_NAME``. ``retry`` bounds its
-      retries; an object store's own client retries with backoff (bounded) instead.
+      retries, ``stall_seconds`` the silence after which a read is abandoned and retried; an
+      object store's own client retries with backoff (bounded) instead.
     """
     scheme = urlsplit(uri).scheme
     if scheme in ("http", "https"):
-        return UpstreamOrigin(uri, token=token, tls=tls, retry=retry or RetryPolicy())
+        return UpstreamOrigin(
+            uri, token=token, tls=tls, retry=retry or RetryPolicy(), timeout=stall_seconds
+        )
     if scheme in ("s3", "gs", "gcs", "file"):
         return FileSystemOrigin(uri)
     raise ValueError(
@@ -404,6 +410,7 @@ class UpstreamOrigin:
             )
         self.description = f"weightserve at {address.url}"
         self.retry = retry
+        self.stall_seconds = timeout
         self.transport = HttpTransport(address, token=token, tls=tls, timeout=timeout)
         # Origin file name -> (model id, file name) on the upstream, from the last listing.
         self._sources: dict[str, tuple[str, str]] = {}
@@ -438,9 +445,10 @@ class UpstreamOrigin:
             )
             time.sleep(wait)
         raise OriginUnavailable(
-            f"origin {self.description} failed to {what} after {self.retry.attempts} attempts: "
-            f"{last}; models already cached are still served, check that the upstream is "
-            "reachable"
+            f"origin {self.description} failed to {what} after {self.retry.attempts} attempts "
+            f"(each abandoned after {self.stall_seconds:g} s without a byte, "
+            f"--origin-stall-seconds): {last}; models already cached are still served, check "
+            "that the upstream is reachable"
         ) from last
 
     def list_files(self) -> list[OriginFile]:
@@ -505,7 +513,10 @@ class UpstreamOrigin:
     ) -> str:
         model, name = self._split(file.name)
 
-        def receive(fd: int, offset: int, length: int) -> None:
+        def receive(fd: int, offset: int, length: int, landed: list[int]) -> None:
+            """The part's bytes from ``landed[0]`` on: a retry resumes where the last attempt
+            stopped, so progress counts each byte once."""
+            offset, length = offset + landed[0], length - landed[0]
             source = self.transport.open_file(model, name, offset, length)
             try:
                 if (source.etag, source.size) != (file.version, file.size):
@@ -524,16 +535,18 @@ class UpstreamOrigin:
                         )
                     _pwrite_all(fd, buffer[:got], offset + done)
                     done += got
+                    landed[0] += got
                     if on_bytes is not None:
                         on_bytes(got)
             finally:
                 source.close()
 
         def copy_part(fd: int, offset: int, length: int) -> None:
+            landed = [0]
             try:
                 self._attempt(
                     f"read bytes {offset}-{offset + length - 1} of {file.name}",
-                    lambda: receive(fd, offset, length),
+                    lambda: receive(fd, offset, length, landed),
                 )
             except NotFound as e:
                 raise OriginChanged(

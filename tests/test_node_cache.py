@@ -35,6 +35,7 @@ class CountingOrigin:
     def __init__(self, inner: Origin) -> None:
         self.inner = inner
         self.description = inner.description
+        self.requests = inner.requests
         self.fetched: list[str] = []
         self.listings = 0
         self.fetch_started = threading.Event()

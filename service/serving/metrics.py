@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from weightserve.client.errors import WeightserveError, status_for
+from weightserve.service.sources.origins import ORIGIN_REQUEST_KINDS
 
 if TYPE_CHECKING:
     from weightserve.service.sources.node_cache import CacheStats
@@ -105,8 +106,8 @@ class Metrics:
 
 # The node cache's counters (service/sources/node_cache.py CacheStats): (metric, kind, help, field).
 NODE_CACHE_METRICS = (
-    ("weightserve_origin_requests_total", "counter", "Listings and files fetched from the origin",
-     None),
+    ("weightserve_origin_requests_total", "counter",
+     "Requests made to the origin, by kind (list, head, get) and outcome (ok, error)", None),
     ("weightserve_origin_failures_total", "counter", "Origin listings and fetches that failed",
      "origin_failures"),
     ("weightserve_origin_bytes_total", "counter", "Bytes fetched from the origin",
@@ -143,10 +144,17 @@ class NodeCacheCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         stats = self.snapshot()
         for name, kind, text, field in NODE_CACHE_METRICS:
-            if field is None:  # requests: listings and files together
-                value: float = stats.origin_listings + stats.origin_fetches
-            else:
-                value = getattr(stats, field)
+            if field is None:  # the origin's requests, every kind and outcome even at zero
+                requests = CounterMetricFamily(
+                    name.removesuffix("_total"), text, labels=["kind", "outcome"]
+                )
+                for request_kind in ORIGIN_REQUEST_KINDS:
+                    for outcome in ("ok", "error"):
+                        count = stats.origin_requests.get((request_kind, outcome), 0)
+                        requests.add_metric([request_kind, outcome], count)
+                yield requests
+                continue
+            value: float = getattr(stats, field)
             if kind == "counter":
                 yield CounterMetricFamily(name.removesuffix("_total"), text, value=value)
             else:

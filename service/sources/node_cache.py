@@ -118,6 +118,8 @@ class CacheStats:
     evictions: int = 0
     evicted_bytes: int = 0
     corrupt_files: int = 0  # cached files found not to match their fill record (dropped)
+    # The origin's own requests by (kind, outcome), set by snapshot(): origins.OriginRequests.
+    origin_requests: dict[tuple[str, str], int] = field(default_factory=dict)
     bytes_used: int = 0  # gauge, set by snapshot()
     models_cached: int = 0  # gauge, set by snapshot()
 
@@ -369,7 +371,12 @@ class NodeCache:
         """A consistent copy of the counters, with the gauges filled in."""
         with self._lock:
             models = sum(state.complete for state in self._states.values())
-            return replace(self.stats, bytes_used=self._bytes_used(), models_cached=models)
+            return replace(
+                self.stats,
+                bytes_used=self._bytes_used(),
+                models_cached=models,
+                origin_requests=self.origin.requests.snapshot(),
+            )
 
     def close(self) -> None:
         """Release the cache directory for another process (a restarted server)."""

@@ -6,6 +6,9 @@ fetched with parallel ranged reads.
     for file in origin.list_files():          # OriginFile(name, size, version)
         origin.fetch(file, tmp_path)           # the caller renames tmp_path when it returns
 
+Every request an origin makes is counted by kind (``list``, ``head``, ``get``) and outcome in
+its ``requests`` (OriginRequests), for the server's metrics.
+
 Failures are translated here, at this one boundary: OriginUnavailable (the origin cannot be
 reached or keeps failing, after bounded retries with backoff) and OriginChanged (the object
 changed or vanished while it was fetched). Neither message carries credentials.
@@ -55,7 +58,7 @@ DEFAULT_PART_BYTES = 16 << 20
 # An upstream's answer is received in pieces of this size: memory per worker stays bounded
 # whatever the part size.
 RECEIVE_BYTES = 1 << 20
-# HEAD requests in flight while listing an object store (one per object, for its ETag).
+# HEADs (new or changed objects) or model listings (revision changed) in flight while listing.
 LIST_CONCURRENCY = 16
 GCS_RETRY_SECONDS = 20  # how long the GCS client retries unless the URI says otherwise
 # Longest silence tolerated from an upstream weightserve before a read is abandoned and
@@ -72,6 +75,32 @@ class OriginFile:
     # Changes whenever the object changes: the S3 ETag where the store gives one, else
     # size and mtime; an upstream weightserve's ETag (xxh3-128 of the content).
     version: str
+
+
+ORIGIN_REQUEST_KINDS = ("list", "head", "get")
+
+
+class OriginRequests:
+    """Requests made to an origin, by (kind, outcome): kind ``list``, ``head`` or ``get``,
+    outcome ``ok`` or ``error``. Thread-safe; ``call`` counts one request as it ends."""
+
+    def __init__(self) -> None:
+        self._counts: dict[tuple[str, str], int] = {}
+        self._lock = threading.Lock()
+
+    def call(self, kind: str, action: Callable[[], T]) -> T:
+        outcome = "error"
+        try:
+            result = action()
+            outcome = "ok"
+            return result
+        finally:
+            with self._lock:
+                self._counts[kind, outcome] = self._counts.get((kind, outcome), 0) + 1
+
+    def snapshot(self) -> dict[tuple[str, str], int]:
+        with self._lock:
+            return dict(self._counts)
 
 
 @dataclass(frozen=True)
@@ -95,6 +124,7 @@ class Origin(Protocol):
     # Whether each file's version is its xxh3-128 content digest, as weightserve names files
     # (an upstream weightserve): revisions are then known before a fill.
     lists_content_digests: bool
+    requests: OriginRequests
 
     def list_files(self) -> list[OriginFile]: ...
 
@@ -184,6 +214,8 @@ class FileSystemOrigin:
     """Objects below a prefix of a ``pyarrow.fs`` file system (S3, GCS, local)."""
 
     lists_content_digests = False  # ETags (MD5 at best) or size and mtime
+    # How old an object's mtime must be before its size and mtime stand for its ETag.
+    settle_seconds = 60.0
 
     def __init__(self, uri: str) -> None:
         self._secrets = _secrets_of(uri)
@@ -202,6 +234,10 @@ class FileSystemOrigin:
             raise ValueError(f"origin {self.description}: {self._scrub(str(e))}") from e
         self.prefix = path.rstrip("/")
         self._local = self.fs.type_name == "local"
+        self.requests = OriginRequests()
+        # Object key -> (size, mtime_ns, version) as last listed (see list_files).
+        self._known: dict[str, tuple[int, int | None, str]] = {}
+        self._known_lock = threading.Lock()
 
     def _scrub(self, text: str) -> str:
         for secret in self._secrets:
@@ -235,23 +271,29 @@ class FileSystemOrigin:
                 return etag.decode().removeprefix("W/").strip('"')
         return f"{info.size}-{info.mtime_ns}"
 
+    def _open(self, key: str) -> pafs.NativeFile:
+        return self.requests.call("head", lambda: self.fs.open_input_file(key))
+
     def _stat(self, key: str, source: pafs.NativeFile | None = None) -> tuple[int, str]:
         """(size, version) of one object as the store says now; from ``source``, an open
         object, where that tells (an S3 object opened is a HEAD answered)."""
         if self._local:
-            info = self.fs.get_file_info(key)
+            info = self.requests.call("head", lambda: self.fs.get_file_info(key))
             if info.type != pafs.FileType.File:
                 raise FileNotFoundError(key)
             return info.size, self._version(info, None)
         if source is not None:
             return source.size(), self._version(pafs.FileInfo(key), source)
-        with self.fs.open_input_file(key) as opened:
+        with self._open(key) as opened:
             return opened.size(), self._version(pafs.FileInfo(key), opened)
 
     def list_files(self) -> list[OriginFile]:
         selector = pafs.FileSelector(self.prefix, recursive=True)
         try:
-            infos = self._attempt("list its objects", lambda: self.fs.get_file_info(selector))
+            infos = self._attempt(
+                "list its objects",
+                lambda: self.requests.call("list", lambda: self.fs.get_file_info(selector)),
+            )
         except FileNotFoundError as e:
             raise OriginUnavailable(
                 f"origin {self.description}: the prefix does not exist ({self._scrub(str(e))}); "
@@ -259,23 +301,47 @@ class FileSystemOrigin:
             ) from e
         objects = [i for i in infos if i.type == pafs.FileType.File]
         start = len(self.prefix) + 1 if self.prefix else 0
+        # pyarrow's LIST tells size and mtime but no ETag: an object listed with the size and
+        # mtime it had when its ETag was read keeps that ETag, so a rescan HEADs only objects
+        # new, changed, or written too recently for the mtime (whole seconds, the store's
+        # clock) to tell a rewrite.
+        settled_before = time.time_ns() - int(self.settle_seconds * 1e9)
+        with self._known_lock:
+            known = dict(self._known)
 
-        def describe(info: pafs.FileInfo) -> OriginFile | None:
+        def describe(info: pafs.FileInfo) -> tuple[OriginFile, tuple[int, int | None, str]] | None:
             name = info.path[start:]
+            listed = (info.size, info.mtime_ns)
             if self._local:
-                return OriginFile(name, info.size, self._version(info, None))
-            try:
-                size, version = self._attempt(f"read {name}'s ETag", lambda: self._stat(info.path))
-            except FileNotFoundError:
-                return None  # deleted since it was listed
-            return OriginFile(name, size, version)
+                version = self._version(info, None)
+            elif (
+                (seen := known.get(info.path)) is not None
+                and seen[:2] == listed
+                and info.mtime_ns is not None
+                and info.mtime_ns < settled_before
+            ):
+                version = seen[2]
+            else:
+                try:
+                    size, version = self._attempt(
+                        f"read {name}'s ETag", lambda: self._stat(info.path)
+                    )
+                except FileNotFoundError:
+                    return None  # deleted since it was listed
+                if size != info.size:  # rewritten since the LIST: not one to remember
+                    return OriginFile(name, size, version), (-1, None, version)
+            return OriginFile(name, info.size, version), (*listed, version)
 
         if self._local:
             found = [describe(i) for i in objects]
         else:
             with concurrent.futures.ThreadPoolExecutor(LIST_CONCURRENCY) as pool:
                 found = list(pool.map(describe, objects))
-        return sorted((f for f in found if f is not None), key=lambda f: f.name)
+        with self._known_lock:
+            self._known = {
+                self._key(file.name): seen for file, seen in filter(None, found) if seen[0] >= 0
+            }
+        return sorted((file for file, _ in filter(None, found)), key=lambda f: f.name)
 
     def fetch(
         self,
@@ -311,7 +377,7 @@ class FileSystemOrigin:
 
         def open_checked(when: str) -> pafs.NativeFile:
             try:
-                source = self._attempt(f"open {file.name}", lambda: self.fs.open_input_file(key))
+                source = self._attempt(f"open {file.name}", lambda: self._open(key))
             except FileNotFoundError as e:
                 raise OriginChanged(
                     f"origin {self.description}: {file.name} vanished {when}; list it again"
@@ -328,7 +394,7 @@ class FileSystemOrigin:
 
             def read() -> pafs.Buffer:
                 source.seek(offset)
-                return source.read_buffer(length)
+                return self.requests.call("get", lambda: source.read_buffer(length))
 
             try:
                 buffer = self._attempt(
@@ -362,14 +428,14 @@ class FileSystemOrigin:
         key = self._key(file.name)
 
         def read() -> bytes:
-            with self.fs.open_input_file(key) as source:  # on S3 a HEAD: the version
+            with self._open(key) as source:  # on S3 a HEAD: the version
                 if self._stat(key, source) != (file.size, file.version):
                     raise OriginChanged(
                         f"origin {self.description}: {file.name} changed since it was listed; "
                         "list it again"
                     )
                 source.seek(offset)
-                return bytes(source.read(length))
+                return bytes(self.requests.call("get", lambda: source.read(length)))
 
         try:
             return self._attempt(f"read bytes {offset}-{offset + length - 1} of {file.name}", read)
@@ -414,7 +480,10 @@ class UpstreamOrigin:
         self.transport = HttpTransport(address, token=token, tls=tls, timeout=timeout)
         # Origin file name -> (model id, file name) on the upstream, from the last listing.
         self._sources: dict[str, tuple[str, str]] = {}
+        # Model id -> (revision, its files) as last listed.
+        self._listed: dict[str, tuple[str, list[tuple[OriginFile, str, str]]]] = {}
         self._models_lock = threading.Lock()
+        self.requests = OriginRequests()
 
     def _attempt(self, what: str, action: Callable[[], T]) -> T:
         """``action``, retried with backoff on transport failures and temporary refusals;
@@ -452,13 +521,25 @@ class UpstreamOrigin:
         ) from last
 
     def list_files(self) -> list[OriginFile]:
-        listing = self._attempt("list its models", self.transport.list_models)
-        ids = sorted(m["id"] for m in listing.get("models", []))
+        listing = self._attempt(
+            "list its models", lambda: self.requests.call("list", self.transport.list_models)
+        )
+        revisions = {m["id"]: m.get("revision") or "" for m in listing.get("models", [])}
+        # A model whose revision (a digest of its files) is what it was is not listed again:
+        # a rescan of an unchanged upstream is one request.
+        with self._models_lock:
+            known = {
+                model: files
+                for model, (revision, files) in self._listed.items()
+                if revision and revisions.get(model) == revision
+            }
+        changed = sorted(set(revisions) - set(known))
 
         def files_of(model: str) -> list[tuple[OriginFile, str, str]]:
             try:
                 files = self._attempt(
-                    f"list the files of {model}", lambda: self.transport.list_files(model)
+                    f"list the files of {model}",
+                    lambda: self.requests.call("list", lambda: self.transport.list_files(model)),
                 )
             except NotFound:
                 return []  # removed since it was listed
@@ -483,8 +564,13 @@ class UpstreamOrigin:
             ]
 
         with concurrent.futures.ThreadPoolExecutor(LIST_CONCURRENCY) as pool:
-            found = [f for files in pool.map(files_of, ids) for f in files]
+            listed = dict(zip(changed, pool.map(files_of, changed), strict=True))
+        found = [f for files in (*known.values(), *listed.values()) for f in files]
         with self._models_lock:
+            self._listed = {
+                model: (revisions[model], known[model] if model in known else listed[model])
+                for model in revisions
+            }
             self._sources = {file.name: (model, name) for file, model, name in found}
         return sorted((file for file, _, _ in found), key=lambda f: f.name)
 
@@ -517,7 +603,9 @@ class UpstreamOrigin:
             """The part's bytes from ``landed[0]`` on: a retry resumes where the last attempt
             stopped, so progress counts each byte once."""
             offset, length = offset + landed[0], length - landed[0]
-            source = self.transport.open_file(model, name, offset, length)
+            source = self.requests.call(
+                "get", lambda: self.transport.open_file(model, name, offset, length)
+            )
             try:
                 if (source.etag, source.size) != (file.version, file.size):
                     raise OriginChanged(
@@ -568,7 +656,9 @@ class UpstreamOrigin:
         model, name = self._split(file.name)
 
         def receive() -> bytes:
-            source = self.transport.open_file(model, name, offset, length)
+            source = self.requests.call(
+                "get", lambda: self.transport.open_file(model, name, offset, length)
+            )
             try:
                 if (source.etag, source.size) != (file.version, file.size):
                     raise OriginChanged(

@@ -1,25 +1,34 @@
 """A loopback TCP proxy that counts the bytes its upstream sends, to show what a read costs the
-origin (e.g. "the second read of a cached model costs no origin bytes"). Same shape as
+origin (e.g. "the second read of a cached model costs no origin bytes"), and the HTTP requests
+it is asked (e.g. "a rescan lists the bucket once, with no HEAD per object"). Same shape as
 CuttingProxy in tests/test_faults.py, without the cut.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import socket
 import threading
+from collections import Counter
 from collections.abc import Callable
+
+# A request's head: its request line, then headers up to the blank line.
+_REQUEST_HEAD = re.compile(rb"([A-Z]+) (\S+) HTTP/1\.[01]\r\n.*?\r\n\r\n", re.DOTALL)
 
 
 class ByteCountingProxy:
     """Passes every connection to ``127.0.0.1:upstream_port``; ``bytes_from_upstream`` and
-    ``connections`` count what went through. ``reset()`` starts the counts again."""
+    ``connections`` count what went through, ``requests`` the HTTP requests by
+    ``"METHOD TARGET"`` (requests without bodies, as reads are). ``reset()`` starts the counts
+    again."""
 
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
         self.bytes_from_upstream = 0
         self.bytes_to_upstream = 0
         self.connections = 0
+        self.requests: Counter[str] = Counter()
         self._lock = threading.Lock()
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
@@ -36,6 +45,7 @@ class ByteCountingProxy:
     def reset(self) -> None:
         with self._lock:
             self.bytes_from_upstream = self.bytes_to_upstream = self.connections = 0
+            self.requests.clear()
 
     def _start(self, target: Callable, *args: object) -> None:
         threading.Thread(target=target, args=args, daemon=True).start()
@@ -61,6 +71,7 @@ class ByteCountingProxy:
             self._start(self._pump, upstream, client, True)
 
     def _pump(self, src: socket.socket, dst: socket.socket, from_upstream: bool) -> None:
+        pending = b""  # the start of a request head not yet whole
         with contextlib.suppress(OSError):
             while data := src.recv(256 << 10):
                 with self._lock:
@@ -68,6 +79,12 @@ class ByteCountingProxy:
                         self.bytes_from_upstream += len(data)
                     else:
                         self.bytes_to_upstream += len(data)
+                        pending += data
+                        end = 0
+                        for head in _REQUEST_HEAD.finditer(pending):
+                            self.requests[f"{head[1].decode()} {head[2].decode()}"] += 1
+                            end = head.end()
+                        pending = pending[end:]
                 dst.sendall(data)
         for s in (src, dst):
             with contextlib.suppress(OSError):

@@ -191,7 +191,7 @@ def _token_store(path: str) -> TokenStore:
         ) from None
 
 
-def _origin_catalog(config: ServerConfig, digests: DigestStore | None) -> OriginCatalog:
+def _origin_catalog(config: ServerConfig) -> OriginCatalog:
     """The catalog of an origin through the node cache in CACHE_DIR/node-cache; the pinned
     models are filled before it returns."""
     from weightserve.service.demo import default_cache_dir
@@ -227,7 +227,7 @@ def _origin_catalog(config: ServerConfig, digests: DigestStore | None) -> Origin
         ) from None
     except ModelUnavailable as e:  # the directory is another server's
         raise StartupError("cache_dir", str(e)) from None
-    catalog = OriginCatalog(cache, digests=digests)
+    catalog = OriginCatalog(cache)
     try:
         cache.warm(None if catalog.origin_error else _listing(catalog))
     except WeightserveError as e:
@@ -248,11 +248,14 @@ class WeightServer:
         _check_tls(config)
         _check_ports_distinct(config)
         tokens = _token_store(config.token_file) if config.token_file else None
-        digests = DigestStore(config.cache_dir) if config.cache_dir else None
         self.catalog: ModelSource = catalog or (
-            _origin_catalog(config, digests)
+            _origin_catalog(config)
             if is_origin_uri(config.root)
-            else Catalog(config.root, digests=digests)
+            else Catalog(
+                config.root,
+                # A node cache's digests are its fill records; a local root remembers them here.
+                digests=DigestStore(config.cache_dir) if config.cache_dir else None,
+            )
         )
         self.state = ServiceState(self.catalog, config.limits, tokens, config.protect_metrics)
         self.listeners: list[Listener] = []  # those started (or starting), in start order

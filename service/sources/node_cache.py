@@ -106,8 +106,6 @@ class EvictionRefused(ResourceExhausted):
 class CacheStats:
     """Counters since start (and two gauges) for the server's metrics."""
 
-    origin_listings: int = 0
-    origin_fetches: int = 0  # one per file fetched (the origin may use several ranged reads)
     origin_failures: int = 0  # listings and fetches that raised
     origin_bytes: int = 0
     fills: int = 0  # fills started; fill_failures of them failed
@@ -578,8 +576,6 @@ class NodeCache:
     # -- filling -----------------------------------------------------------------------------
 
     def _list_origin(self) -> list[OriginFile]:
-        with self._lock:
-            self.stats.origin_listings += 1
         try:
             return self.origin.list_files()
         except BaseException:
@@ -658,8 +654,6 @@ class NodeCache:
                 fill.done_bytes += n
                 self.stats.origin_bytes += n
 
-        with self._lock:
-            self.stats.origin_fetches += 1
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             try:

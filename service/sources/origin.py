@@ -56,7 +56,6 @@ from weightserve.service.sources.pinning import pick_revision
 from weightserve.service.sources.revisions import (
     COMMIT_CHARS,
     REVISION_CHARS,
-    DigestStore,
     content_revision,
 )
 
@@ -144,7 +143,7 @@ class OriginCatalog:
     Cached files are what their fill records say (``CacheDigests``): the revisions, commits
     and ETags reported are the records' digests, and a file that no longer matches its record
     is dropped (at each request and rescan, and before a new mapping is served) and filled
-    again. ``digests`` is not used for the cache's files, which need no other store.
+    again.
     """
 
     fills_on_request = True
@@ -154,7 +153,6 @@ class OriginCatalog:
         self,
         cache: NodeCache,
         recheck_seconds: float = 1.0,
-        digests: DigestStore | None = None,
         fill_wait_seconds: float = FILL_WAIT_SECONDS,
     ) -> None:
         self.cache = cache

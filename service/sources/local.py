@@ -468,6 +468,7 @@ class Catalog:
         fmt, path, files = entry
         key = (fmt, path, tuple(files))
         side: list[Path] = []
+        stamps: dict[Path, FileStamp] | None = None
         try:
             side = self.side_files(path, files, self._model_dirs)
             stamps = current_stamps([*files, *side])
@@ -493,8 +494,10 @@ class Catalog:
                 where = str(e.filename or path)
                 problem = Problem(model_id, self._relative(where), self._relative(str(e)))
             self.problems[model_id] = problem
+            # A refusal holds for the version it was read from (stamped before the read): a
+            # file a copy finished meanwhile differs from it, so the next rescan reads it again.
             with contextlib.suppress(OSError):  # files vanished: looked at next time
-                refused[model_id] = (current_stamps([*files, *side]), problem)
+                refused[model_id] = (stamps or current_stamps([*files, *side]), problem)
             log.warning("model %s refused: %s", model_id, problem.reason)
             if self.on_refused is not None:
                 self.on_refused(problem)

@@ -172,7 +172,7 @@ class TensorRequest(_message.Message):
     resume_offset: int
     chunk_bytes: int
     revision: str
-    def __init__(self, model: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., prefix: _Optional[str] = ..., use_prefix: _Optional[bool] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., shard_axis: _Optional[int] = ..., resume_tensor: _Optional[str] = ..., resume_offset: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., revision: _Optional[str] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., prefix: _Optional[str] = ..., use_prefix: bool = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., shard_axis: _Optional[int] = ..., resume_tensor: _Optional[str] = ..., resume_offset: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., revision: _Optional[str] = ...) -> None: ...
 
 class GetTensorRequest(_message.Message):
     __slots__ = ("request", "max_bytes")
@@ -202,7 +202,7 @@ class TensorData(_message.Message):
     digest: int
     data: bytes
     too_large: bool
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., logical_shape: _Optional[_Iterable[int]] = ..., encoding: _Optional[str] = ..., total_bytes: _Optional[int] = ..., digest: _Optional[int] = ..., data: _Optional[bytes] = ..., too_large: _Optional[bool] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., logical_shape: _Optional[_Iterable[int]] = ..., encoding: _Optional[str] = ..., total_bytes: _Optional[int] = ..., digest: _Optional[int] = ..., data: _Optional[bytes] = ..., too_large: bool = ...) -> None: ...
 
 class ArrowData(_message.Message):
     __slots__ = ("data",)

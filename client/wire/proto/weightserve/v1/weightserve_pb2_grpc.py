@@ -6,7 +6,7 @@ import warnings
 
 from weightserve.client.wire.proto.weightserve.v1 import weightserve_pb2 as weightserve_dot_v1_dot_weightserve__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.80.1'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -26,7 +26,7 @@ if _version_not_supported:
     )
 
 
-class WeightServiceStub:
+class WeightServiceStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -72,7 +72,7 @@ class WeightServiceStub:
                 _registered_method=True)
 
 
-class WeightServiceServicer:
+class WeightServiceServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def ListModels(self, request, context):
@@ -176,7 +176,7 @@ def add_WeightServiceServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class WeightService:
+class WeightService(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod

@@ -23,6 +23,7 @@ from weightserve.client._models import (
     RemoteFile,
     TensorInfo,
 )
+from weightserve.client._publish import Revision
 from weightserve.client.errors import ConversionRefused, DestinationError, WeightsClosed
 from weightserve.client.max.compat import backend as _backend
 from weightserve.client.max.load import WeightsFormat, load_weights, weights_format
@@ -43,6 +44,7 @@ __all__ = [
     "RemoteFile",
     "RemoteModel",
     "RemoteWeights",
+    "Revision",
     "TLSOptions",
     "TensorInfo",
     "WeightData",

@@ -1,5 +1,5 @@
-"""The ``weightserve`` command: ``serve`` (needs the server extra), ``ls``, ``pull`` and
-``cache`` (client/_cache_cli.py)."""
+"""The ``weightserve`` command: ``serve`` (needs the server extra), ``ls``, ``pull``,
+``publish`` and ``cache`` (client/_cache_cli.py)."""
 
 from __future__ import annotations
 
@@ -149,6 +149,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pull.add_argument("--quiet", action="store_true", help="no progress bar")
     pull.set_defaults(func=_pull)
+
+    publish = sub.add_parser(
+        "publish",
+        help="publish a directory of checkpoint files as a new revision of a model",
+        description="Uploads every file below DIR as it is (checkpoints, config, tokenizer) "
+        "and makes it the model's main revision once the server has checked it; prints the "
+        "new commit. The model is created if new. URL: http://HOST:PORT/v1/models/MODEL.",
+    )
+    publish.add_argument("url", help="model URL")
+    publish.add_argument("dir", type=Path, help="the directory to publish")
+    publish.add_argument(
+        "--base", default=None, help="a revision whose files this one keeps where DIR has none"
+    )
+    publish.add_argument("--message", "-m", default="", help="what changed")
+    publish.add_argument("--token", default=None, help=token_help)
+    publish.add_argument("--quiet", action="store_true", help="no progress bar")
+    publish.set_defaults(func=_publish)
     add_cache_parser(sub, _CommandParser, token_help)
     return parser
 
@@ -242,6 +259,33 @@ def _pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def _publish(args: argparse.Namespace) -> int:
+    from weightserve.client._client import Client
+    from weightserve.client._publish import publish_directory
+    from weightserve.client.wire.routes import parse_url
+
+    _, model_id = parse_url(args.url)
+    if model_id is None:
+        args.command_parser.error("give a model URL, e.g. http://HOST:PORT/v1/models/MODEL")
+    if not args.dir.is_dir():
+        args.command_parser.error(f"{args.dir} is not a directory")
+    total = sum(p.stat().st_size for p in args.dir.rglob("*") if p.is_file())
+    with (
+        Client(args.url, token=args.token) as client,
+        _progress(args, model_id, total) as (sent, _),
+    ):
+        revision = publish_directory(
+            client.transport,
+            model_id,
+            args.dir,
+            base=args.base,
+            message=args.message,
+            on_bytes=sent,
+        )
+    print(revision.commit)
+    return 0
+
+
 def _pull_converted(args: argparse.Namespace, model: Any, out_dir: Path) -> int:
     from weightserve.client._pull import pull_to_safetensors, source_metadata
 
@@ -302,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown and args.func is not _no_server:  # `serve --demo` without the server extra
         args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    if args.command in ("ls", "pull"):
+    if args.command in ("ls", "pull", "publish"):
         from weightserve.client.wire.routes import parse_url
 
         try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -24,6 +24,7 @@ from weightserve.client._models import (
     RemoteFile,
     TensorInfo,
 )
+from weightserve.client._publish import Revision, UploadSource, hold, publish, revisions
 from weightserve.client._retry import OnWait, call_with_retry, retry_seconds_from
 from weightserve.client.errors import InvalidRequest, TensorNotFound, TransportError
 from weightserve.client.receive.stream import (
@@ -48,7 +49,7 @@ from weightserve.client.transports.planes import (
     make_transport,
 )
 from weightserve.client.wire.dtypes import numpy_dtype, wire_dtype
-from weightserve.client.wire.routes import ServerAddress, parse_url, with_revision
+from weightserve.client.wire.routes import ServerAddress, parse_url, split_revision, with_revision
 from weightserve.client.wire.schema import ChunkHeader
 
 _SUMMARY_FIELDS = frozenset(f.name for f in fields(ModelSummary))
@@ -165,6 +166,40 @@ class Client:
         """
         return RemoteModel(self, model_id, options, revision=revision)
 
+    def publish(
+        self,
+        model_id: str,
+        tensors: Mapping[str, Any] | None = None,
+        *,
+        base: str | None = None,
+        files: Mapping[str, UploadSource] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        message: str = "",
+    ) -> Revision:
+        """Publish a new revision of ``model_id`` (created if new) and make it ``main``:
+        ``tensors`` maps names to arrays (NumPy, torch, DLPack, buffers; stored as
+        safetensors), ``files`` adds files (name -> bytes or a path: config, tokenizer, or
+        checkpoint files as they are). With ``base`` (a revision of the model), what is not
+        given is the base's: tensors not given, files not given. The server checks the
+        upload with its strict readers; a refused or interrupted publish leaves ``main`` as
+        it was. Over HTTP; needs a token granted ``publish=`` (or ``--allow-publish``)."""
+        return publish(
+            self.transport,
+            split_revision(model_id)[0],
+            tensors,
+            base=base,
+            files=files,
+            metadata=metadata,
+            message=message,
+        )
+
+    def revisions(self, model_id: str) -> list[Revision]:
+        """The model's revisions the server holds, ``main`` first, then newest first."""
+        return self._with_retry(
+            lambda: revisions(self.transport, split_revision(model_id)[0]),
+            f"{self.address.url} revisions of {model_id!r}",
+        )
+
     def close(self) -> None:
         self._planes.close()
         self.transport.close()
@@ -211,6 +246,30 @@ class RemoteModel:
     @property
     def tensors(self) -> dict[str, TensorInfo]:
         return self.info.tensors
+
+    def publish(
+        self,
+        tensors: Mapping[str, Any] | None = None,
+        *,
+        base: str | None = None,
+        files: Mapping[str, UploadSource] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        message: str = "",
+    ) -> Revision:
+        """A new revision of this model (see ``Client.publish``); ``model(...)`` of a model
+        that does not exist yet fails, so a first revision goes through ``Client.publish``."""
+        return self.client.publish(
+            self.id, tensors, base=base, files=files, metadata=metadata, message=message
+        )
+
+    def revisions(self) -> list[Revision]:
+        """This model's revisions on the server, ``main`` first, then newest first."""
+        return self.client.revisions(self.id)
+
+    def hold(self, commit: str, seconds: float) -> float | None:
+        """Keep revision ``commit`` from the server's retention for ``seconds`` (renew it
+        while you compute with it; 0 releases it): the time it is held until."""
+        return hold(self.client.transport, split_revision(self.id)[0], commit, seconds)
 
     def names(self, prefix: str = "") -> list[str]:
         return [n for n in self.info.tensors if n.startswith(prefix)]

@@ -167,6 +167,15 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("--token-file", "WEIGHTSERVE_TOKEN_FILE", None,
             "bearer tokens, one per line, each optionally followed by the model ids or "
             "patterns it may read; re-read when it changes", str, "none: no authentication"),
+    Setting("--allow-publish", "WEIGHTSERVE_ALLOW_PUBLISH", False,
+            "take publishes (new revisions, written under ROOT) from anyone who reaches the "
+            "port; with --token-file, only tokens granted publish=PATTERN may publish"),
+    Setting("--max-upload-bytes", "WEIGHTSERVE_MAX_UPLOAD_BYTES", 1 << 40,
+            "the most bytes one publish may upload, e.g. 500GiB; 0: no limit but the disk",
+            byte_budget, "1TiB"),
+    Setting("--keep-revisions", "WEIGHTSERVE_KEEP_REVISIONS", 4,
+            "published revisions kept per model (main and held ones always are); older ones "
+            "are removed", positive_int),
     Setting("--protect-metrics", "WEIGHTSERVE_PROTECT_METRICS", False,
             "/metrics needs a token too"),
     Setting("--tls-cert", "WEIGHTSERVE_TLS_CERT", None,

@@ -28,6 +28,7 @@ from weightserve.service.sources.local import Catalog
 from weightserve.service.sources.node_cache import NodeCache
 from weightserve.service.sources.origin import OriginCatalog, default_cache_size
 from weightserve.service.sources.origins import OriginFile, open_origin
+from weightserve.service.sources.published import Publisher
 from weightserve.service.sources.revisions import DigestStore
 from weightserve.service.transports.flight import FlightListener
 from weightserve.service.transports.grpc import GrpcListener
@@ -59,6 +60,11 @@ class ServerConfig:
     limits: Limits | None = None
     token_file: str | None = None  # bearer tokens, one per line (see service/serving/auth.py)
     protect_metrics: bool = False  # /metrics needs a token too
+    # Publishing (service/sources/published.py): open to all only with allow_publish, else
+    # to tokens granted publish=PATTERN; uploads bounded; older revisions removed.
+    allow_publish: bool = False
+    max_upload_bytes: int = default_of("max_upload_bytes")
+    keep_revisions: int = default_of("keep_revisions")
     tls_cert: str | None = None  # PEM certificate chain: enables TLS on every TCP listener
     tls_key: str | None = None
     tls_client_ca: str | None = None  # require client certificates signed by this CA (mTLS)
@@ -258,6 +264,16 @@ class WeightServer:
             )
         )
         self.state = ServiceState(self.catalog, config.limits, tokens, config.protect_metrics)
+        self.state.allow_publish = config.allow_publish
+        if isinstance(self.catalog, Catalog):  # revisions are published into a local root
+            revisions = self.state.metrics.revisions
+            self.state.publisher = Publisher(
+                self.catalog,
+                config.max_upload_bytes,
+                config.keep_revisions,
+                on_published=lambda model, record: revisions.labels("published").inc(),
+                on_removed=lambda model, commit: revisions.labels("removed").inc(),
+            )
         self.listeners: list[Listener] = []  # those started (or starting), in start order
         self._http: UvicornListener | None = None
         self._grpc: GrpcListener | None = None

@@ -9,6 +9,7 @@ import json
 import socket
 import ssl
 import threading
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from typing import Any
 from urllib.parse import urlencode
@@ -199,13 +200,53 @@ class HttpTransport:
         status, body = self._answer("GET", path, ok)
         return body if status == 200 else dict(missing or {})
 
-    def request_json(self, method: str, path: str, ok: tuple[int, ...] = (200,)) -> dict[str, Any]:
-        """The JSON answer of any route (the operator's admin routes); another status raises
-        the server's error as its class."""
-        return self._answer(method, path, ok)[1]
+    def request_json(
+        self, method: str, path: str, ok: tuple[int, ...] = (200,), body: dict | None = None
+    ) -> dict[str, Any]:
+        """The JSON answer of any route (the operator's admin routes, publishing); another
+        status raises the server's error as its class."""
+        return self._answer(method, path, ok, body)[1]
 
-    def _answer(self, method: str, path: str, ok: tuple[int, ...]) -> tuple[int, Any]:
-        conn, resp = self._request(method, path, ok=ok)
+    def upload(
+        self,
+        path: str,
+        chunks: Iterable[bytes | memoryview],
+        length: int,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> dict[str, Any]:
+        """PUT ``length`` bytes from ``chunks`` (streamed: never held whole) on a connection
+        of its own; the server's JSON answer, or its error as its class."""
+        conn = self._connect()
+        url = f"PUT {self.address.url}{path}"
+        try:
+            conn.putrequest("PUT", path)
+            conn.putheader("content-type", "application/octet-stream")
+            conn.putheader("content-length", str(length))
+            conn.putheader("accept", "application/json")
+            if self.token:
+                conn.putheader("authorization", f"Bearer {self.token}")
+            conn.endheaders()
+            try:
+                for chunk in chunks:
+                    conn.send(chunk)
+                    if on_bytes is not None:
+                        on_bytes(len(chunk))
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # refused before the end (too large, not allowed): its answer says why
+            resp = conn.getresponse()
+            raw = resp.read()
+        except (OSError, http.client.HTTPException) as e:
+            conn.close()
+            raise ServerUnreachable(f"{url}: the upload was cut off: {e!r}") from e
+        conn.close()
+        if resp.status != 200:
+            raise _http_error(resp.status, raw, url, resp.getheader("retry-after"))
+        return json.loads(raw)
+
+    def _answer(
+        self, method: str, path: str, ok: tuple[int, ...], body: dict | None = None
+    ) -> tuple[int, Any]:
+        conn, resp = self._request(method, path, body=body, ok=ok)
         try:
             raw = resp.read()
         except (OSError, http.client.HTTPException) as e:

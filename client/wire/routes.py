@@ -26,6 +26,8 @@ REVISION_SEPARATOR = "@"
 VARIANT_SEPARATOR = ":"
 # The ref that names a model's files as the server holds them now (the newest revision).
 MAIN_REVISION = "main"
+# Below a model: a publish in progress (/v1/models/ID/-/uploads/UPLOAD/...).
+UPLOADS_ROUTE = "uploads"
 DEFAULT_PORTS = {
     ("http", False): 80,
     ("http", True): 443,

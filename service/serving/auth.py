@@ -4,11 +4,13 @@ gRPC, Flight, the same-node handoff).
 The token file holds one token per line, optionally followed by the model ids (or
 ``fnmatch`` patterns) it may read; a token with no patterns may read every model.
 ``admin=PATTERN`` lets the token use the operator's routes (prefetch, evict, verify a node
-cache's models) on the models PATTERN matches; it adds nothing to what the token reads::
+cache's models) on the models PATTERN matches; it adds nothing to what the token reads.
+``publish=PATTERN`` lets it publish revisions of the models PATTERN matches (and read them)::
 
     s3cr3t-token-for-everything
     team-a-token   team-a/*  shared/base-model
     ops-token      admin=*
+    trainer-token  publish=team-a/policy
 
 Blank lines and lines starting with ``#`` are ignored. The file is re-read when it changes
 (checked at most once a second), so tokens rotate without a restart.
@@ -30,6 +32,7 @@ from weightserve.client.errors import InvalidRequest, PermissionDenied, Unauthen
 from weightserve.client.wire.routes import split_revision
 
 ADMIN_KEYWORD = "admin="
+PUBLISH_KEYWORD = "publish="
 
 
 @dataclass(frozen=True)
@@ -37,11 +40,19 @@ class Grant:
     token: str
     patterns: tuple[str, ...]  # empty: every model
     admin: tuple[str, ...] = ()  # models it may administer (``admin=PATTERN``); empty: none
+    publish: tuple[str, ...] = ()  # models it may publish to (``publish=PATTERN``); empty: none
 
     def may_read(self, model_id: str) -> bool:
-        """Whether a pattern names the model; a grant for a model covers its revisions
-        (``ID@R`` is read as ``ID``)."""
-        return not self.patterns or _names_any(model_id, self.patterns)
+        """Whether a pattern names the model (a ``publish=`` one too: publishing implies
+        reading); a grant for a model covers its revisions (``ID@R`` is read as ``ID``)."""
+        return (
+            not self.patterns
+            or _names_any(model_id, self.patterns)
+            or _names_any(model_id, self.publish)
+        )
+
+    def may_publish(self, model_id: str) -> bool:
+        return _names_any(model_id, self.publish)
 
     def may_administer(self, model_id: str) -> bool:
         """Whether an ``admin=`` pattern names the model, its revisions covered as for reads."""
@@ -69,11 +80,13 @@ def parse_tokens(text: str) -> list[Grant]:
         if not fields:
             continue
         patterns = [p.rstrip(",") for p in fields[1:]]
-        admin = tuple(p[len(ADMIN_KEYWORD) :] for p in patterns if p.startswith(ADMIN_KEYWORD))
-        if "" in admin:
-            raise ValueError(f"{ADMIN_KEYWORD} needs a model id or pattern (admin=*: every model)")
-        reads = tuple(p for p in patterns if not p.startswith(ADMIN_KEYWORD))
-        grants.append(Grant(fields[0], reads, admin))
+        keyed: dict[str, tuple[str, ...]] = {}
+        for keyword in (ADMIN_KEYWORD, PUBLISH_KEYWORD):
+            keyed[keyword] = tuple(p[len(keyword) :] for p in patterns if p.startswith(keyword))
+            if "" in keyed[keyword]:
+                raise ValueError(f"{keyword} needs a model id or pattern ({keyword}*: every model)")
+        reads = tuple(p for p in patterns if not p.startswith((ADMIN_KEYWORD, PUBLISH_KEYWORD)))
+        grants.append(Grant(fields[0], reads, keyed[ADMIN_KEYWORD], keyed[PUBLISH_KEYWORD]))
     return grants
 
 
@@ -155,6 +168,22 @@ class Access:
             raise PermissionDenied(
                 f"this token may not administer model {model_id!r}: its line in the token file "
                 "needs admin=PATTERN matching it"
+            )
+
+    def check_publish(self, model_id: str, *, allowed_openly: bool) -> None:
+        """Publishing: with tokens, a ``publish=`` pattern must match the model; without a
+        token file, only a server started with ``--allow-publish`` takes publishes."""
+        if self.grant is None:
+            if not allowed_openly:
+                raise PermissionDenied(
+                    "this server takes no publishes: start it with a --token-file whose line "
+                    "for your token grants publish=PATTERN, or with --allow-publish"
+                )
+            return
+        if not self.grant.may_publish(model_id):
+            raise PermissionDenied(
+                f"this token may not publish model {model_id!r}: its line in the token file "
+                "needs publish=PATTERN matching it"
             )
 
 

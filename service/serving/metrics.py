@@ -95,6 +95,12 @@ class Metrics:
             "Times a model was refused (once per version of its files: not per rescan)",
             registry=self.registry,
         )
+        self.revisions = Counter(
+            "weightserve_revisions_total",
+            "Published revisions, by event: published (became main), removed (retention)",
+            ["event"],
+            registry=self.registry,
+        )
         # One recorder per transport: a request resolves no label there (see CallRecorder).
         self.http = CallRecorder(self, "http")
         self.grpc = CallRecorder(self, "grpc")

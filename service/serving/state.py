@@ -16,6 +16,7 @@ from weightserve.service.serving.idle import IdleCutter
 from weightserve.service.serving.metrics import Metrics, NodeCacheCollector
 from weightserve.service.sources.base import ModelSource
 from weightserve.service.sources.model import Model
+from weightserve.service.sources.published import Publisher
 
 
 @dataclass
@@ -47,6 +48,8 @@ class ServiceState:
         self.limits = limits or Limits()
         self.tokens = tokens
         self.protect_metrics = protect_metrics
+        self.publisher: Publisher | None = None  # set by the server for a local root
+        self.allow_publish = False  # publishes without a token file (--allow-publish)
         self._per_client: dict[str, int] = {}
         self.metrics = Metrics()
         self.draining = False

@@ -12,6 +12,7 @@ from urllib.parse import parse_qsl
 from starlette.routing import Match
 
 from weightserve.client.errors import ResourceExhausted
+from weightserve.client.wire.routes import RESERVED_PART, UPLOADS_ROUTE
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.transports.http.common import ERROR_KEY, OPERATION_KEY, error_response
 
@@ -27,6 +28,9 @@ class BodyLimit:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if scope["method"] == "PUT" and f"/{RESERVED_PART}/{UPLOADS_ROUTE}/" in scope["path"]:
+            # A publish's files: streamed to disk, bounded by --max-upload-bytes there.
             return await self.app(scope, receive, send)
         limit = self.state.limits.max_request_bytes
         headers = dict(scope["headers"])

@@ -1,0 +1,196 @@
+"""Publishing: arrays and files uploaded to a server and committed there as one new revision
+of a model (service/sources/published.py keeps them), and the revisions a model has.
+
+Tensors travel as one safetensors file written on the fly from the arrays' own memory (no
+copy of the model in the client); files are streamed from disk. The server checks the upload
+with its strict readers and makes it ``main`` only when it is complete; anything that fails
+on the way discards the upload, so ``main`` never moves to a partial revision.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import numpy as np
+
+from weightserve.client.errors import InvalidRequest
+from weightserve.client.transports.base import Transport
+from weightserve.client.transports.http import HttpTransport
+from weightserve.client.wire.dtypes import from_numpy_dtype, wire_dtype
+from weightserve.client.wire.routes import UPLOADS_ROUTE, http_model_path
+from weightserve.client.wire.safetensors_layout import LayoutEntry, safetensors_header
+
+READ_BLOCK = 8 << 20  # bytes read from a file per send
+UploadSource = bytes | bytearray | memoryview | str | os.PathLike[str]
+
+
+@dataclass(frozen=True)
+class Revision:
+    """One revision of a model: ``commit`` names its bytes (``ID@COMMIT`` loads them),
+    ``parent`` the revision it was published on (None for the first)."""
+
+    commit: str
+    parent: str | None
+    created: float  # seconds since the epoch
+    bytes: int
+    message: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> Revision:
+        return cls(
+            commit=str(body["commit"]),
+            parent=body.get("parent"),
+            created=float(body.get("created") or 0.0),
+            bytes=int(body.get("bytes") or 0),
+            message=str(body.get("message") or ""),
+            metadata=dict(body.get("metadata") or {}),
+        )
+
+
+def tensor_bytes(value: Any) -> tuple[str, tuple[int, ...], memoryview]:
+    """(wire dtype, shape, bytes) of an array: a NumPy array, a torch tensor, anything with
+    DLPack or the buffer protocol. The bytes are the array's own memory where it is
+    contiguous and on the CPU (a copy otherwise)."""
+    if type(value).__module__.startswith("torch"):
+        import torch  # only when given torch tensors: torch is optional
+
+        t = value.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        name = str(t.dtype).removeprefix("torch.")
+        wire_dtype(name)  # a dtype with no wire equivalent is refused by name
+        raw = t.reshape(-1).view(torch.uint8).numpy()
+        return name, tuple(t.shape), memoryview(raw.data)
+    if isinstance(value, np.ndarray):
+        array = value
+    elif hasattr(value, "__dlpack__"):
+        array = np.from_dlpack(value)
+    else:
+        array = np.asarray(value)
+    array = np.ascontiguousarray(array)
+    name = from_numpy_dtype(array.dtype)
+    raw = array.reshape(-1).view(np.uint8)
+    return name, tuple(array.shape), memoryview(raw.data)
+
+
+def _tensor_stream(
+    tensors: Mapping[str, Any], metadata: Mapping[str, str] | None
+) -> tuple[int, Iterator[memoryview | bytes]]:
+    """(total bytes, the chunks) of a safetensors file holding ``tensors``."""
+    parts = [(name, *tensor_bytes(v)) for name, v in tensors.items()]
+    header = safetensors_header(
+        (LayoutEntry(name, dtype, shape, raw.nbytes) for name, dtype, shape, raw in parts),
+        dict(metadata) if metadata else None,
+    )
+
+    def chunks() -> Iterator[memoryview | bytes]:
+        yield header
+        for *_, raw in parts:
+            for start in range(0, raw.nbytes, READ_BLOCK):
+                yield raw[start : start + READ_BLOCK]
+
+    return len(header) + sum(raw.nbytes for *_, raw in parts), chunks()
+
+
+def _file_stream(source: UploadSource) -> tuple[int, Iterator[memoryview | bytes]]:
+    if isinstance(source, bytes | bytearray | memoryview):
+        data = memoryview(source)
+        return data.nbytes, iter([data])
+    path = Path(source)
+    size = path.stat().st_size
+
+    def chunks() -> Iterator[bytes]:
+        with open(path, "rb") as f:
+            while block := f.read(READ_BLOCK):
+                yield block
+
+    return size, chunks()
+
+
+def publish(
+    transport: Transport,
+    model_id: str,
+    tensors: Mapping[str, Any] | None = None,
+    *,
+    base: str | None = None,
+    files: Mapping[str, UploadSource] | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    message: str = "",
+    on_bytes: Callable[[int], None] | None = None,
+) -> Revision:
+    """Upload and commit one revision of ``model_id`` (see ``RemoteModel.publish``)."""
+    if not isinstance(transport, HttpTransport):
+        raise InvalidRequest(
+            "publishing goes over HTTP: give the client the server's http(s):// URL"
+        )
+    if not tensors and not files:
+        raise InvalidRequest("a publish needs tensors or files")
+    uploads = http_model_path(model_id, UPLOADS_ROUTE)
+    body = {"base": base, "message": message, "metadata": dict(metadata or {})}
+    upload = transport.request_json("POST", uploads, ok=(201,), body=body)["upload"]
+    try:
+        for name, source in (files or {}).items():
+            size, chunks = _file_stream(source)
+            path = http_model_path(model_id, UPLOADS_ROUTE, upload, "files") + "/" + _quote(name)
+            transport.upload(path, chunks, size, on_bytes)
+        if tensors:
+            size, chunks = _tensor_stream(tensors, None)
+            path = http_model_path(model_id, UPLOADS_ROUTE, upload, "tensors")
+            transport.upload(path, chunks, size, on_bytes)
+        record = transport.request_json(
+            "POST", http_model_path(model_id, UPLOADS_ROUTE, upload, "commit"), ok=(201,)
+        )
+    except BaseException:
+        # The first error is the one to report; the server forgets the upload on its own
+        # too (a body cut off, or left idle).
+        with contextlib.suppress(Exception):
+            transport.request_json("DELETE", http_model_path(model_id, UPLOADS_ROUTE, upload))
+        raise
+    return Revision.from_json(record)
+
+
+def publish_directory(
+    transport: Transport,
+    model_id: str,
+    directory: Path,
+    *,
+    base: str | None = None,
+    message: str = "",
+    on_bytes: Callable[[int], None] | None = None,
+) -> Revision:
+    """Publish every file below ``directory`` as it is (hidden files left out)."""
+    files = {
+        p.relative_to(directory).as_posix(): p
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(directory).parts)
+    }
+    if not files:
+        raise InvalidRequest(f"{directory} holds no file to publish")
+    return publish(transport, model_id, base=base, files=files, message=message, on_bytes=on_bytes)
+
+
+def revisions(transport: Transport, model_id: str) -> list[Revision]:
+    if not isinstance(transport, HttpTransport):
+        raise InvalidRequest("revisions are listed over HTTP: use the server's http(s):// URL")
+    body = transport.request_json("GET", http_model_path(model_id, "revisions"))
+    return [Revision.from_json(r) for r in body["revisions"]]
+
+
+def hold(transport: Transport, model_id: str, commit: str, seconds: float) -> float | None:
+    if not isinstance(transport, HttpTransport):
+        raise InvalidRequest("holds are taken over HTTP: use the server's http(s):// URL")
+    body = {"commit": commit, "seconds": seconds}
+    answer = transport.request_json("POST", http_model_path(model_id, "holds"), body=body)
+    return answer.get("held_until")
+
+
+def _quote(name: str) -> str:
+    return quote(name.strip("/"), safe="/")

@@ -1,0 +1,183 @@
+"""The publish routes: a trainer uploads a revision's files (or tensors) and commits it, and
+anyone lists a model's revisions or holds one (docs/protocol.md, "Publishing revisions").
+
+An upload's bodies are streamed to disk as they arrive (bounded memory whatever the model's
+size), limited by ``--max-upload-bytes``; a body cut off (the publisher killed) discards the
+whole upload. Publishing needs ``publish=PATTERN`` in the token file, or ``--allow-publish``
+on a server without one.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
+
+from weightserve.client.errors import InvalidRequest, ResourceExhausted
+from weightserve.client.wire.routes import UPLOADS_ROUTE
+from weightserve.service.serving.state import ServiceState
+from weightserve.service.sources.published import Publisher, Upload
+from weightserve.service.transports.http.common import OPERATION_KEY, AccessCheck, off_loop
+from weightserve.service.transports.http.routes import get_and_head
+
+PUBLISH_OPERATION = "publish"
+WRITE_BLOCK = 8 << 20  # bytes gathered before one write to disk, off the event loop
+MODEL = "/v1/models/{model:model_id}/-"
+
+
+async def _json_body(http: Request) -> dict[str, Any]:
+    raw = await http.body()
+    if not raw:
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        raise InvalidRequest(f"the request body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    return body
+
+
+async def _receive(http: Request, publisher: Publisher, upload: Upload, name: str | None) -> int:
+    """Stream the request body into the upload's file; the bytes written."""
+    target = publisher.target(upload, name)
+    length = http.headers.get("content-length")
+    declared = int(length) if length is not None and length.isdigit() else None
+    publisher.check_size(upload, declared)
+    limit = publisher.max_upload_bytes - sum(upload.files.values())
+    await run_in_threadpool(target.parent.mkdir, parents=True, exist_ok=True)
+    out = await run_in_threadpool(open, target, "wb")
+    written = 0
+    pending = bytearray()
+    upload.busy += 1
+    try:
+        async for chunk in http.stream():
+            pending += chunk
+            written += len(chunk)
+            if publisher.max_upload_bytes and written > limit:
+                raise ResourceExhausted(
+                    f"the upload of {upload.model_id!r} is over this server's limit of "
+                    f"{publisher.max_upload_bytes} bytes (--max-upload-bytes)"
+                )
+            if len(pending) >= WRITE_BLOCK:
+                await run_in_threadpool(out.write, bytes(pending))
+                pending.clear()
+        if pending:
+            await run_in_threadpool(out.write, bytes(pending))
+    except ClientDisconnect:
+        publisher.abort(upload.id, "the publisher went away in the middle of a file")
+        raise
+    except BaseException:
+        publisher.abort(upload.id, "a file could not be received")
+        raise
+    finally:
+        upload.busy -= 1
+        await run_in_threadpool(out.close)
+    if declared is not None and written != declared:
+        publisher.abort(upload.id, "a file arrived short")
+        raise InvalidRequest(f"{name or 'the tensors'}: {written} bytes of {declared} arrived")
+    publisher.received(upload, name, target, written)
+    return written
+
+
+def add_publish_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -> None:
+    """Routes below ``/v1/models/{model}/-/``: uploads, revisions and holds."""
+
+    def publisher(http: Request, model: str) -> Publisher:
+        http.scope[OPERATION_KEY] = PUBLISH_OPERATION
+        access(http).check_publish(model, allowed_openly=state.allow_publish)
+        if state.publisher is None:
+            raise InvalidRequest(
+                f"this server serves {state.catalog.description}: it takes publishes only "
+                "into a local directory root"
+            )
+        return state.publisher
+
+    @app.post(f"{MODEL}/{UPLOADS_ROUTE}", tags=["publish"], status_code=201)
+    async def begin_upload(http: Request, model: str) -> Response:
+        """Start a publish of `model` (created if new): `{"base": REV, "message": ...,
+        "metadata": {...}}`, all optional. Answers `{"upload": ID}`; then PUT its files or
+        tensors and POST `.../commit`."""
+        found = publisher(http, model)
+        body = await _json_body(http)
+        base = body.get("base")
+        metadata = body.get("metadata") or {}
+        if base is not None and not isinstance(base, str) or not isinstance(metadata, dict):
+            raise InvalidRequest("base must be a revision (a string), metadata an object")
+        message = str(body.get("message") or "")
+        upload = await run_in_threadpool(found.begin, model, base, message, metadata)
+        return JSONResponse({"upload": upload.id}, status_code=201)
+
+    @app.put(f"{MODEL}/{UPLOADS_ROUTE}/{{upload}}/files/{{name:path}}", tags=["publish"])
+    async def put_file(http: Request, model: str, upload: str, name: str) -> Response:
+        """One file of the revision, as its raw bytes (a checkpoint, config, tokenizer...)."""
+        found = publisher(http, model)
+        pending = found.upload(model, upload)
+        size = await _receive(http, found, pending, name)
+        return JSONResponse({"name": name, "size": size})
+
+    @app.put(f"{MODEL}/{UPLOADS_ROUTE}/{{upload}}/tensors", tags=["publish"])
+    async def put_tensors(http: Request, model: str, upload: str) -> Response:
+        """The revision's tensors as one safetensors file: its weights without a base, or
+        the tensors that replace (or are added to) the base's."""
+        found = publisher(http, model)
+        pending = found.upload(model, upload)
+        size = await _receive(http, found, pending, None)
+        return JSONResponse({"size": size})
+
+    @app.post(f"{MODEL}/{UPLOADS_ROUTE}/{{upload}}/commit", tags=["publish"], status_code=201)
+    async def commit_upload(http: Request, model: str, upload: str) -> Response:
+        """Check the upload (the strict readers), name it by its content and make it `main`;
+        answers the new revision. Refused: nothing is left and `main` stays."""
+        found = publisher(http, model)
+        pending = found.upload(model, upload)
+        record = await run_in_threadpool(found.commit, pending)
+        return JSONResponse(record, status_code=201)
+
+    @app.delete(f"{MODEL}/{UPLOADS_ROUTE}/{{upload}}", tags=["publish"])
+    async def abort_upload(http: Request, model: str, upload: str) -> Response:
+        """Discard an upload in progress."""
+        found = publisher(http, model)
+        found.upload(model, upload)
+        await run_in_threadpool(found.abort, upload)
+        return JSONResponse({"upload": upload, "aborted": True})
+
+    @get_and_head(app, f"{MODEL}/revisions", tags=["publish"])
+    async def revisions(http: Request, model: str) -> Response:
+        """The model's revisions, newest first (`main` first): commit, parent, created,
+        bytes, message, metadata."""
+        http.scope[OPERATION_KEY] = "model_info"
+
+        def answer() -> Response:
+            caller = access(http)
+            caller.check(model)
+            if state.publisher is None:
+                current = state.readable_model(caller, model)
+                listed = [{"commit": current.commit, "parent": None, "created": 0.0,
+                           "bytes": sum(f.size for f in current.repo_files.values()),
+                           "message": "", "metadata": {}}]  # fmt: skip
+            else:
+                listed = state.publisher.revisions(model)
+            return JSONResponse({"model": model, "revisions": listed})
+
+        return await off_loop(answer, False)
+
+    @app.post(f"{MODEL}/holds", tags=["publish"])
+    async def hold(http: Request, model: str) -> Response:
+        """Keep a revision from retention: `{"commit": C, "seconds": S}` (renew before it
+        ends; 0 releases it)."""
+        http.scope[OPERATION_KEY] = "model_info"
+        caller = access(http)
+        caller.check(model)
+        body = await _json_body(http)
+        commit, seconds = body.get("commit"), body.get("seconds", 0)
+        if not isinstance(commit, str) or not isinstance(seconds, int | float) or seconds < 0:
+            raise InvalidRequest('a hold is {"commit": COMMIT, "seconds": N >= 0}')
+        if state.publisher is None:
+            raise InvalidRequest("this server keeps no published revisions to hold")
+        answer = await run_in_threadpool(state.publisher.hold, model, commit, float(seconds))
+        return JSONResponse(answer)

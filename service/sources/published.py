@@ -261,7 +261,8 @@ class Publisher:
             problem = next(iter(checked.problems.values()), None)
         if problem is not None:
             raise CheckpointError(
-                f"the publish of {upload.model_id!r} is refused: {problem.file.removeprefix(MODEL_PART + '/')}: {problem.reason}"
+                problem.file.removeprefix(MODEL_PART + "/"),
+                f"the publish of {upload.model_id!r} is refused: {problem.reason}",
             )
         model = checked.models.get(MODEL_PART)
         if model is None:
@@ -471,17 +472,17 @@ def _write_safetensors(path: Path, entries: list[TensorEntry]) -> None:
             for e in entries:
                 if e.file not in sources:
                     sources[e.file] = os.open(e.file, os.O_RDONLY)
-                _copy_range(sources[e.file], out.fileno(), e.offset, e.nbytes)
+                _copy_range(sources[e.file], out.fileno(), e.offset, e.nbytes, e.file.name)
         finally:
             for fd in sources.values():
                 os.close(fd)
         os.fsync(out.fileno())
 
 
-def _copy_range(source: int, target: int, offset: int, length: int) -> None:
+def _copy_range(source: int, target: int, offset: int, length: int, name: str) -> None:
     done = 0
     while done < length:
         n = os.copy_file_range(source, target, min(COPY_BLOCK, length - done), offset + done)
         if n == 0:
-            raise CheckpointError("a tensor's bytes end before its header says")
+            raise CheckpointError(name, "a tensor's bytes end before the file says they do")
         done += n

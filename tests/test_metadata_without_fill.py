@@ -28,10 +28,11 @@ MIB = 1 << 20
 BIG = "org/big"  # 256 MiB of weights in two shards, with an index and side files
 
 
-def write_big(root: Path) -> None:
-    model = root / BIG
+def write_big(root: Path, model_id: str = BIG, shard_bytes: int = 128 * MIB) -> None:
+    """Two safetensors shards of ``shard_bytes`` each, their index, a config and a tokenizer."""
+    model = root / model_id
     model.mkdir(parents=True)
-    half = (128 * MIB) // 4
+    half = shard_bytes // 4
     weight_map = {}
     for shard in (1, 2):
         name = f"model-0000{shard}-of-00002.safetensors"

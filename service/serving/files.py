@@ -1,9 +1,10 @@
 """A model's repository files as bytes: lookup by name, byte ranges, chunks from the mmap.
 
 The files API (HTTP ``/v1/models/ID/-/files``, gRPC ``ListFiles``/``ReadFile``) and the
-Hub-compatible routes share this: which names a model serves (``Model.repo_files``), which
-bytes a ``Range`` asks for, and the bytes themselves as views of the shared mapping, each
-checked against the indexed file version before it is handed out.
+Hub-compatible routes share this: which model answers a listing or a file without a fill
+where it can, which names a model serves (``Model.repo_files``), which bytes a ``Range`` asks
+for, and the bytes themselves as views of the shared mapping, each checked against the
+indexed file version before it is handed out.
 """
 
 from __future__ import annotations
@@ -14,11 +15,34 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from weightserve.client.errors import FileNotFound, RangeNotSatisfiable, RevisionMismatch
+from weightserve.service.serving.auth import Access
+from weightserve.service.serving.state import ServiceState
 from weightserve.service.sources.model import Model, RepoFile
 from weightserve.service.sources.pinning import names_content
 
 # Largest piece handed to a transport at once (a gRPC FileChunk; an HTTP write).
 FILE_CHUNK_BYTES = 2 << 20
+
+
+def listed_model(state: ServiceState, access: Access, model_id: str) -> Model:
+    """The model a files listing names: a node cache's uncached model described from its
+    header images, no fill, where the listing's commit and ETags are known before a fill (an
+    upstream weightserve origin lists content digests). Elsewhere (object storage) the model
+    is filled first: a pull and a lower tier verify each file against the ETag listed."""
+    described = state.readable_metadata(access, model_id)
+    return described if described.commit else state.readable_model(access, model_id)
+
+
+def file_model(
+    state: ServiceState, access: Access, model_id: str, name: str, revision: str | None
+) -> Model:
+    """The model that serves its file ``name``: a node cache fetches an uncached model's side
+    file alone and fills the model for a checkpoint's bytes. A ``revision`` to check against
+    needs the model's commit, which object storage tells once the model is filled."""
+    described = state.readable_metadata(access, model_id, file=name)
+    if revision and not described.commit:
+        return state.readable_model(access, model_id)
+    return described
 
 
 def file_list(model: Model) -> dict:

@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from weightserve.client.errors import WeightserveError, status_for
-from weightserve.service.sources.origins import ORIGIN_REQUEST_KINDS
+from weightserve.service.sources.origins import ORIGIN_BYTE_KINDS, ORIGIN_REQUEST_KINDS
 
 if TYPE_CHECKING:
     from weightserve.service.sources.node_cache import CacheStats
@@ -113,11 +113,13 @@ class Metrics:
 # The node cache's counters (service/sources/node_cache.py CacheStats): (metric, kind, help, field).
 NODE_CACHE_METRICS = (
     ("weightserve_origin_requests_total", "counter",
-     "Requests made to the origin, by kind (list, head, get) and outcome (ok, error)", None),
+     "Requests made to the origin, by kind (list, head, get) and outcome (ok, error)",
+     "origin_requests"),
     ("weightserve_origin_failures_total", "counter", "Origin listings and fetches that failed",
      "origin_failures"),
-    ("weightserve_origin_bytes_total", "counter", "Bytes fetched from the origin",
-     "origin_bytes"),
+    ("weightserve_origin_bytes_total", "counter",
+     "Bytes taken from the origin, by kind: fill (a model's files), header (metadata of a model "
+     "not cached), file (a side file fetched alone)", "origin_bytes_by_kind"),
     ("weightserve_cache_fills_total", "counter", "Models filled (or refreshed) from the origin",
      "fills"),
     ("weightserve_cache_fill_failures_total", "counter", "Fills that failed", "fill_failures"),
@@ -141,6 +143,16 @@ NODE_CACHE_METRICS = (
 )  # fmt: skip
 
 
+# The labelled ones, a dict in CacheStats: their label names and every key, reported even at 0.
+_LABELLED: dict[str, tuple[tuple[str, ...], tuple[tuple[str, ...], ...]]] = {
+    "origin_requests": (
+        ("kind", "outcome"),
+        tuple((kind, outcome) for kind in ORIGIN_REQUEST_KINDS for outcome in ("ok", "error")),
+    ),
+    "origin_bytes_by_kind": (("kind",), tuple((kind,) for kind in ORIGIN_BYTE_KINDS)),
+}
+
+
 class NodeCacheCollector(Collector):
     """The node cache's counters, read from one consistent ``snapshot()`` per scrape."""
 
@@ -150,15 +162,13 @@ class NodeCacheCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         stats = self.snapshot()
         for name, kind, text, field in NODE_CACHE_METRICS:
-            if field is None:  # the origin's requests, every kind and outcome even at zero
-                requests = CounterMetricFamily(
-                    name.removesuffix("_total"), text, labels=["kind", "outcome"]
-                )
-                for request_kind in ORIGIN_REQUEST_KINDS:
-                    for outcome in ("ok", "error"):
-                        count = stats.origin_requests.get((request_kind, outcome), 0)
-                        requests.add_metric([request_kind, outcome], count)
-                yield requests
+            if field in _LABELLED:
+                labels, keys = _LABELLED[field]
+                counts = getattr(stats, field)
+                family = CounterMetricFamily(name.removesuffix("_total"), text, labels=labels)
+                for key in keys:
+                    family.add_metric(key, counts.get(key if len(key) > 1 else key[0], 0))
+                yield family
                 continue
             value: float = getattr(stats, field)
             if kind == "counter":

@@ -32,8 +32,8 @@ from weightserve.service.sources.local import MAX_INDEX_BYTES, Catalog
 from weightserve.service.sources.mapped import MappedFile
 from weightserve.service.sources.model import Model
 from weightserve.service.sources.origins import Origin, OriginFile
-from weightserve.service.sources.revisions import DigestStore, FileChanged
-from weightserve.service.sources.stamps import FileStamp
+from weightserve.service.sources.revisions import DigestStore, FileChanged, hash_file
+from weightserve.service.sources.stamps import FileStamp, file_stamp
 
 # The first read of a safetensors file: the whole header of a small checkpoint; a larger one
 # costs a second read of exactly the rest (its length is in the first 8 bytes).
@@ -71,7 +71,8 @@ class HeaderModel(Model):
         return super().commit if self.digests_known else ""
 
     def file_digest(self, path: Path) -> str:
-        return super().file_digest(path) if self.digests_known else ""
+        # A side file fetched whole has its digest, from the origin or from its bytes.
+        return super().file_digest(path) if self.digests_known or path in self.whole else ""
 
     def mapped(self, file: Path) -> MappedFile:
         if file in self.whole:
@@ -83,7 +84,8 @@ class HeaderModel(Model):
 
 
 class ListedDigests(DigestStore):
-    """The content digests the origin lists, by image path: an image's own bytes are holes."""
+    """The content digests the origin lists (or a side file's, once fetched whole), by image
+    path: an image's own bytes are holes."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -98,7 +100,8 @@ class ListedDigests(DigestStore):
 
 class HeaderImages:
     """Header images of an origin's models in ``directory`` (emptied at start), indexed by a
-    local catalog of that directory; ``origin_bytes`` counts what they cost the origin."""
+    local catalog of that directory; what they cost the origin is counted in its requests
+    (``header`` and ``file`` bytes)."""
 
     def __init__(self, origin: Origin, directory: Path) -> None:
         self.origin = origin
@@ -106,12 +109,10 @@ class HeaderImages:
         shutil.rmtree(directory, ignore_errors=True)  # images are cheap to fetch again
         directory.mkdir(parents=True)
         self.directory = directory.resolve()  # as the catalog names its files
-        self.origin_bytes = 0
         self._digests = ListedDigests()
         self._made: dict[str, tuple[OriginFile, ...]] = {}  # model id -> files it shows
         self._whole: set[Path] = set()  # side files' images that hold every byte, verified
         self._lock = threading.Lock()
-        self._count_lock = threading.Lock()
         self._catalog = Catalog(self.directory, digests=self._digests, whole_models=self._made.keys)
 
     def model(
@@ -148,14 +149,14 @@ class HeaderImages:
         return base in self._made
 
     def _fetch_whole(self, file: OriginFile, path: Path) -> None:
-        """One file fetched alone and verified as a fill verifies it, renamed over its image."""
+        """One file fetched alone and verified as a fill verifies it, renamed over its image;
+        its digest is what a fill records: the origin's, or (object storage) its bytes'."""
         partial = path.with_name(f".{path.name}.partial")
-
-        def on_bytes(n: int) -> None:
-            with self._count_lock:
-                self.origin_bytes += n
-
-        self.origin.fetch(file, partial, on_bytes=on_bytes)
+        counted = self.origin.requests
+        digest = self.origin.fetch(file, partial, on_bytes=lambda n: counted.received("file", n))
+        if digest is None:
+            digest = hash_file(partial, file_stamp(os.stat(partial)))
+        self._digests.listed[path] = digest
         os.replace(partial, path)
         self._whole.add(path)
 
@@ -169,6 +170,8 @@ class HeaderImages:
             path = self.directory / file.name
             if self.origin.lists_content_digests:
                 self._digests.listed[path] = file.version
+            else:
+                self._digests.listed.pop(path, None)  # known once fetched whole
             pieces = self._pieces(file)
             self._whole.discard(path)  # a new listing: a side file is fetched again
             if checkpoint_format(file.name) == "gguf":
@@ -202,8 +205,7 @@ class HeaderImages:
             if length <= 0:
                 return b""
             data = self.origin.read_range(file, offset, length)
-            with self._count_lock:  # a PyTorch file's headers are read on several threads
-                self.origin_bytes += len(data)
+            self.origin.requests.received("header", len(data))
             return data
 
         return read

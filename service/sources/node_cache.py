@@ -118,6 +118,9 @@ class CacheStats:
     corrupt_files: int = 0  # cached files found not to match their fill record (dropped)
     # The origin's own requests by (kind, outcome), set by snapshot(): origins.OriginRequests.
     origin_requests: dict[tuple[str, str], int] = field(default_factory=dict)
+    # Bytes taken from the origin by what for (origins.ORIGIN_BYTE_KINDS), set by snapshot():
+    # ``fill`` is origin_bytes, the others the metadata of models not cached.
+    origin_bytes_by_kind: dict[str, int] = field(default_factory=dict)
     bytes_used: int = 0  # gauge, set by snapshot()
     models_cached: int = 0  # gauge, set by snapshot()
 
@@ -374,6 +377,10 @@ class NodeCache:
                 bytes_used=self._bytes_used(),
                 models_cached=models,
                 origin_requests=self.origin.requests.snapshot(),
+                origin_bytes_by_kind={
+                    **self.origin.requests.bytes_received(),
+                    "fill": self.stats.origin_bytes,
+                },
             )
 
     def close(self) -> None:

@@ -398,8 +398,9 @@ class OriginCatalog:
         (``HeaderImages``), without a fill; any other is what
         ``get`` answers (a cached model, or the error a request gets). ``ID@R`` is checked
         against the revision the origin lists, where it lists content digests. ``file``, a
-        side file, is fetched alone to be served where its ETag is known before a fill (an
-        upstream weightserve); a checkpoint's bytes need the fill."""
+        side file, is fetched alone to be served (its ETag the digest a fill would record)
+        unless the answer needs a commit the origin tells only once filled (``ID@R`` over
+        object storage); a checkpoint's bytes need the fill."""
         plain, revision = split_revision(validate_model_id(model_id))
         base = base_model_id(plain)
         remote = self.remote.get(base)
@@ -409,7 +410,8 @@ class OriginCatalog:
             revision is not None or self._holds_listed(base)
         )
         alone = file is None or (
-            checkpoint_format(file) is None and self.origin.lists_content_digests
+            checkpoint_format(file) is None
+            and (self.origin.lists_content_digests or revision is None)
         )
         if remote is None or self.origin_error is not None or cached or not alone:
             return self.get(model_id, may_read)

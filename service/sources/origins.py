@@ -7,7 +7,8 @@ fetched with parallel ranged reads.
         origin.fetch(file, tmp_path)           # the caller renames tmp_path when it returns
 
 Every request an origin makes is counted by kind (``list``, ``head``, ``get``) and outcome in
-its ``requests`` (OriginRequests), for the server's metrics.
+its ``requests`` (OriginRequests), for the server's metrics, with the bytes taken by what they
+were for (``fill``, ``header``, ``file``).
 
 Failures are translated here, at this one boundary: OriginUnavailable (the origin cannot be
 reached or keeps failing, after bounded retries with backoff) and OriginChanged (the object
@@ -78,15 +79,30 @@ class OriginFile:
 
 
 ORIGIN_REQUEST_KINDS = ("list", "head", "get")
+# What bytes taken from the origin were for: a model's fill, the header reads that describe a
+# model not cached (service/sources/headers.py), a side file fetched alone.
+ORIGIN_BYTE_KINDS = ("fill", "header", "file")
 
 
 class OriginRequests:
     """Requests made to an origin, by (kind, outcome): kind ``list``, ``head`` or ``get``,
-    outcome ``ok`` or ``error``. Thread-safe; ``call`` counts one request as it ends."""
+    outcome ``ok`` or ``error``; and the bytes taken for headers and side files (``received``;
+    a fill's bytes are the node cache's own count). Thread-safe; ``call`` counts one request
+    as it ends."""
 
     def __init__(self) -> None:
         self._counts: dict[tuple[str, str], int] = {}
+        self._bytes: dict[str, int] = {}
         self._lock = threading.Lock()
+
+    def received(self, kind: str, n: int) -> None:
+        """Count ``n`` bytes taken from the origin for ``kind`` (ORIGIN_BYTE_KINDS)."""
+        with self._lock:
+            self._bytes[kind] = self._bytes.get(kind, 0) + n
+
+    def bytes_received(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._bytes)
 
     def call(self, kind: str, action: Callable[[], T]) -> T:
         outcome = "error"

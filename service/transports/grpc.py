@@ -219,7 +219,9 @@ class WeightService:
 
     @_unary_call("model_info")
     def ListFiles(self, request: pb.GetModelRequest, context: grpc.ServicerContext) -> Any:
-        listing = files.file_list(self.state.readable_model(self._access(context), request.model))
+        # As the HTTP listing: no fill where the origin lists every ETag (files.listed_model).
+        model = files.listed_model(self.state, self._access(context), request.model)
+        listing = files.file_list(model)
         return pb.FileList(
             id=listing["id"],
             revision=listing["revision"],
@@ -234,7 +236,10 @@ class WeightService:
         try:
             with StreamLease(state, "grpc", "file") as lease:
                 access = self._access(context)
-                model = state.readable_model(access, request.model)
+                # A side file of a node cache's uncached model is fetched alone, no fill.
+                model = files.file_model(
+                    state, access, request.model, request.name, request.revision
+                )
                 files.check_revision(model, request.revision)
                 file = files.repo_file(model, request.name)
                 byte_range = files.file_range(model, file, request.offset, request.length or None)

@@ -87,7 +87,9 @@ def add_file_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -> N
     def list_files(http: Request, model: str) -> dict[str, Any]:
         """Every file of the model's repository (weights, index, config, tokenizer and other
         side files): `{id, revision, commit, files: [{name, size, etag}]}`."""
-        return files.file_list(state.readable_model(access(http), model))
+        # A node cache lists an uncached model from its origin's listing where that tells
+        # every ETag (an upstream weightserve), without a fill.
+        return files.file_list(files.listed_model(state, access(http), model))
 
     @get_and_head(
         app,
@@ -108,6 +110,6 @@ def add_file_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -> N
         `revision` (the model's revision or commit) fails with 412 once the model changed."""
         caller = access(http)
         # A node cache serves a side file without a fill; a checkpoint's bytes fill it.
-        m = state.readable_metadata(caller, model, file=name)
+        m = files.file_model(state, caller, model, name, revision)
         files.check_revision(m, revision)
         return file_response(http, state, caller, m, files.repo_file(m, name))

@@ -8,6 +8,7 @@ file's bytes are asked for, which fill it.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,15 +44,18 @@ def upstream(repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         yield server
 
 
-def origin_bytes(server: WeightServer) -> dict[str, int]:
-    """``weightserve_origin_bytes_total`` by kind."""
+def origin_counts(server: WeightServer) -> Counter[str]:
+    """``weightserve_origin_bytes_total`` by kind (``fill``, ``header``, ``file``), and
+    ``weightserve_origin_requests_total`` of every kind and outcome (``requests``)."""
     text = http_request(server.http_port, "/metrics").body.decode()
-    return {
-        sample.labels["kind"]: int(sample.value)
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "weightserve_origin_bytes_total"
-    }
+    counts: Counter[str] = Counter()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "weightserve_origin_bytes_total":
+                counts[sample.labels["kind"]] += int(sample.value)
+            elif sample.name == "weightserve_origin_requests_total":
+                counts["requests"] += int(sample.value)
+    return counts
 
 
 def state(server: WeightServer) -> str:
@@ -106,15 +110,16 @@ def read_metadata(node: WeightServer, upstream: WeightServer, repository: Path) 
         assert etag == read_file(upstream.http_url, name)[1]
 
 
-def assert_cheap(node: WeightServer, proxy: ByteCountingProxy, before: dict[str, int]) -> None:
+def assert_cheap(node: WeightServer, proxy: ByteCountingProxy, before: Counter[str]) -> None:
     """Under 1 MiB at the proxy, all of it counted by the metric as header or side-file bytes
-    (beyond each answer's head), and the model still remote with nothing in the cache."""
-    after = origin_bytes(node)
-    counted = {kind: after[kind] - before.get(kind, 0) for kind in after}
+    (beyond each answer's head), every request the proxy saw counted, and the model still
+    remote with nothing in the cache."""
+    counted = origin_counts(node) - before
     seen = proxy.bytes_from_upstream
     assert seen < MIB, (seen, proxy.requests)
     assert counted["fill"] == 0 and counted["header"] > 0 and counted["file"] > 0, counted
     answers = sum(proxy.requests.values())
+    assert counted["requests"] == answers, (counted, proxy.requests)
     assert counted["header"] + counted["file"] <= seen
     assert seen <= counted["header"] + counted["file"] + answers * ANSWER_OVERHEAD, (counted, seen)
     assert state(node) == "remote"
@@ -131,7 +136,7 @@ def test_upstream_origin_listings_and_side_files_without_a_fill(
         WeightServer(config(f"http://127.0.0.1:{proxy.port}", tmp_path)) as node,
     ):
         proxy.reset()  # the start lists the upstream's models and files
-        before = origin_bytes(node)
+        before = origin_counts(node)
         # The upstream lists content digests: both listings are its own, before a fill.
         assert http_request(node.http_port, f"/v1/models/{MODEL}/-/files").json() == want
         assert_grpc_listing(node, want)
@@ -143,7 +148,7 @@ def test_upstream_origin_listings_and_side_files_without_a_fill(
         assert data == (repository / MODEL / SHARD).read_bytes()[8:108]
         assert state(node) == "cached"
         total = sum(f["size"] for f in want["files"])
-        assert origin_bytes(node)["fill"] == node_cache(node).snapshot().origin_bytes == total
+        assert origin_counts(node)["fill"] == node_cache(node).snapshot().origin_bytes == total
         assert http_request(node.http_port, f"/v1/models/{MODEL}/-/files").json() == want
 
 
@@ -156,7 +161,7 @@ def test_s3_origin_side_files_without_a_fill_and_a_listing_once_filled(
         uri = s3_server.uri("files", port=proxy.port)
         with WeightServer(config(uri, tmp_path / "node")) as node:
             proxy.reset()
-            before = origin_bytes(node)
+            before = origin_counts(node)
             read_metadata(node, upstream, repository)
             assert_cheap(node, proxy, before)
 

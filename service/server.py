@@ -271,7 +271,7 @@ class WeightServer:
                 self.catalog,
                 config.max_upload_bytes,
                 config.keep_revisions,
-                on_published=lambda model, record: revisions.labels("published").inc(),
+                on_published=self._published,
                 on_removed=lambda model, commit: revisions.labels("removed").inc(),
             )
         self.listeners: list[Listener] = []  # those started (or starting), in start order
@@ -280,6 +280,11 @@ class WeightServer:
         self._flight: FlightListener | None = None
         self._handoff_listener: HandoffListener | None = None
         self._stop_rescan = threading.Event()
+
+    def _published(self, model_id: str, record: dict) -> None:
+        """A new revision is main: counted, and every watcher of the model told."""
+        self.state.metrics.revisions.labels("published").inc()
+        self.state.feed.announce(model_id, record)
 
     # The ports bound (0: not listening, or not yet).
     @property

@@ -1,5 +1,5 @@
 """The ``weightserve`` command: ``serve`` (needs the server extra), ``ls``, ``pull``,
-``publish`` and ``cache`` (client/_cache_cli.py)."""
+``publish``, ``watch`` and ``cache`` (client/_cache_cli.py)."""
 
 from __future__ import annotations
 
@@ -166,6 +166,21 @@ def build_parser() -> argparse.ArgumentParser:
     publish.add_argument("--token", default=None, help=token_help)
     publish.add_argument("--quiet", action="store_true", help="no progress bar")
     publish.set_defaults(func=_publish)
+
+    watch = sub.add_parser(
+        "watch",
+        help="print each new revision of a model as it is published",
+        description="One line per revision that becomes the model's main (commit, time, "
+        "bytes, message), as the server announces it; reconnects through restarts. "
+        "URL: http://HOST:PORT/v1/models/MODEL.",
+    )
+    watch.add_argument("url", help="model URL")
+    watch.add_argument("--since", default=None, help="first print every revision after COMMIT")
+    watch.add_argument(
+        "--timeout", type=float, default=None, help="stop after this many seconds (default: never)"
+    )
+    watch.add_argument("--token", default=None, help=token_help)
+    watch.set_defaults(func=_watch)
     add_cache_parser(sub, _CommandParser, token_help)
     return parser
 
@@ -286,6 +301,23 @@ def _publish(args: argparse.Namespace) -> int:
     return 0
 
 
+def _watch(args: argparse.Namespace) -> int:
+    import time
+
+    from weightserve.client._client import Client
+    from weightserve.client._publish import watch
+    from weightserve.client.wire.routes import parse_url
+
+    _, model_id = parse_url(args.url)
+    if model_id is None:
+        args.command_parser.error("give a model URL, e.g. http://HOST:PORT/v1/models/MODEL")
+    with Client(args.url, token=args.token) as client:
+        for rev in watch(client.transport, model_id, args.since, args.timeout):
+            when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(rev.created))
+            print(f"{rev.commit}  {when}  {_size(rev.bytes):>10}  {rev.message}", flush=True)
+    return 0
+
+
 def _pull_converted(args: argparse.Namespace, model: Any, out_dir: Path) -> int:
     from weightserve.client._pull import pull_to_safetensors, source_metadata
 
@@ -346,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown and args.func is not _no_server:  # `serve --demo` without the server extra
         args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    if args.command in ("ls", "pull", "publish"):
+    if args.command in ("ls", "pull", "publish", "watch"):
         from weightserve.client.wire.routes import parse_url
 
         try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -24,7 +24,14 @@ from weightserve.client._models import (
     RemoteFile,
     TensorInfo,
 )
-from weightserve.client._publish import Revision, UploadSource, hold, publish, revisions
+from weightserve.client._publish import (
+    Revision,
+    UploadSource,
+    hold,
+    publish,
+    revisions,
+    watch,
+)
 from weightserve.client._retry import OnWait, call_with_retry, retry_seconds_from
 from weightserve.client.errors import InvalidRequest, TensorNotFound, TransportError
 from weightserve.client.receive.stream import (
@@ -265,6 +272,17 @@ class RemoteModel:
     def revisions(self) -> list[Revision]:
         """This model's revisions on the server, ``main`` first, then newest first."""
         return self.client.revisions(self.id)
+
+    def watch(self, since: str | None = None, timeout: float | None = None) -> Iterator[Revision]:
+        """Each revision that becomes ``main`` from now on, in order, as the server
+        announces it (``since=COMMIT``: every one after that first); reconnects through
+        dropped connections and server restarts without missing or repeating one. Ends
+        after ``timeout`` seconds (None: never). A worker's loop::
+
+            for rev in model.watch():
+                weights = RemoteWeights(url, revision=rev.commit)  # or fetch / iter_tensors
+        """
+        return watch(self.client.transport, split_revision(self.id)[0], since, timeout)
 
     def hold(self, commit: str, seconds: float) -> float | None:
         """Keep revision ``commit`` from the server's retention for ``seconds`` (renew it

@@ -10,16 +10,19 @@ on the way discards the upload, so ``main`` never moves to a partial revision.
 from __future__ import annotations
 
 import contextlib
+import http.client
+import json
 import os
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import numpy as np
 
-from weightserve.client.errors import InvalidRequest
+from weightserve.client.errors import InvalidRequest, ServerUnreachable
 from weightserve.client.transports.base import Transport
 from weightserve.client.transports.http import HttpTransport
 from weightserve.client.wire.dtypes import from_numpy_dtype, wire_dtype
@@ -27,6 +30,9 @@ from weightserve.client.wire.routes import UPLOADS_ROUTE, http_model_path
 from weightserve.client.wire.safetensors_layout import LayoutEntry, safetensors_header
 
 READ_BLOCK = 8 << 20  # bytes read from a file per send
+WATCH_SILENCE = 20.0  # seconds without a line (the server sends one every 5) before reconnecting
+WATCH_RETRY_FIRST = 0.05
+WATCH_RETRY_MAX = 2.0
 UploadSource = bytes | bytearray | memoryview | str | os.PathLike[str]
 
 
@@ -175,6 +181,55 @@ def publish_directory(
     if not files:
         raise InvalidRequest(f"{directory} holds no file to publish")
     return publish(transport, model_id, base=base, files=files, message=message, on_bytes=on_bytes)
+
+
+def watch(
+    transport: Transport,
+    model_id: str,
+    since: str | None = None,
+    timeout: float | None = None,
+) -> Iterator[Revision]:
+    """Each revision of ``model_id`` that becomes ``main`` from now on (with ``since``: every
+    one after that commit first), in order, pushed by the server. A dropped connection or a
+    restarting server is reconnected with the last commit seen, so none is missed or
+    repeated. Ends after ``timeout`` seconds (None: never)."""
+    if not isinstance(transport, HttpTransport):
+        raise InvalidRequest("revisions are watched over HTTP: use the server's http(s):// URL")
+    deadline = None if timeout is None else time.monotonic() + timeout
+    anchor = since
+    pause = WATCH_RETRY_FIRST
+    while deadline is None or time.monotonic() < deadline:
+        query = f"?{urlencode({'since': anchor})}" if anchor else ""
+        conn = None
+        try:
+            conn, resp = transport.open_lines(http_model_path(model_id, "watch") + query)
+            while True:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return
+                # Silence longer than a few heartbeats: the connection is dead, reconnect.
+                wait = WATCH_SILENCE if left is None else min(WATCH_SILENCE, left)
+                if conn.sock is not None:
+                    conn.sock.settimeout(wait)
+                line = resp.readline()
+                if not line:
+                    break  # the server ended the watch (shutting down): reconnect
+                pause = WATCH_RETRY_FIRST
+                event = json.loads(line)
+                if event.get("event") == "hello" and anchor is None:
+                    anchor = event.get("main") or None
+                elif event.get("event") == "revision":
+                    revision = Revision.from_json(event)
+                    anchor = revision.commit
+                    yield revision
+        except (ServerUnreachable, OSError, http.client.HTTPException, ValueError):
+            pass  # reconnected below, from the last commit seen
+        finally:
+            if conn is not None:
+                conn.close()
+        left = None if deadline is None else deadline - time.monotonic()
+        time.sleep(pause if left is None else max(0.0, min(pause, left)))
+        pause = min(pause * 2, WATCH_RETRY_MAX)
 
 
 def revisions(transport: Transport, model_id: str) -> list[Revision]:

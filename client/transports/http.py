@@ -207,6 +207,11 @@ class HttpTransport:
         status raises the server's error as its class."""
         return self._answer(method, path, ok, body)[1]
 
+    def open_lines(self, path: str) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        """A long-lived response read line by line (a watch): its own connection, which the
+        caller closes."""
+        return self._request("GET", path, extra_headers={"accept": "application/x-ndjson"})
+
     def upload(
         self,
         path: str,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from weightserve.client.errors import ModelUnavailable, ResourceExhausted
 from weightserve.client.wire.schema import DEFAULT_CHUNK_BYTES
 from weightserve.service.serving.auth import Access, TokenStore
+from weightserve.service.serving.feed import RevisionFeed
 from weightserve.service.serving.idle import IdleCutter
 from weightserve.service.serving.metrics import Metrics, NodeCacheCollector
 from weightserve.service.sources.base import ModelSource
@@ -50,6 +51,7 @@ class ServiceState:
         self.protect_metrics = protect_metrics
         self.publisher: Publisher | None = None  # set by the server for a local root
         self.allow_publish = False  # publishes without a token file (--allow-publish)
+        self.feed = RevisionFeed()  # watchers of published revisions
         self._per_client: dict[str, int] = {}
         self.metrics = Metrics()
         self.draining = False

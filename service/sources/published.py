@@ -380,6 +380,17 @@ class Publisher:
         found.sort(key=lambda r: (r["commit"] == main, r.get("created", 0)), reverse=True)
         return found
 
+    def revisions_after(self, model_id: str, since: str) -> list[dict[str, Any]]:
+        """The revisions published after ``since`` (a commit, or a prefix of one), oldest
+        first; every one held when ``since`` is no longer among them (removed by retention:
+        older than all that are kept)."""
+        listed = sorted(self.revisions(model_id), key=lambda r: r.get("created", 0.0))
+        wanted = since.lower()
+        for i, record in enumerate(listed):
+            if record["commit"].startswith(wanted):
+                return listed[i + 1 :]
+        return listed
+
     # -- retention ----------------------------------------------------------------------------
 
     def hold(self, model_id: str, commit: str, seconds: float) -> dict[str, Any]:

@@ -9,11 +9,13 @@ on a server without one.
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
@@ -25,6 +27,8 @@ from weightserve.service.transports.http.common import OPERATION_KEY, AccessChec
 from weightserve.service.transports.http.routes import get_and_head
 
 PUBLISH_OPERATION = "publish"
+HEARTBEAT_SECONDS = 5.0  # a line this often on an idle watch: proxies keep it, clients see it live
+DRAIN_CHECK_SECONDS = 0.5  # how soon an idle watch ends when the server shuts down
 WRITE_BLOCK = 8 << 20  # bytes gathered before one write to disk, off the event loop
 MODEL = "/v1/models/{model:model_id}/-"
 
@@ -82,6 +86,10 @@ async def _receive(http: Request, publisher: Publisher, upload: Upload, name: st
         raise InvalidRequest(f"{name or 'the tensors'}: {written} bytes of {declared} arrived")
     publisher.received(upload, name, target, written)
     return written
+
+
+def _line(event: dict[str, Any]) -> bytes:
+    return json.dumps(event, separators=(",", ":")).encode() + b"\n"
 
 
 def add_publish_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -> None:
@@ -165,6 +173,49 @@ def add_publish_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -
             return JSONResponse({"model": model, "revisions": listed})
 
         return await off_loop(answer, False)
+
+    @app.get(f"{MODEL}/watch", tags=["publish"])
+    async def watch(http: Request, model: str, since: str | None = None) -> Response:
+        """The model's new revisions as they become `main`, one JSON object per line
+        (NDJSON): first `{"event": "hello", "main": COMMIT}`, then with `since=COMMIT` every
+        revision after it, then each new one as `{"event": "revision", ...}`; a
+        `{"event": "heartbeat"}` line every few seconds keeps the connection alive. A
+        watcher whose connection drops reconnects with `since` = the last commit it saw."""
+        http.scope[OPERATION_KEY] = "watch"
+        caller = access(http)
+        caller.check(model)
+        if state.publisher is None:
+            raise InvalidRequest("this server keeps no published revisions to watch")
+        found = state.publisher
+        await run_in_threadpool(found.revisions, model)  # an unknown model: ModelNotFound now
+
+        async def lines() -> AsyncIterator[bytes]:
+            with state.feed.subscribe(model) as queue:
+                # Read after subscribing: a revision published meanwhile is in the queue.
+                current = await run_in_threadpool(found.revisions, model)
+                seen = {current[0]["commit"]}
+                backlog = []
+                if since:
+                    backlog = await run_in_threadpool(found.revisions_after, model, since)
+                yield _line({"event": "hello", "main": current[0]["commit"]})
+                for record in backlog:
+                    seen.add(record["commit"])
+                    yield _line({"event": "revision", **record})
+                quiet = 0.0
+                while not state.draining:
+                    try:
+                        record = await asyncio.wait_for(queue.get(), DRAIN_CHECK_SECONDS)
+                    except TimeoutError:
+                        quiet += DRAIN_CHECK_SECONDS
+                        if quiet >= HEARTBEAT_SECONDS:
+                            quiet = 0.0
+                            yield _line({"event": "heartbeat"})
+                        continue
+                    if record["commit"] not in seen:
+                        seen.add(record["commit"])
+                        yield _line({"event": "revision", **record})
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
 
     @app.post(f"{MODEL}/holds", tags=["publish"])
     async def hold(http: Request, model: str) -> Response:

@@ -9,10 +9,12 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from weightserve.client import _cli
 from weightserve.client._client import Client
 from weightserve.client._publish import Revision
+from weightserve.client.max.weights import RemoteWeights
 from weightserve.service.server import ServerConfig, WeightServer
 
 WATCHERS = 32
@@ -80,7 +82,9 @@ def test_since_replays_what_came_after_a_commit(tmp_path: Path, capsys) -> None:
     server = serve(root)
     try:
         with Client(server.http_url) as c:
-            revisions = [c.publish("team/policy", weights(s), message=f"step {s}") for s in range(3)]
+            revisions = [
+                c.publish("team/policy", weights(s), message=f"step {s}") for s in range(3)
+            ]
             model = c.model("team/policy")
             replayed = list(model.watch(since=revisions[0].commit[:12], timeout=1.5))
         assert replayed == revisions[1:]
@@ -90,5 +94,47 @@ def test_since_replays_what_came_after_a_commit(tmp_path: Path, capsys) -> None:
         lines = capsys.readouterr().out.splitlines()
         assert [line.split()[0] for line in lines] == [r.commit for r in revisions[1:]]
         assert lines[-1].endswith("step 2")
+    finally:
+        server.stop()
+
+
+def test_a_worker_follows_published_revisions_into_a_torch_module(tmp_path: Path) -> None:
+    """The documented worker loop: watch, then load the revision named into a module in place
+    (``load_state_dict``), and the same for an engine's ``load_weights(iterable)``."""
+    torch = pytest.importorskip("torch")
+    root = tmp_path / "root"
+    root.mkdir()
+    server = serve(root)
+    url = f"{server.http_url}/v1/models/team/net"
+    trainer = torch.nn.Linear(16, 8).to(torch.bfloat16)
+    worker = torch.nn.Linear(16, 8).to(torch.bfloat16)
+    weight_before = worker.weight
+    engine: dict[str, np.ndarray] = {}
+    try:
+        with Client(server.http_url) as c:
+            first = c.publish("team/net", trainer.state_dict())
+            followed: list[str] = []
+
+            def follow() -> None:
+                for rev in c.model("team/net").watch(since=first.commit, timeout=30):
+                    worker.load_state_dict(
+                        RemoteWeights(url, revision=rev.commit).torch_state_dict()
+                    )
+                    pinned = c.model("team/net", revision=rev.commit)
+                    engine.update((name, np.array(a)) for name, a in pinned.iter_tensors())
+                    followed.append(rev.commit)
+                    return
+
+            thread = threading.Thread(target=follow)
+            thread.start()
+            with torch.no_grad():
+                trainer.weight.add_(1.0)
+            second = c.publish("team/net", trainer.state_dict(), base=first.commit)
+            thread.join(30)
+        assert followed == [second.commit]
+        assert worker.weight is weight_before  # updated in place: the module keeps working
+        assert torch.equal(worker.weight, trainer.weight) and torch.equal(worker.bias, trainer.bias)
+        expected = trainer.weight.view(torch.uint16).numpy()
+        assert np.array_equal(engine["weight"].view(np.uint16), expected)
     finally:
         server.stop()

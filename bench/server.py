@@ -30,6 +30,7 @@ def main(root: str, snapshot_bytes: int | None = None) -> None:
             flight_port=0,
             uds=uds,
             handoff_snapshot_bytes=snapshot_bytes,
+            allow_publish=True,  # bench.publish; a loopback server of the bench's own
         )
         server = WeightServer(config).start()
         try:

@@ -177,10 +177,11 @@ def test_s3_origin_side_files_without_a_fill_and_a_listing_once_filled(
 
 @pytest.mark.s3
 def test_s3_pull_of_an_uncached_model_verifies_against_the_etags_listed(
-    s3_server: S3Server, repository: Path, tmp_path: Path
+    s3_server: S3Server, upstream: WeightServer, repository: Path, tmp_path: Path
 ) -> None:
     """Over object storage the listing fills the model first: the ETags it names are the
-    content digests the pull checks each file's bytes against."""
+    content digests the pull checks each file's bytes against. So does a side file read
+    pinned to a commit, which only the fill tells."""
     s3_server.upload(repository / MODEL, f"pull/{MODEL}")
     with (
         WeightServer(config(s3_server.uri("pull"), tmp_path / "node")) as node,
@@ -189,4 +190,14 @@ def test_s3_pull_of_an_uncached_model_verifies_against_the_etags_listed(
         out = client.model(MODEL).download(tmp_path / "out")
         for path in (repository / MODEL).iterdir():
             assert (out / path.name).read_bytes() == path.read_bytes(), path.name
+        assert state(node) == "cached"
+
+    commit = http_request(upstream.http_port, f"/v1/models/{MODEL}").json()["commit"]
+    with WeightServer(config(s3_server.uri("pull"), tmp_path / "second")) as node:
+        side = f"/v1/models/{MODEL}/-/files/config.json?revision="
+        assert http_request(node.http_port, side).status == 200  # no revision named: alone
+        assert state(node) == "remote"
+        pinned = http_request(node.http_port, side + commit)
+        assert pinned.status == 200, pinned.body[:300]
+        assert pinned.body == (repository / MODEL / "config.json").read_bytes()
         assert state(node) == "cached"

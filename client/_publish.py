@@ -22,8 +22,9 @@ from urllib.parse import quote, urlencode
 
 import numpy as np
 
-from weightserve.client.errors import InvalidRequest, ServerUnreachable
+from weightserve.client.errors import InvalidRequest, ServerUnreachable, TransportError
 from weightserve.client.transports.base import Transport
+from weightserve.client.transports.grpc import GrpcTransport
 from weightserve.client.transports.http import HttpTransport
 from weightserve.client.wire.dtypes import from_numpy_dtype, wire_dtype
 from weightserve.client.wire.routes import UPLOADS_ROUTE, http_model_path
@@ -190,32 +191,19 @@ def watch(
     timeout: float | None = None,
 ) -> Iterator[Revision]:
     """Each revision of ``model_id`` that becomes ``main`` from now on (with ``since``: every
-    one after that commit first), in order, pushed by the server. A dropped connection or a
-    restarting server is reconnected with the last commit seen, so none is missed or
-    repeated. Ends after ``timeout`` seconds (None: never)."""
-    if not isinstance(transport, HttpTransport):
-        raise InvalidRequest("revisions are watched over HTTP: use the server's http(s):// URL")
+    one after that commit first), in order, pushed by the server (HTTP: an NDJSON response;
+    gRPC: WatchRevisions). A dropped connection or a restarting server is reconnected with
+    the last commit seen, so none is missed or repeated. Ends after ``timeout`` seconds
+    (None: never)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     anchor = since
     pause = WATCH_RETRY_FIRST
     while deadline is None or time.monotonic() < deadline:
-        query = f"?{urlencode({'since': anchor})}" if anchor else ""
-        conn = None
+        connected = False
         try:
-            conn, resp = transport.open_lines(http_model_path(model_id, "watch") + query)
-            while True:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return
-                # Silence longer than a few heartbeats: the connection is dead, reconnect.
-                wait = WATCH_SILENCE if left is None else min(WATCH_SILENCE, left)
-                if conn.sock is not None:
-                    conn.sock.settimeout(wait)
-                line = resp.readline()
-                if not line:
-                    break  # the server ended the watch (shutting down): reconnect
+            for event in _events(transport, model_id, anchor, deadline):
+                connected = True
                 pause = WATCH_RETRY_FIRST
-                event = json.loads(line)
                 if event.get("event") == "hello" and anchor is None:
                     anchor = event.get("main") or None
                 elif event.get("event") == "revision":
@@ -224,17 +212,52 @@ def watch(
                     yield revision
         except (ServerUnreachable, OSError, http.client.HTTPException, ValueError):
             pass  # reconnected below, from the last commit seen
-        finally:
-            if conn is not None:
-                conn.close()
+        except TransportError:
+            if not connected:
+                raise  # never answered (TLS, a wrong port): waiting will not fix it
         left = None if deadline is None else deadline - time.monotonic()
         time.sleep(pause if left is None else max(0.0, min(pause, left)))
         pause = min(pause * 2, WATCH_RETRY_MAX)
 
 
-def revisions(transport: Transport, model_id: str) -> list[Revision]:
+def _events(
+    transport: Transport, model_id: str, since: str | None, deadline: float | None
+) -> Iterator[dict[str, Any]]:
+    """One watch connection's events, until it ends, breaks or ``deadline`` passes."""
+    left = None if deadline is None else max(0.001, deadline - time.monotonic())
+    if isinstance(transport, GrpcTransport):
+        yield from transport.watch_revisions(model_id, since, left)
+        return
     if not isinstance(transport, HttpTransport):
-        raise InvalidRequest("revisions are listed over HTTP: use the server's http(s):// URL")
+        raise InvalidRequest(f"revisions cannot be watched over {type(transport).__name__}")
+    query = f"?{urlencode({'since': since})}" if since else ""
+    conn, resp = transport.open_lines(http_model_path(model_id, "watch") + query)
+    try:
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return
+            # Silence longer than a few heartbeats: the connection is dead, reconnect.
+            if conn.sock is not None:
+                conn.sock.settimeout(WATCH_SILENCE if left is None else min(WATCH_SILENCE, left))
+            try:
+                line = resp.readline()
+            except TimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return
+                raise
+            if not line:
+                return  # the server ended the watch (shutting down): reconnect
+            yield json.loads(line)
+    finally:
+        conn.close()
+
+
+def revisions(transport: Transport, model_id: str) -> list[Revision]:
+    if isinstance(transport, GrpcTransport):
+        return [Revision.from_json(r) for r in transport.list_revisions(model_id)]
+    if not isinstance(transport, HttpTransport):
+        raise InvalidRequest(f"revisions cannot be listed over {type(transport).__name__}")
     body = transport.request_json("GET", http_model_path(model_id, "revisions"))
     return [Revision.from_json(r) for r in body["revisions"]]
 

@@ -4,6 +4,7 @@ after a commit; ``weightserve watch`` prints them."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from pathlib import Path
@@ -136,5 +137,30 @@ def test_a_worker_follows_published_revisions_into_a_torch_module(tmp_path: Path
         assert torch.equal(worker.weight, trainer.weight) and torch.equal(worker.bias, trainer.bias)
         expected = trainer.weight.view(torch.uint16).numpy()
         assert np.array_equal(engine["weight"].view(np.uint16), expected)
+    finally:
+        server.stop()
+
+
+def test_revisions_are_listed_and_watched_over_grpc(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    server = serve(root)
+    try:
+        with Client(server.http_url) as http, Client(server.grpc_url) as grpc_client:
+            first = http.publish("team/policy", weights(0), metadata={"step": 0})
+            second = http.publish("team/policy", weights(1))
+            model = grpc_client.model("team/policy")
+            assert model.revisions() == http.revisions("team/policy")
+            assert model.revisions()[1].metadata == {"step": 0}
+            assert list(model.watch(since=first.commit, timeout=1.0)) == [second]
+            live: list[Revision] = []
+            watcher = threading.Thread(
+                target=lambda: live.extend(itertools.islice(model.watch(timeout=20), 1))
+            )
+            watcher.start()
+            time.sleep(0.5)
+            third = http.publish("team/policy", weights(2))
+            watcher.join(20)
+            assert live == [third]
     finally:
         server.stop()

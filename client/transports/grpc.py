@@ -137,6 +137,16 @@ class GrpcTransport:
             request_serializer=pb.FileRequest.SerializeToString,
             response_deserializer=_arrow_data_payload,  # FileChunk has ArrowData's layout
         )
+        self._list_revisions = self.channel.unary_unary(
+            service + "ListRevisions",
+            request_serializer=pb.GetModelRequest.SerializeToString,
+            response_deserializer=pb.RevisionList.FromString,
+        )
+        self._watch_revisions = self.channel.unary_stream(
+            service + "WatchRevisions",
+            request_serializer=pb.WatchRequest.SerializeToString,
+            response_deserializer=pb.RevisionEvent.FromString,
+        )
         self._get_tensor = self.channel.unary_unary(
             service + "GetTensor",
             request_serializer=pb.GetTensorRequest.SerializeToString,
@@ -346,6 +356,32 @@ class GrpcTransport:
                     self._flight = None
                 pool.close()
         return ArrowChunkReader(self.open_stream(model, params))
+
+    def list_revisions(self, model: str) -> list[dict[str, Any]]:
+        """The model's revisions, as ``GET /v1/models/ID/-/revisions`` lists them."""
+        listing = self._unary(self._list_revisions, self._pb.GetModelRequest(model=model))
+        return [_revision_record(r) for r in listing.revisions]
+
+    def watch_revisions(
+        self, model: str, since: str | None, timeout: float | None
+    ) -> Iterator[dict[str, Any]]:
+        """WatchRevisions' events as the HTTP watch's lines read: ``{"event": "hello",
+        "main"}``, ``{"event": "revision", ...}``, ``{"event": "heartbeat"}``; ends at
+        ``timeout`` seconds (None: when the server ends it)."""
+        request = self._pb.WatchRequest(model=model, since=since or "")
+        call = self._watch_revisions(request, timeout=timeout, metadata=self._metadata())
+        try:
+            for event in call:
+                if event.event == "revision":
+                    yield {"event": "revision", **_revision_record(event.revision)}
+                else:
+                    yield {"event": event.event, "main": event.main}
+        except self._grpc.RpcError as e:
+            if e.code() == self._grpc.StatusCode.DEADLINE_EXCEEDED:
+                return  # the watch's own time is up
+            raise self._translate(e) from None
+        finally:
+            call.cancel()
 
     def list_files(self, model: str) -> dict[str, Any]:
         """``{id, revision, commit, files: [{name, size, etag}]}``: the model's repository."""
@@ -570,3 +606,15 @@ class _GrpcFileSource(_GrpcSource):
 
     def readinto(self, view: memoryview) -> int:
         return 0 if self.empty else super().readinto(view)
+
+
+def _revision_record(revision: Any) -> dict[str, Any]:
+    """A Revision message as the HTTP routes' JSON record."""
+    return {
+        "commit": revision.commit,
+        "parent": revision.parent or None,
+        "created": revision.created,
+        "bytes": revision.bytes,
+        "message": revision.message,
+        "metadata": json.loads(revision.metadata_json or "{}"),
+    }

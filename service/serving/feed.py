@@ -1,51 +1,74 @@
 """The revision feed: every watcher of a model is told of each revision it gets, in order.
 
-The publisher calls ``announce`` from whatever thread committed the revision; each watcher is
-an asyncio queue on the event loop of the stream that serves it, fed with
-``call_soon_threadsafe``, so a publish reaches every open watch stream at once.
+The publisher calls ``announce`` from whatever thread committed the revision. An HTTP watch is
+an asyncio queue on the event loop of the stream that serves it (fed with
+``call_soon_threadsafe``), a gRPC watch a thread-safe queue its handler thread blocks on; a
+publish reaches every open watch stream at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
-Watcher = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[dict[str, Any]]"]
+Record = dict[str, Any]
+HEARTBEAT_SECONDS = 5.0  # a line this often on an idle watch: proxies keep it, clients see it live
+DRAIN_CHECK_SECONDS = 0.5  # how soon an idle watch ends when the server shuts down
 
 
 class RevisionFeed:
     def __init__(self) -> None:
-        self._watchers: dict[str, set[Watcher]] = {}
+        self._watchers: dict[str, dict[int, Callable[[Record], None]]] = {}
         self._lock = threading.Lock()
+        self._next = 0
 
-    def announce(self, model_id: str, record: dict[str, Any]) -> None:
+    def announce(self, model_id: str, record: Record) -> None:
         """Tell every watcher of ``model_id`` of a new revision (``record``)."""
         with self._lock:
-            watchers = list(self._watchers.get(model_id, ()))
-        for loop, queue in watchers:
-            with contextlib.suppress(RuntimeError):  # its loop closed: the stream is gone
-                loop.call_soon_threadsafe(queue.put_nowait, record)
+            deliveries = list(self._watchers.get(model_id, {}).values())
+        for deliver in deliveries:
+            with contextlib.suppress(RuntimeError):  # an asyncio watcher's loop closed
+                deliver(record)
 
     @contextlib.contextmanager
-    def subscribe(self, model_id: str) -> Iterator[asyncio.Queue[dict[str, Any]]]:
-        """A queue of the revisions announced from now on, until the block ends; call it on
-        the event loop that reads the queue."""
-        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        watcher = (asyncio.get_running_loop(), queue)
+    def _watching(self, model_id: str, deliver: Callable[[Record], None]) -> Iterator[None]:
         with self._lock:
-            self._watchers.setdefault(model_id, set()).add(watcher)
+            key = self._next
+            self._next += 1
+            self._watchers.setdefault(model_id, {})[key] = deliver
         try:
-            yield queue
+            yield
         finally:
             with self._lock:
                 found = self._watchers.get(model_id)
                 if found is not None:
-                    found.discard(watcher)
+                    found.pop(key, None)
                     if not found:
                         del self._watchers[model_id]
+
+    @contextlib.contextmanager
+    def subscribe(self, model_id: str) -> Iterator[asyncio.Queue[Record]]:
+        """An asyncio queue of the revisions announced from now on, until the block ends;
+        call it on the event loop that reads the queue."""
+        found: asyncio.Queue[Record] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def deliver(record: Record) -> None:
+            loop.call_soon_threadsafe(found.put_nowait, record)
+
+        with self._watching(model_id, deliver):
+            yield found
+
+    @contextlib.contextmanager
+    def subscribe_blocking(self, model_id: str) -> Iterator[queue.Queue[Record]]:
+        """A thread-safe queue of the revisions announced from now on (a gRPC handler)."""
+        found: queue.Queue[Record] = queue.Queue()
+        with self._watching(model_id, found.put):
+            yield found
 
     def watchers(self) -> int:
         with self._lock:

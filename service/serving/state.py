@@ -8,6 +8,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from weightserve.client.errors import ModelUnavailable, ResourceExhausted
 from weightserve.client.wire.schema import DEFAULT_CHUNK_BYTES
@@ -142,6 +143,24 @@ class ServiceState:
         with ``file``, that file servable), if the caller may read it."""
         access.check(model_id)
         return self.catalog.describe(model_id, access.may_read, file)
+
+    def revisions(self, access: Access, model_id: str) -> list[dict[str, Any]]:
+        """The model's revisions as ``GET .../-/revisions`` and gRPC ListRevisions list them:
+        a local root's published ones, else the one the model is."""
+        access.check(model_id)
+        if self.publisher is not None:
+            return self.publisher.revisions(model_id)
+        current = self.readable_model(access, model_id)
+        return [
+            {
+                "commit": current.commit,
+                "parent": None,
+                "created": 0.0,
+                "bytes": sum(f.size for f in current.repo_files.values()),
+                "message": "",
+                "metadata": {},
+            }
+        ]
 
     def wait_for_streams(self, timeout: float) -> bool:
         """Block until every open stream ended (True) or the timeout passed (False)."""

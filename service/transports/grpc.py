@@ -12,6 +12,8 @@ import functools
 import json
 import logging
 import os
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -22,7 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from weightserve.client.errors import InvalidRequest, WeightserveError
+from weightserve.client.errors import InvalidRequest, ResourceExhausted, WeightserveError
 from weightserve.client.wire.errors import WireError
 from weightserve.client.wire.proto.weightserve.v1 import weightserve_pb2 as pb
 from weightserve.client.wire.schema import MAX_GRPC_MESSAGE_BYTES
@@ -30,11 +32,13 @@ from weightserve.service.serving import files
 from weightserve.service.serving import views as models_view
 from weightserve.service.serving.arrow_writer import END_OF_STREAM
 from weightserve.service.serving.auth import Access, authorize
+from weightserve.service.serving.feed import DRAIN_CHECK_SECONDS, HEARTBEAT_SECONDS
 from weightserve.service.serving.lease import StreamLease
 from weightserve.service.serving.request import from_proto
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.serving.streams import plan_stream, stream_chunks, stream_messages
 from weightserve.service.serving.views import server_version
+from weightserve.service.sources.published import Publisher
 from weightserve.service.transports.listener import (
     StartupError,
     check_port_free,
@@ -47,6 +51,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WeightService"].full_name
 
 # GetTensor: the largest tensor it sends when the request names no limit, and in any case.
 GET_TENSOR_DEFAULT_BYTES = 1 << 20
+# WatchRevisions calls served at once: each holds a worker thread of the pool (sized for them).
+GRPC_WATCHES = 64
 GET_TENSOR_MAX_BYTES = 4 << 20
 
 log = logging.getLogger("weightserve.grpc")
@@ -76,6 +82,17 @@ def _abort(context: grpc.ServicerContext, exc: WeightserveError) -> None:
     error = WireError.from_exception(exc)
     context.set_trailing_metadata(error.grpc_trailers())
     context.abort(getattr(grpc.StatusCode, error.grpc_code()), error.message)
+
+
+def _revision(record: dict[str, Any]) -> pb.Revision:
+    return pb.Revision(
+        commit=record["commit"],
+        parent=record.get("parent") or "",
+        created=float(record.get("created") or 0.0),
+        bytes=int(record.get("bytes") or 0),
+        message=record.get("message") or "",
+        metadata_json=json.dumps(record.get("metadata") or {}),
+    )
 
 
 def peer_host(peer: str) -> str:
@@ -129,6 +146,8 @@ def _cancel_when_idle(context: grpc.ServicerContext, timeout: float) -> Callable
 class WeightService:
     def __init__(self, state: ServiceState) -> None:
         self.state = state
+        self._watches = 0  # WatchRevisions calls open, each holding a worker thread
+        self._watch_lock = threading.Lock()
 
     def _access(self, context: grpc.ServicerContext) -> Access:
         metadata = dict(context.invocation_metadata())
@@ -216,6 +235,65 @@ class WeightService:
                 digest=header.digest,
                 data=bytes(data),
             )
+
+    @_unary_call("model_info")
+    def ListRevisions(self, request: pb.GetModelRequest, context: grpc.ServicerContext) -> Any:
+        listed = self.state.revisions(self._access(context), request.model)
+        return pb.RevisionList(model=request.model, revisions=[_revision(r) for r in listed])
+
+    def WatchRevisions(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Any:
+        """As ``GET /v1/models/ID/-/watch``: hello, the revisions after ``since``, then each
+        new one; a handler thread per watch, so their number is bounded (GRPC_WATCHES)."""
+        state = self.state
+        try:
+            access = self._access(context)
+            access.check(request.model)
+            publisher = state.publisher
+            if publisher is None:
+                raise InvalidRequest("this server keeps no published revisions to watch")
+            with self._watch_lock:
+                if self._watches >= GRPC_WATCHES:
+                    raise ResourceExhausted(
+                        f"this server already serves {GRPC_WATCHES} gRPC watches; watch over "
+                        "HTTP (GET /v1/models/ID/-/watch), which holds no thread per watcher"
+                    )
+                self._watches += 1
+        except WeightserveError as e:
+            _abort(context, e)
+        try:
+            yield from self._watch(publisher, request, context)
+        except WeightserveError as e:
+            _abort(context, e)
+        finally:
+            with self._watch_lock:
+                self._watches -= 1
+
+    def _watch(
+        self, publisher: Publisher, request: pb.WatchRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.RevisionEvent]:
+        state = self.state
+        publisher.revisions(request.model)  # an unknown model: NOT_FOUND before any event
+        with state.feed.subscribe_blocking(request.model) as announced:
+            current = publisher.revisions(request.model)
+            seen = {current[0]["commit"]}
+            yield pb.RevisionEvent(event="hello", main=current[0]["commit"])
+            if request.since:
+                for record in publisher.revisions_after(request.model, request.since):
+                    seen.add(record["commit"])
+                    yield pb.RevisionEvent(event="revision", revision=_revision(record))
+            quiet = 0.0
+            while context.is_active() and not state.draining:
+                try:
+                    record = announced.get(timeout=DRAIN_CHECK_SECONDS)
+                except queue.Empty:
+                    quiet += DRAIN_CHECK_SECONDS
+                    if quiet >= HEARTBEAT_SECONDS:
+                        quiet = 0.0
+                        yield pb.RevisionEvent(event="heartbeat")
+                    continue
+                if record["commit"] not in seen:
+                    seen.add(record["commit"])
+                    yield pb.RevisionEvent(event="revision", revision=_revision(record))
 
     @_unary_call("model_info")
     def ListFiles(self, request: pb.GetModelRequest, context: grpc.ServicerContext) -> Any:
@@ -313,7 +391,7 @@ def create_grpc_server(
         ("grpc.max_receive_message_length", 4 << 20),
         ("grpc.so_reuseport", 0),
     ]
-    workers = max_workers or state.limits.max_streams + 8
+    workers = max_workers or state.limits.max_streams + 8 + GRPC_WATCHES
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=options)
     service = WeightService(state)
     handlers = {
@@ -341,6 +419,16 @@ def create_grpc_server(
             service.ReadFile,
             request_deserializer=pb.FileRequest.FromString,
             response_serializer=lambda b: b,  # already encoded FileChunk
+        ),
+        "ListRevisions": grpc.unary_unary_rpc_method_handler(
+            service.ListRevisions,
+            request_deserializer=pb.GetModelRequest.FromString,
+            response_serializer=pb.RevisionList.SerializeToString,
+        ),
+        "WatchRevisions": grpc.unary_stream_rpc_method_handler(
+            service.WatchRevisions,
+            request_deserializer=pb.WatchRequest.FromString,
+            response_serializer=pb.RevisionEvent.SerializeToString,
         ),
         "GetTensor": grpc.unary_unary_rpc_method_handler(
             service.GetTensor,

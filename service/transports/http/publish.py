@@ -21,14 +21,13 @@ from starlette.requests import ClientDisconnect
 
 from weightserve.client.errors import InvalidRequest, ResourceExhausted
 from weightserve.client.wire.routes import UPLOADS_ROUTE
+from weightserve.service.serving.feed import DRAIN_CHECK_SECONDS, HEARTBEAT_SECONDS
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.sources.published import Publisher, Upload
 from weightserve.service.transports.http.common import OPERATION_KEY, AccessCheck, off_loop
 from weightserve.service.transports.http.routes import get_and_head
 
 PUBLISH_OPERATION = "publish"
-HEARTBEAT_SECONDS = 5.0  # a line this often on an idle watch: proxies keep it, clients see it live
-DRAIN_CHECK_SECONDS = 0.5  # how soon an idle watch ends when the server shuts down
 WRITE_BLOCK = 8 << 20  # bytes gathered before one write to disk, off the event loop
 MODEL = "/v1/models/{model:model_id}/-"
 
@@ -161,15 +160,7 @@ def add_publish_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -
         http.scope[OPERATION_KEY] = "model_info"
 
         def answer() -> Response:
-            caller = access(http)
-            caller.check(model)
-            if state.publisher is None:
-                current = state.readable_model(caller, model)
-                listed = [{"commit": current.commit, "parent": None, "created": 0.0,
-                           "bytes": sum(f.size for f in current.repo_files.values()),
-                           "message": "", "metadata": {}}]  # fmt: skip
-            else:
-                listed = state.publisher.revisions(model)
+            listed = state.revisions(access(http), model)
             return JSONResponse({"model": model, "revisions": listed})
 
         return await off_loop(answer, False)

@@ -6,6 +6,48 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Revision(_message.Message):
+    __slots__ = ("commit", "parent", "created", "bytes", "message", "metadata_json")
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
+    commit: str
+    parent: str
+    created: float
+    bytes: int
+    message: str
+    metadata_json: str
+    def __init__(self, commit: _Optional[str] = ..., parent: _Optional[str] = ..., created: _Optional[float] = ..., bytes: _Optional[int] = ..., message: _Optional[str] = ..., metadata_json: _Optional[str] = ...) -> None: ...
+
+class RevisionList(_message.Message):
+    __slots__ = ("model", "revisions")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REVISIONS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    revisions: _containers.RepeatedCompositeFieldContainer[Revision]
+    def __init__(self, model: _Optional[str] = ..., revisions: _Optional[_Iterable[_Union[Revision, _Mapping]]] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ("model", "since")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    since: str
+    def __init__(self, model: _Optional[str] = ..., since: _Optional[str] = ...) -> None: ...
+
+class RevisionEvent(_message.Message):
+    __slots__ = ("event", "main", "revision")
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    MAIN_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    event: str
+    main: str
+    revision: Revision
+    def __init__(self, event: _Optional[str] = ..., main: _Optional[str] = ..., revision: _Optional[_Union[Revision, _Mapping]] = ...) -> None: ...
+
 class FileList(_message.Message):
     __slots__ = ("id", "revision", "commit", "files")
     ID_FIELD_NUMBER: _ClassVar[int]

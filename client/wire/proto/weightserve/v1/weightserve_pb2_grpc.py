@@ -70,6 +70,16 @@ class WeightServiceStub(object):
                 request_serializer=weightserve_dot_v1_dot_weightserve__pb2.FileRequest.SerializeToString,
                 response_deserializer=weightserve_dot_v1_dot_weightserve__pb2.FileChunk.FromString,
                 _registered_method=True)
+        self.ListRevisions = channel.unary_unary(
+                '/weightserve.v1.WeightService/ListRevisions',
+                request_serializer=weightserve_dot_v1_dot_weightserve__pb2.GetModelRequest.SerializeToString,
+                response_deserializer=weightserve_dot_v1_dot_weightserve__pb2.RevisionList.FromString,
+                _registered_method=True)
+        self.WatchRevisions = channel.unary_stream(
+                '/weightserve.v1.WeightService/WatchRevisions',
+                request_serializer=weightserve_dot_v1_dot_weightserve__pb2.WatchRequest.SerializeToString,
+                response_deserializer=weightserve_dot_v1_dot_weightserve__pb2.RevisionEvent.FromString,
+                _registered_method=True)
 
 
 class WeightServiceServicer(object):
@@ -130,6 +140,23 @@ class WeightServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListRevisions(self, request, context):
+        """The model's revisions the server holds: `main` first, then newest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchRevisions(self, request, context):
+        """Each revision that becomes `main`, the moment it is committed: first a `hello` event
+        naming the current main, then (with `since`) every revision after that commit, oldest
+        first, then each new one; a `heartbeat` every few seconds. The stream ends when the
+        server shuts down: reconnect with `since` = the last commit seen. Server-streaming.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -167,6 +194,16 @@ def add_WeightServiceServicer_to_server(servicer, server):
                     servicer.ReadFile,
                     request_deserializer=weightserve_dot_v1_dot_weightserve__pb2.FileRequest.FromString,
                     response_serializer=weightserve_dot_v1_dot_weightserve__pb2.FileChunk.SerializeToString,
+            ),
+            'ListRevisions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRevisions,
+                    request_deserializer=weightserve_dot_v1_dot_weightserve__pb2.GetModelRequest.FromString,
+                    response_serializer=weightserve_dot_v1_dot_weightserve__pb2.RevisionList.SerializeToString,
+            ),
+            'WatchRevisions': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchRevisions,
+                    request_deserializer=weightserve_dot_v1_dot_weightserve__pb2.WatchRequest.FromString,
+                    response_serializer=weightserve_dot_v1_dot_weightserve__pb2.RevisionEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -358,6 +395,60 @@ class WeightService(object):
             '/weightserve.v1.WeightService/ReadFile',
             weightserve_dot_v1_dot_weightserve__pb2.FileRequest.SerializeToString,
             weightserve_dot_v1_dot_weightserve__pb2.FileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRevisions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightserve.v1.WeightService/ListRevisions',
+            weightserve_dot_v1_dot_weightserve__pb2.GetModelRequest.SerializeToString,
+            weightserve_dot_v1_dot_weightserve__pb2.RevisionList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchRevisions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/weightserve.v1.WeightService/WatchRevisions',
+            weightserve_dot_v1_dot_weightserve__pb2.WatchRequest.SerializeToString,
+            weightserve_dot_v1_dot_weightserve__pb2.RevisionEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -121,8 +121,9 @@ class ResourceExhausted(WeightserveError):
 
 
 class CacheTooSmall(ResourceExhausted):
-    """A model larger than the whole node cache (``--cache-size``): final, the message names
-    both sizes; a larger cache or another server is the way out."""
+    """A model larger than the whole node cache (``--cache-size``, or all its file system has
+    room for), or a full disk with nothing left to evict: final, the message names the sizes;
+    a larger cache, free space or another server is the way out."""
 
 
 class ModelUnavailable(WeightserveError):

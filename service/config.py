@@ -196,8 +196,10 @@ SETTINGS: tuple[Setting, ...] = (
             "$XDG_CACHE_HOME/weightserve, else ~/.cache/weightserve"),
     Setting("--cache-size", "WEIGHTSERVE_CACHE_SIZE", None,
             "with an origin ROOT: the most bytes the node cache (CACHE_DIR/node-cache) holds, "
-            "e.g. 500GiB; least recently used models are evicted", byte_size,
-            "nine tenths of the free disk space at start"),
+            "e.g. 500GiB, never more than its file system has room for; least recently used "
+            "models are evicted", byte_size,
+            "nine tenths of what the cache holds plus the free disk space, read before each "
+            "fill"),
     Setting("--fill-concurrency", "WEIGHTSERVE_FILL_CONCURRENCY", DEFAULT_CONCURRENCY,
             "with an origin ROOT: ranged reads in flight per file while a model is filled",
             positive_int),

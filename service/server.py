@@ -26,7 +26,7 @@ from weightserve.service.serving.state import Limits, ServiceState
 from weightserve.service.sources.base import ModelSource
 from weightserve.service.sources.local import Catalog
 from weightserve.service.sources.node_cache import NodeCache
-from weightserve.service.sources.origin import OriginCatalog, default_cache_size
+from weightserve.service.sources.origin import OriginCatalog
 from weightserve.service.sources.origins import OriginFile, open_origin
 from weightserve.service.sources.published import Publisher
 from weightserve.service.sources.revisions import DigestStore
@@ -217,11 +217,10 @@ def _origin_catalog(config: ServerConfig) -> OriginCatalog:
     directory = cache_dir / "node-cache"
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        size = config.cache_size or default_cache_size(directory)
         cache = NodeCache(
             origin,
             directory,
-            size,
+            config.cache_size or None,  # None: a share of the file system's room, read per fill
             concurrency=config.fill_concurrency,
             part_bytes=config.fill_part_size,
             pins=config.pins,

@@ -9,17 +9,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from weightserve.client.errors import WeightserveError, status_for
+from weightserve.service.sources.node_cache import EVICTION_REASONS, CacheStats
 from weightserve.service.sources.origins import ORIGIN_BYTE_KINDS, ORIGIN_REQUEST_KINDS
-
-if TYPE_CHECKING:
-    from weightserve.service.sources.node_cache import CacheStats
 
 
 class Metrics:
@@ -129,10 +126,11 @@ NODE_CACHE_METRICS = (
      "hits"),
     ("weightserve_cache_misses_total", "counter", "Requests that filled or waited for a fill",
      "misses"),
-    ("weightserve_cache_evictions_total", "counter", "Models evicted to make room",
-     "evictions"),
-    ("weightserve_cache_evicted_bytes_total", "counter", "Bytes of the models evicted",
-     "evicted_bytes"),
+    ("weightserve_cache_evictions_total", "counter",
+     "Models evicted, by reason: size (the cache's bound), disk_full (its file system), "
+     "operator (an admin evict, or a failed verify)", "evictions_by_reason"),
+    ("weightserve_cache_evicted_bytes_total", "counter", "Bytes of the models evicted, by reason",
+     "evicted_bytes_by_reason"),
     ("weightserve_cache_corrupt_files_total", "counter",
      "Cached files found not to match their fill record (dropped, filled again)",
      "corrupt_files"),
@@ -140,6 +138,11 @@ NODE_CACHE_METRICS = (
      "bytes_used"),
     ("weightserve_cache_models", "gauge", "Models held whole in the node cache",
      "models_cached"),
+    ("weightserve_cache_bound_bytes", "gauge",
+     "What the node cache may hold now: the smaller of --cache-size and what its file system "
+     "has room for (the cache's bytes there plus the free bytes, less a reserve)", "bound_bytes"),
+    ("weightserve_cache_disk_free_bytes", "gauge",
+     "Free bytes of the node cache's file system", "disk_free_bytes"),
 )  # fmt: skip
 
 
@@ -150,6 +153,8 @@ _LABELLED: dict[str, tuple[tuple[str, ...], tuple[tuple[str, ...], ...]]] = {
         tuple((kind, outcome) for kind in ORIGIN_REQUEST_KINDS for outcome in ("ok", "error")),
     ),
     "origin_bytes_by_kind": (("kind",), tuple((kind,) for kind in ORIGIN_BYTE_KINDS)),
+    "evictions_by_reason": (("reason",), tuple((reason,) for reason in EVICTION_REASONS)),
+    "evicted_bytes_by_reason": (("reason",), tuple((reason,) for reason in EVICTION_REASONS)),
 }
 
 

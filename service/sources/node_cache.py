@@ -30,6 +30,7 @@ import logging
 import os
 import re
 import secrets
+import shutil
 import threading
 import time
 import urllib.parse
@@ -69,6 +70,17 @@ FULL_RETRY_SECONDS = 5.0
 REFILL_RETRY_SECONDS = 0.5
 # Local disk errors: the cache, not the origin, is at fault, and the message says so.
 _DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+# A full file system (or quota): met by evicting idle models and writing the file again.
+_DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+# Without --cache-size the cache may take this share of its room: what it holds plus the
+# file system's free space, read again before each fill.
+DEFAULT_CACHE_FRACTION = 0.9
+# Space never counted as room, whatever --cache-size says: 1% of the file system, at most
+# 64 MiB, for the state files, the header images and whoever else writes there.
+DISK_RESERVE_FRACTION = 0.01
+DISK_RESERVE_MAX_BYTES = 64 << 20
+# Why a model was evicted: the --cache-size bound, a full file system, an operator's evict.
+EVICTION_REASONS = ("size", "disk_full", "operator")
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", re.IGNORECASE)
 _UNITS = {
@@ -115,6 +127,9 @@ class CacheStats:
     misses: int = 0  # ensure() filled the model or waited for a fill
     evictions: int = 0
     evicted_bytes: int = 0
+    # The same by reason (EVICTION_REASONS).
+    evictions_by_reason: dict[str, int] = field(default_factory=dict)
+    evicted_bytes_by_reason: dict[str, int] = field(default_factory=dict)
     corrupt_files: int = 0  # cached files found not to match their fill record (dropped)
     # The origin's own requests by (kind, outcome), set by snapshot(): origins.OriginRequests.
     origin_requests: dict[tuple[str, str], int] = field(default_factory=dict)
@@ -123,6 +138,25 @@ class CacheStats:
     origin_bytes_by_kind: dict[str, int] = field(default_factory=dict)
     bytes_used: int = 0  # gauge, set by snapshot()
     models_cached: int = 0  # gauge, set by snapshot()
+    bound_bytes: int = 0  # gauge, set by snapshot(): CacheRoom.bound
+    disk_free_bytes: int = 0  # gauge, set by snapshot(): CacheRoom.disk_free
+
+
+@dataclass(frozen=True)
+class CacheRoom:
+    """What the cache may hold, read again before each fill: the smaller of ``--cache-size``
+    (or DEFAULT_CACHE_FRACTION of its room) and what its file system has room for, which is
+    the bytes the cache holds there plus the free bytes, less the reserve."""
+
+    bound: int
+    disk_bound: int  # all the cache could hold if it evicted everything: held + free - reserve
+    disk_free: int  # the file system's free bytes (as an unprivileged writer sees them)
+    held: int  # the cache's bytes on that file system (whole files and partial ones)
+
+    @property
+    def by_disk(self) -> bool:
+        """Whether the file system, not the configured size, sets the bound."""
+        return self.bound == self.disk_bound
 
 
 @dataclass(frozen=True)
@@ -162,6 +196,7 @@ class _ModelState:
 class _Fill:
     total: int
     remaining: int  # bytes of this fill's files not yet renamed into place (reserved space)
+    writing: int = 0  # bytes of the file being written now (allocated on disk up front)
     started: float = field(default_factory=time.monotonic)
     done_bytes: int = 0
     finished: threading.Event = field(default_factory=threading.Event)
@@ -169,27 +204,29 @@ class _Fill:
 
 
 class NodeCache:
-    """Whole models of ``origin`` kept in ``cache_dir`` within ``size_limit_bytes``.
+    """Whole models of ``origin`` kept in ``cache_dir`` within ``size_limit_bytes`` (None:
+    DEFAULT_CACHE_FRACTION of its room) and within what its file system has free (``room``).
 
     A model is the set of origin files the caller names for an id: the id is the model's path
     below the origin's prefix, and each file is the id itself (a single-file model) or lies
     under ``ID/`` (the parts of a split GGUF lie beside it). Models are filled whole on first
     use, evicted whole, least recently used first; never while in use (``using``), being
-    filled, or pinned.
+    filled, or pinned. A fill that finds the file system full (ENOSPC, EDQUOT) evicts idle
+    models and writes the file again.
     """
 
     def __init__(
         self,
         origin: Origin,
         cache_dir: str | os.PathLike[str],
-        size_limit_bytes: int,
+        size_limit_bytes: int | None,
         *,
         concurrency: int = 8,
         part_bytes: int = 16 << 20,
         pins: Iterable[str] = (),
         watch: bool = False,
     ) -> None:
-        if size_limit_bytes <= 0:
+        if size_limit_bytes is not None and size_limit_bytes <= 0:
             raise ValueError(f"the cache size must be positive, not {size_limit_bytes} bytes")
         self.origin = origin
         self.directory = Path(cache_dir)
@@ -200,6 +237,10 @@ class NodeCache:
         self.part_bytes = part_bytes
         self.pins = frozenset(_checked_name(pin, "pinned model id") for pin in pins)
         self.stats = CacheStats()
+        # Called (outside the lock) after models were evicted, before their space is counted
+        # on: whoever maps cached files lets go of the evicted ones, or the space stays used.
+        self.on_evict: Callable[[], None] | None = None
+        self._evicted_unreleased = False
         self._lock = threading.Lock()
         self._states: dict[str, _ModelState] = {}
         self._fills: dict[str, _Fill] = {}
@@ -347,7 +388,9 @@ class NodeCache:
                 )
             if model_id not in self._states:
                 raise ModelNotFound(f"model {model_id!r} is not in this node's cache")
-            return self._evict(model_id)
+            freed = self._evict(model_id, "operator")
+        self._release_evicted()
+        return freed
 
     def cached_models(self) -> list[str]:
         """Ids of the models held whole (servable even while the origin is down)."""
@@ -368,15 +411,25 @@ class NodeCache:
         with self._lock:
             return self._bytes_used()
 
+    def room(self) -> CacheRoom:
+        """The bound the next fill meets, with the file system's free space, read now."""
+        with self._lock:
+            return self._room()
+
     def snapshot(self) -> CacheStats:
         """A consistent copy of the counters, with the gauges filled in."""
         with self._lock:
             models = sum(state.complete for state in self._states.values())
+            room = self._room()
             return replace(
                 self.stats,
                 bytes_used=self._bytes_used(),
                 models_cached=models,
                 origin_requests=self.origin.requests.snapshot(),
+                evictions_by_reason=dict(self.stats.evictions_by_reason),
+                evicted_bytes_by_reason=dict(self.stats.evicted_bytes_by_reason),
+                bound_bytes=room.bound,
+                disk_free_bytes=room.disk_free,
                 origin_bytes_by_kind={
                     **self.origin.requests.bytes_received(),
                     "fill": self.stats.origin_bytes,
@@ -619,13 +672,23 @@ class NodeCache:
     def _start_fill(self, model_id: str, files: list[OriginFile], stale: list[OriginFile]) -> _Fill:
         """Make room (under the lock) and register the fill that this thread will run."""
         total = sum(f.size for f in files)
-        if total > self.size_limit_bytes:
+        room = self._room()
+        if total > room.bound and room.by_disk:
+            raise CacheTooSmall(
+                f"model {model_id!r} is {_bytes(total)}, more than the node cache "
+                f"{self.directory} can hold on its file system: {_bytes(room.held)} held by the "
+                f"cache and {_bytes(room.disk_free)} free, less "
+                f"{_bytes(room.held + room.disk_free - room.disk_bound)} kept free; free space "
+                "there, give the cache a larger --cache-dir, or serve this model from another "
+                "server"
+            )
+        if total > room.bound:
             raise CacheTooSmall(
                 f"model {model_id!r} is {_bytes(total)}, larger than the whole node cache "
-                f"({_bytes(self.size_limit_bytes)}, --cache-size): give the cache more room "
+                f"({_bytes(room.bound)}, {self._bound_name()}): give the cache more room "
                 "or serve this model from another server"
             )
-        self._evict_for(model_id, total)
+        self._evict_for(model_id, total, room)
         fill = _Fill(total=sum(f.size for f in stale), remaining=sum(f.size for f in stale))
         self._fills[model_id] = fill
         self._states.setdefault(model_id, _ModelState(last_used=time.time()))
@@ -637,6 +700,7 @@ class NodeCache:
         self, model_id: str, files: list[OriginFile], stale: list[OriginFile], fill: _Fill
     ) -> None:
         try:
+            self._release_evicted()  # the room made for this fill, freed before it is written
             for file in sorted(stale, key=lambda f: f.name):
                 self._fetch_file(model_id, file, fill)
             self._finish(model_id, files)
@@ -656,25 +720,48 @@ class NodeCache:
         target = self.data_dir / file.name
         partial = target.with_name(f".{target.name}{PARTIAL_MARK}{secrets.token_hex(6)}")
 
+        landed = 0  # this file's bytes counted in the fill's progress
+
         def on_bytes(n: int) -> None:
+            nonlocal landed
             with self._lock:
                 fill.done_bytes += n
+                landed += n
                 self.stats.origin_bytes += n
 
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                digest = self.origin.fetch(
-                    file,
-                    partial,
-                    concurrency=self.concurrency,
-                    part_bytes=self.part_bytes,
-                    on_bytes=on_bytes,
-                )
-            except BaseException:
+            while True:
                 with self._lock:
-                    self.stats.origin_failures += 1
-                raise
+                    fill.writing = file.size
+                try:
+                    digest = self.origin.fetch(
+                        file,
+                        partial,
+                        concurrency=self.concurrency,
+                        part_bytes=self.part_bytes,
+                        on_bytes=on_bytes,
+                    )
+                    break
+                except OSError as e:
+                    if e.errno not in _DISK_FULL_ERRNOS:
+                        with self._lock:
+                            self.stats.origin_failures += 1
+                        raise
+                    # This file is written again from its start (the files before it stay):
+                    # its bytes so far no longer count as progress.
+                    partial.unlink(missing_ok=True)
+                    with self._lock:
+                        fill.writing, fill.done_bytes, landed = 0, fill.done_bytes - landed, 0
+                    log.warning(
+                        "the node cache %s is full writing %s (%s); evicting idle models",
+                        self.directory, file.name, e.strerror,
+                    )  # fmt: skip
+                    self._make_disk_room(model_id, file, e)
+                except BaseException:
+                    with self._lock:
+                        self.stats.origin_failures += 1
+                    raise
             size = partial.stat().st_size
             if size != file.size:
                 raise OriginUnavailable(
@@ -697,6 +784,7 @@ class NodeCache:
                 state.files[file.name] = FillRecord(file.size, file.version, digest, stamp)
                 self._verified.add((file.name, stamp))
                 fill.remaining -= file.size
+                fill.writing = 0
                 self._save(model_id)
         except WeightserveError:
             raise
@@ -743,37 +831,126 @@ class NodeCache:
             used += state.size + (fill.remaining if fill else 0)
         return used
 
-    def _evict_for(self, model_id: str, total: int) -> None:
-        """Evict least-recently-used models until ``total`` bytes of ``model_id`` fit."""
+    def _bytes_on_disk(self) -> int:
+        """The cache's bytes on its file system now: whole files and the files being written
+        (allocated whole before their first byte)."""
+        held = sum(state.size for state in self._states.values())
+        return held + sum(fill.writing for fill in self._fills.values())
+
+    def _room(self) -> CacheRoom:
+        """The bound as of now (under the lock): statvfs is read again on every call, so the
+        bound follows the file system as others write to it or free it."""
+        usage = shutil.disk_usage(self.directory)
+        held = self._bytes_on_disk()
+        disk_bound = max(0, held + usage.free - _disk_reserve(usage.total))
+        configured = (
+            self.size_limit_bytes
+            if self.size_limit_bytes is not None
+            else int((held + usage.free) * DEFAULT_CACHE_FRACTION)
+        )
+        return CacheRoom(min(configured, disk_bound), disk_bound, usage.free, held)
+
+    def _bound_name(self) -> str:
+        if self.size_limit_bytes is not None:
+            return "--cache-size"
+        return f"{DEFAULT_CACHE_FRACTION:.0%} of its file system's room, without --cache-size"
+
+    def _evictable(self, model_id: str) -> list[tuple[float, str]]:
+        """(last used, id) of the models that may be evicted to make room for ``model_id``."""
+        return [
+            (state.last_used, victim)
+            for victim, state in self._states.items()
+            if victim != model_id
+            and victim not in self.pins
+            and victim not in self._holds
+            and victim not in self._fills
+        ]
+
+    def _kept(self, model_id: str) -> tuple[str, bool]:
+        """Which held models cannot be evicted for ``model_id`` and why, and whether that
+        passes by itself (streams and fills end; pins stay)."""
+        reasons, temporary = [], False
+        for held, state in sorted(self._states.items()):
+            if held == model_id or not state.files and held not in self._fills:
+                continue
+            if held in self.pins:
+                why = "pinned (--pin)"
+            elif held in self._fills:
+                why, temporary = "being filled", True
+            elif held in self._holds:
+                streams = self._holds[held]
+                why = f"being streamed by {streams} stream{'s' * (streams != 1)}"
+                temporary = True
+            else:
+                continue
+            reasons.append(f"{held!r} ({_bytes(state.size)}, {why})")
+        return (", ".join(reasons) or "none"), temporary
+
+    def _evict_for(self, model_id: str, total: int, room: CacheRoom) -> None:
+        """Evict least-recently-used models until ``total`` bytes of ``model_id`` fit in
+        ``room.bound`` (under the lock)."""
         others = self._bytes_used() - (
             self._states[model_id].size if model_id in self._states else 0
         )
-        while others + total > self.size_limit_bytes:
-            candidates = [
-                (state.last_used, victim)
-                for victim, state in self._states.items()
-                if victim != model_id
-                and victim not in self.pins
-                and victim not in self._holds
-                and victim not in self._fills
-            ]
+        reason = "disk_full" if room.by_disk else "size"
+        while others + total > room.bound:
+            candidates = self._evictable(model_id)
             if not candidates:
-                pinned = sum(self._states[p].size for p in self.pins if p in self._states)
-                temporary = pinned + total <= self.size_limit_bytes
+                kept, temporary = self._kept(model_id)
+                where = (
+                    f"the file system of the node cache {self.directory} has room for "
+                    f"{_bytes(room.bound)} of the cache ({_bytes(room.disk_free)} free)"
+                    if room.by_disk
+                    else f"the node cache {self.directory} ({_bytes(room.bound)}, "
+                    f"{self._bound_name()})"
+                )
                 raise ResourceExhausted(
-                    f"the node cache ({_bytes(self.size_limit_bytes)}) has no room for model "
-                    f"{model_id!r} ({_bytes(total)}): {_bytes(others)} are held by models "
+                    f"{where}: no room for model {model_id!r} ({_bytes(total)}); "
+                    f"{_bytes(others)} are held by models that cannot be evicted: {kept}; "
                     + (
-                        "being streamed or filled; try again shortly"
+                        "try again shortly"
                         if temporary
-                        else f"pinned ({_bytes(pinned)}); unpin some or give the cache more room"
+                        else "unpin some or give the cache more room"
                     ),
                     retry_after=FULL_RETRY_SECONDS if temporary else None,
                 )
             _, victim = min(candidates)
-            others -= self._evict(victim)
+            others -= self._evict(victim, reason)
 
-    def _evict(self, model_id: str) -> int:
+    def _make_disk_room(self, model_id: str, file: OriginFile, error: OSError) -> None:
+        """The file system was full writing ``file``: evict least-recently-used idle models
+        until it has room for the file, so that it can be written again; a clear refusal
+        when nothing can be evicted."""
+        with self._lock:
+            usage = shutil.disk_usage(self.directory)
+            short = file.size + _disk_reserve(usage.total) - usage.free
+            evicted = 0
+            # At least one model's bytes: the write failed whatever statvfs says (a quota,
+            # space still mapped by a stream that just ended).
+            while evicted == 0 or evicted < short:
+                candidates = self._evictable(model_id)
+                if not candidates:
+                    break
+                evicted += self._evict(min(candidates)[1], "disk_full")
+            if not evicted:
+                kept, temporary = self._kept(model_id)
+                message = (
+                    f"model {model_id!r}: the node cache {self.directory} ran out of disk "
+                    f"space writing {file.name} ({error.strerror}): it needs "
+                    f"{_bytes(file.size)} and its file system has {_bytes(usage.free)} free; "
+                    f"nothing more could be evicted (models held that cannot be: {kept}); "
+                )
+                if temporary:
+                    raise ResourceExhausted(
+                        message + "try again shortly", retry_after=FULL_RETRY_SECONDS
+                    ) from error
+                raise CacheTooSmall(
+                    message + "free space on that file system or give the cache another "
+                    "directory (--cache-dir)"
+                ) from error
+        self._release_evicted()
+
+    def _evict(self, model_id: str, reason: str) -> int:
         # The state file goes first: a crash midway leaves unrecorded files, removed at start.
         state = self._states.pop(model_id)
         self._state_path(model_id).unlink(missing_ok=True)
@@ -781,8 +958,22 @@ class NodeCache:
             self._remove_data(name)
         self.stats.evictions += 1
         self.stats.evicted_bytes += state.size
-        log.info("evicted model %r (%s) from the node cache", model_id, _bytes(state.size))
+        counts, sizes = self.stats.evictions_by_reason, self.stats.evicted_bytes_by_reason
+        counts[reason] = counts.get(reason, 0) + 1
+        sizes[reason] = sizes.get(reason, 0) + state.size
+        self._evicted_unreleased = True
+        log.info(
+            "evicted model %r (%s) from the node cache (%s)", model_id, _bytes(state.size), reason
+        )
         return state.size
+
+    def _release_evicted(self) -> None:
+        """Tell ``on_evict`` (outside the lock) that models were evicted: their files' space
+        is freed only once nothing maps them any more."""
+        with self._lock:
+            evicted, self._evicted_unreleased = self._evicted_unreleased, False
+        if evicted and self.on_evict is not None:
+            self.on_evict()
 
     def _remove_data(self, name: str) -> None:
         path = self.data_dir / name
@@ -944,6 +1135,11 @@ def _lock_directory(directory: Path) -> BinaryIO:
             "server its own --cache-dir"
         ) from None
     return lock
+
+
+def _disk_reserve(file_system_bytes: int) -> int:
+    """The bytes of a file system never counted as the cache's room."""
+    return min(DISK_RESERVE_MAX_BYTES, int(file_system_bytes * DISK_RESERVE_FRACTION))
 
 
 def _fsync(path: Path) -> None:

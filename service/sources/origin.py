@@ -16,7 +16,6 @@ import concurrent.futures
 import contextlib
 import difflib
 import logging
-import shutil
 import threading
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
@@ -66,9 +65,6 @@ log = logging.getLogger("weightserve.service")
 # and the client's retry budget covers the rest.
 FILL_WAIT_SECONDS = 10.0
 FILL_RETRY_AFTER_SECONDS = 2.0
-# Without --cache-size: this fraction of the cache file system's free space at start (plus
-# what the cache already holds), so the node keeps room for everything else on that disk.
-DEFAULT_CACHE_FRACTION = 0.9
 
 
 @dataclass(frozen=True)
@@ -129,12 +125,6 @@ def group_models(listing: list[OriginFile]) -> tuple[dict[str, RemoteModel], dic
     return models, problems
 
 
-def default_cache_size(cache_dir: Any) -> int:
-    """DEFAULT_CACHE_FRACTION of the free space where the cache lies, plus what it holds."""
-    held = sum(p.stat().st_size for p in cache_dir.rglob("*") if p.is_file())
-    return max(1, int((shutil.disk_usage(cache_dir).free + held) * DEFAULT_CACHE_FRACTION))
-
-
 class OriginCatalog:
     """The models of ``cache.origin``, a ``ModelSource``: cached ones indexed from
     ``cache.data_dir`` by a local catalog of the cache (``local``, which serves only whole
@@ -174,6 +164,8 @@ class OriginCatalog:
             digests=CacheDigests(cache),
             whole_models=cache.cached_models,
         )
+        # An evicted model's mappings are let go at once: until then its space stays used.
+        cache.on_evict = self.local.scan
 
     # -- what the local catalog of the cache answers -----------------------------------------
 

@@ -261,8 +261,9 @@ def _pull(args: argparse.Namespace) -> int:
 
         pull = FilePull(model, out_dir, force=args.force).plan()
         try:
-            with _progress(args, model_id, pull.total, pull.already) as (received, show_wait):
-                pull.run(on_bytes=received, on_wait=show_wait)
+            with _progress(args, model_id, pull.total, pull.already) as bar:
+                received, show_wait, replanned = bar
+                pull.run(on_bytes=received, on_wait=show_wait, on_plan=replanned)
         except KeyboardInterrupt:
             print(
                 "weightserve pull: interrupted; run the same command again to go on where it "
@@ -287,7 +288,7 @@ def _publish(args: argparse.Namespace) -> int:
     total = sum(p.stat().st_size for p in args.dir.rglob("*") if p.is_file())
     with (
         Client(args.url, token=args.token) as client,
-        _progress(args, model_id, total) as (sent, _),
+        _progress(args, model_id, total) as (sent, _, _),
     ):
         revision = publish_directory(
             client.transport,
@@ -331,7 +332,7 @@ def _pull_converted(args: argparse.Namespace, model: Any, out_dir: Path) -> int:
         )
         return 1
     total = sum(model.tensors[n].nbytes for n in names)
-    with _progress(args, model.id, total) as (received, show_wait):
+    with _progress(args, model.id, total) as (received, show_wait, _):
         path = pull_to_safetensors(
             model,
             out_dir / "model.safetensors",
@@ -347,8 +348,11 @@ def _pull_converted(args: argparse.Namespace, model: Any, out_dir: Path) -> int:
 @contextlib.contextmanager
 def _progress(
     args: argparse.Namespace, what: str, total: int, initial: int = 0
-) -> Iterator[tuple[Callable[[int], None], Callable[[str, float], None]]]:
-    """A byte progress bar on stderr (none with --quiet): ``(on_bytes, on_wait)``."""
+) -> Iterator[
+    tuple[Callable[[int], None], Callable[[str, float], None], Callable[[int, int], None]]
+]:
+    """A byte progress bar on stderr (none with --quiet): ``(on_bytes, on_wait, on_plan)``;
+    ``on_plan(total, done)`` sets both anew (a pull that follows a model changed mid-way)."""
     from tqdm import tqdm
 
     with tqdm(
@@ -370,7 +374,11 @@ def _progress(
                 bar.set_postfix_str("", refresh=False)
             bar.update(n)
 
-        yield received, show_wait
+        def replanned(new_total: int, done: int) -> None:
+            bar.total, bar.n = new_total, done
+            bar.refresh()
+
+        yield received, show_wait, replanned
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -152,7 +152,12 @@ class FilePull:
         self,
         on_bytes: Callable[[int], None] | None = None,
         on_wait: OnWait | None = None,
+        on_plan: Callable[[int, int], None] | None = None,
     ) -> Path:
+        """Fetch what the plan lacks. ``on_plan(total, already)`` is told when the model
+        changed mid-way and the pull goes on with its new revision: the bytes it now needs in
+        all and those already here, which bytes counted by ``on_bytes`` before no longer are
+        (a changed file is fetched again from its start)."""
         if self.files is None:
             self.plan()
         assert self.files is not None
@@ -168,6 +173,8 @@ class FilePull:
                     written.add(p.target)
             except RevisionMismatch as e:
                 self._follow_new_revision(e, written)
+                if on_plan is not None:
+                    on_plan(self.total, self.already)
                 continue
             except TransportError as e:  # an outage longer than the retry budget
                 again = copy.copy(e)  # the same class, the next step added

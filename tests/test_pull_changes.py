@@ -19,7 +19,7 @@ from safetensors.numpy import save_file
 
 from tests.support.byte_proxy import ByteCountingProxy
 from weightserve.client._client import Client
-from weightserve.client._download import STATE_FILE
+from weightserve.client._download import STATE_FILE, FilePull
 from weightserve.client.errors import TransportError
 from weightserve.service.server import ServerConfig, WeightServer
 
@@ -158,3 +158,32 @@ def test_a_pull_cut_off_by_an_outage_says_to_run_it_again(served, tmp_path: Path
     ):
         client.model(MODEL).download(tmp_path / "out", on_bytes=outage)
     assert (tmp_path / "out" / STATE_FILE).exists()  # what arrived is kept for the next run
+
+
+def test_the_progress_total_follows_a_file_fetched_again(served, tmp_path: Path) -> None:
+    """What the CLI's bar is told (``on_bytes``, then ``on_plan`` when the pull follows the
+    new revision) ends at the new revision's total: the big file's bytes received before it
+    changed no longer count once it is fetched again from its start."""
+    srv, source, proxy = served
+    done, totals, changed = [0], [], []
+
+    def on_bytes(n: int) -> None:
+        done[0] += n
+        assert done[0] <= totals[-1]
+        if not changed and done[0] > 1000:  # inside the big file, which comes first
+            changed.append(True)
+            rewrite_big(source)
+            srv.rescan()
+
+    def on_plan(total: int, already: int) -> None:
+        totals.append(total)
+        done[0] = already
+
+    with Client(f"http://127.0.0.1:{proxy.port}") as client:
+        pull = FilePull(client.model(MODEL), tmp_path / "out").plan()
+        totals.append(pull.total)
+        pull.run(on_bytes=on_bytes, on_plan=on_plan)
+    assert changed and len(totals) == 2
+    want = sum(p.stat().st_size for p in source.iterdir())
+    assert totals[-1] == want and done[0] == want
+    same_as_server(tmp_path / "out", source)

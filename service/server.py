@@ -24,6 +24,7 @@ from weightserve.service.config import default_of
 from weightserve.service.serving.auth import TokenStore
 from weightserve.service.serving.state import Limits, ServiceState
 from weightserve.service.sources.base import ModelSource
+from weightserve.service.sources.follow import UpstreamFollower
 from weightserve.service.sources.local import Catalog
 from weightserve.service.sources.node_cache import NodeCache
 from weightserve.service.sources.origin import OriginCatalog
@@ -273,6 +274,16 @@ class WeightServer:
                 on_published=self._published,
                 on_removed=lambda model, commit: revisions.labels("removed").inc(),
             )
+            self.state.revision_log = self.state.publisher
+        # A node cache announces a model's revision once it holds it, and follows an
+        # upstream weightserve by watching it (service/sources/follow.py).
+        self._follower: UpstreamFollower | None = None
+        if isinstance(self.catalog, OriginCatalog):
+            self.catalog.on_revision = self.state.feed.announce
+            self.state.revision_log = self.catalog
+            events = getattr(self.catalog.origin, "events", None)
+            if events is not None:
+                self._follower = UpstreamFollower(self.catalog, events)
         self.listeners: list[Listener] = []  # those started (or starting), in start order
         self._http: UvicornListener | None = None
         self._grpc: GrpcListener | None = None
@@ -470,6 +481,8 @@ class WeightServer:
         # the cache themselves; the origin is relisted by the periodic rescan.
         if self.config.watch and self.catalog.watch_files:
             threading.Thread(target=self._watch_loop, name="weightserve-watch", daemon=True).start()
+        if self._follower is not None:
+            self._follower.start()
 
     def _set_grpc_health(self, serving: bool) -> None:
         if self._grpc is not None:
@@ -521,6 +534,8 @@ class WeightServer:
         ``grace`` seconds to finish, then every listener stops, the last started first."""
         grace = self.config.grace_seconds if grace is None else grace
         self._stop_rescan.set()
+        if self._follower is not None:
+            self._follower.stop()
         self.state.draining = True
         for listener in self.listeners:
             listener.drain()

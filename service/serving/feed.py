@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 Record = dict[str, Any]
+EVERY_MODEL = "*"  # the key of watchers of the whole server (``GET /v1/watch``)
 HEARTBEAT_SECONDS = 5.0  # a line this often on an idle watch: proxies keep it, clients see it live
 DRAIN_CHECK_SECONDS = 0.5  # how soon an idle watch ends when the server shuts down
 
@@ -27,12 +28,17 @@ class RevisionFeed:
         self._next = 0
 
     def announce(self, model_id: str, record: Record) -> None:
-        """Tell every watcher of ``model_id`` of a new revision (``record``)."""
+        """Tell every watcher of ``model_id`` of a new revision (``record``), and every
+        watcher of the whole server (the record with ``model``)."""
         with self._lock:
-            deliveries = list(self._watchers.get(model_id, {}).values())
-        for deliver in deliveries:
+            deliveries = [(d, record) for d in self._watchers.get(model_id, {}).values()]
+            deliveries += [
+                (d, {"model": model_id, **record})
+                for d in self._watchers.get(EVERY_MODEL, {}).values()
+            ]
+        for deliver, what in deliveries:
             with contextlib.suppress(RuntimeError):  # an asyncio watcher's loop closed
-                deliver(record)
+                deliver(what)
 
     @contextlib.contextmanager
     def _watching(self, model_id: str, deliver: Callable[[Record], None]) -> Iterator[None]:
@@ -52,8 +58,8 @@ class RevisionFeed:
 
     @contextlib.contextmanager
     def subscribe(self, model_id: str) -> Iterator[asyncio.Queue[Record]]:
-        """An asyncio queue of the revisions announced from now on, until the block ends;
-        call it on the event loop that reads the queue."""
+        """An asyncio queue of the revisions announced from now on, until the block ends
+        (``EVERY_MODEL``: of every model); call it on the event loop that reads the queue."""
         found: asyncio.Queue[Record] = asyncio.Queue()
         loop = asyncio.get_running_loop()
 

@@ -16,7 +16,7 @@ from weightserve.service.serving.auth import Access, TokenStore
 from weightserve.service.serving.feed import RevisionFeed
 from weightserve.service.serving.idle import IdleCutter
 from weightserve.service.serving.metrics import Metrics, NodeCacheCollector
-from weightserve.service.sources.base import ModelSource
+from weightserve.service.sources.base import ModelSource, RevisionLog
 from weightserve.service.sources.model import Model
 from weightserve.service.sources.published import Publisher
 
@@ -53,6 +53,8 @@ class ServiceState:
         self.publisher: Publisher | None = None  # set by the server for a local root
         self.allow_publish = False  # publishes without a token file (--allow-publish)
         self.feed = RevisionFeed()  # watchers of published revisions
+        # What the watch routes announce: the publisher, or a node cache's catalog.
+        self.revision_log: RevisionLog | None = None
         self._per_client: dict[str, int] = {}
         self.metrics = Metrics()
         self.draining = False

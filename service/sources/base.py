@@ -44,6 +44,19 @@ class CacheControls(Protocol):
         ...
 
 
+class RevisionLog(Protocol):
+    """The revisions a server announces to watchers (the watch routes): a local root's
+    published ones (service/sources/published.py), or the newest a node cache holds."""
+
+    def revisions(self, model_id: str) -> list[dict[str, Any]]:
+        """Records ``{commit, parent, created, bytes, message, metadata}``, ``main`` first."""
+        ...
+
+    def revisions_after(self, model_id: str, since: str) -> list[dict[str, Any]]:
+        """What a watcher that last saw ``since`` has missed, oldest first."""
+        ...
+
+
 class ModelSource(Protocol):
     """The models a server serves, by id: the one seam between sources and everything else.
 
@@ -51,8 +64,9 @@ class ModelSource(Protocol):
     cache, served through a local catalog of the cache) implement it; callers ask it, never
     which source they hold. ``get("ID@R")`` answers revision R of a model from the revisions
     the source holds (service/sources/pinning.py): a source that keeps older revisions' files
-    offers them there. ``describe`` answers metadata before a fill. Room is left for
-    publish and watch.
+    offers them there. ``describe`` answers metadata before a fill. Revisions are
+    published into a local root (service/sources/published.py) and announced to watchers
+    by a ``RevisionLog``.
     """
 
     # Told of each new refusal (the metrics count them); None: nobody listens.

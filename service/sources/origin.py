@@ -29,6 +29,7 @@ from weightserve.client.errors import (
     OriginChanged,
     OriginUnavailable,
     RevisionNotFound,
+    WeightserveError,
 )
 from weightserve.client.wire.routes import MAIN_REVISION, split_revision
 from weightserve.service.sources.base import Problem
@@ -155,6 +156,10 @@ class OriginCatalog:
         self._fills_lock = threading.Lock()
         self._ensured: dict[str, tuple[OriginFile, ...]] = {}  # the listing each fill matched
         self._fill_errors: dict[str, BaseException] = {}  # why each model's last fill failed
+        # Watchers are told of a model's revision once the node holds it (RevisionLog).
+        self.on_revision: Callable[[str, dict[str, Any]], None] | None = None
+        self._announced: dict[str, str] = {}  # model id -> the commit last announced
+        self._upstream_records: dict[tuple[str, str], dict[str, Any]] = {}
         self._list_origin()
         # Metadata of models not cached, from their headers (describe), beside the cache's data.
         self.headers = HeaderImages(self.origin, cache.directory / "headers")
@@ -470,6 +475,7 @@ class OriginCatalog:
             if files is not None:
                 self._ensured[model_id] = files
             self.local.scan()
+            self._announce(model_id)
         except BaseException as e:
             self._fill_errors[model_id] = e  # for an operator's prefetch that nobody waits on
             pending.set_exception(e)
@@ -490,6 +496,69 @@ class OriginCatalog:
             return
         with self.cache.using(base):
             yield
+
+    # -- revisions announced to watchers (a RevisionLog; service/sources/follow.py) -----------
+
+    def revisions(self, model_id: str) -> list[dict[str, Any]]:
+        """The revision the node holds of the model (a node keeps its newest), or for one not
+        held yet, the revision the origin lists (where it lists one)."""
+        base = _cached_id(model_id)
+        held = self.models.get(base) if base in self.cache.cached_models() else None
+        if held is not None:
+            return [self._record(base, held.commit, sum(f.size for f in held.repo_files.values()))]
+        remote = self.remote.get(base)
+        if remote is None:
+            raise ModelNotFound(f"No model {base!r} at the origin {self.origin.description}.")
+        commit = self._listed_revision(remote)[:COMMIT_CHARS]
+        return [self._record(base, commit, remote.total_bytes)]
+
+    def revisions_after(self, model_id: str, since: str) -> list[dict[str, Any]]:
+        """The revision held now, unless it is ``since``: a node keeps no history."""
+        current = self.revisions(model_id)
+        return [] if current[0]["commit"].startswith(since.lower()) else current
+
+    def follow(self, model_id: str, record: dict[str, Any] | None = None) -> None:
+        """The upstream announced a new revision (``record``) of ``model_id``: a model the
+        node holds is filled to it now (the files that changed; nobody waits), then
+        announced to the node's watchers. Models not held are filled on request as ever."""
+        if record is not None and record.get("commit"):
+            self._upstream_records[(model_id, record["commit"])] = record
+        if model_id not in self.cache.cached_models():
+            return
+        self._list_origin()
+        remote = self.remote.get(model_id)
+        if remote is None or self._holds_listed(model_id):
+            return
+        try:
+            self._fill(model_id, remote.files, wait=0.0)
+        except ModelFilling:
+            pass  # filling; announced once its bytes are here
+        except WeightserveError as e:
+            log.warning("following the origin's new revision of %r failed: %s", model_id, e)
+
+    def _announce(self, model_id: str) -> None:
+        """Tell the watchers of the model's revision once the node holds it, if it is new."""
+        held = self.models.get(model_id)
+        if self.on_revision is None or held is None:
+            return
+        commit = held.commit
+        if self._announced.get(model_id) == commit:
+            return
+        self._announced[model_id] = commit
+        size = sum(f.size for f in held.repo_files.values())
+        self.on_revision(model_id, self._record(model_id, commit, size))
+
+    def _record(self, model_id: str, commit: str, size: int) -> dict[str, Any]:
+        """A revision record: the upstream's (parent, message, metadata) where it announced
+        this commit, else one with just what the node knows."""
+        upstream = self._upstream_records.get((model_id, commit))
+        record: dict[str, Any] = {
+            "commit": commit, "parent": None, "created": 0.0, "bytes": size,
+            "message": "", "metadata": {},
+        }  # fmt: skip
+        if upstream is not None:
+            record.update({k: upstream[k] for k in record if k in upstream and k != "bytes"})
+        return record
 
     # -- operator controls (the admin routes, service/transports/http/admin.py) ---------------
 

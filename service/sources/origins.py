@@ -21,6 +21,7 @@ import concurrent.futures
 import contextlib
 import errno
 import hashlib
+import json
 import logging
 import os
 import queue
@@ -65,6 +66,8 @@ GCS_RETRY_SECONDS = 20  # how long the GCS client retries unless the URI says ot
 # Longest silence tolerated from an upstream weightserve before a read is abandoned and
 # retried (--origin-stall-seconds).
 UPSTREAM_READ_TIMEOUT = 30.0
+# Silence on the upstream's watch after which it is taken for dead (it sends a line every 5 s).
+WATCH_HEARTBEAT_TIMEOUT = 20.0
 # An S3 ETag of a single-part upload: the MD5 of the object's bytes (a multipart one has "-N").
 _MD5_ETAG = re.compile(r"[0-9a-f]{32}")
 
@@ -535,6 +538,21 @@ class UpstreamOrigin:
             f"--origin-stall-seconds): {last}; models already cached are still served, check "
             "that the upstream is reachable"
         ) from last
+
+    def events(self) -> Iterator[dict[str, Any]]:
+        """The upstream's announcements of new revisions of every model (``GET /v1/watch``),
+        one connection, until it ends or breaks (service/sources/follow.py reconnects)."""
+        conn, resp = self.transport.open_lines("/v1/watch")
+        try:
+            while True:
+                if conn.sock is not None:  # heartbeats come every few seconds
+                    conn.sock.settimeout(max(self.stall_seconds, WATCH_HEARTBEAT_TIMEOUT))
+                line = resp.readline()
+                if not line:
+                    return
+                yield json.loads(line)
+        finally:
+            conn.close()
 
     def list_files(self) -> list[OriginFile]:
         listing = self._attempt(

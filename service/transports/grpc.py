@@ -38,7 +38,7 @@ from weightserve.service.serving.request import from_proto
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.serving.streams import plan_stream, stream_chunks, stream_messages
 from weightserve.service.serving.views import server_version
-from weightserve.service.sources.published import Publisher
+from weightserve.service.sources.base import RevisionLog
 from weightserve.service.transports.listener import (
     StartupError,
     check_port_free,
@@ -248,9 +248,9 @@ class WeightService:
         try:
             access = self._access(context)
             access.check(request.model)
-            publisher = state.publisher
-            if publisher is None:
-                raise InvalidRequest("this server keeps no published revisions to watch")
+            log = state.revision_log
+            if log is None:
+                raise InvalidRequest("this server announces no revisions")
             with self._watch_lock:
                 if self._watches >= GRPC_WATCHES:
                     raise ResourceExhausted(
@@ -261,7 +261,7 @@ class WeightService:
         except WeightserveError as e:
             _abort(context, e)
         try:
-            yield from self._watch(publisher, request, context)
+            yield from self._watch(log, request, context)
         except WeightserveError as e:
             _abort(context, e)
         finally:
@@ -269,16 +269,16 @@ class WeightService:
                 self._watches -= 1
 
     def _watch(
-        self, publisher: Publisher, request: pb.WatchRequest, context: grpc.ServicerContext
+        self, log: RevisionLog, request: pb.WatchRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.RevisionEvent]:
         state = self.state
-        publisher.revisions(request.model)  # an unknown model: NOT_FOUND before any event
+        log.revisions(request.model)  # an unknown model: NOT_FOUND before any event
         with state.feed.subscribe_blocking(request.model) as announced:
-            current = publisher.revisions(request.model)
+            current = log.revisions(request.model)
             seen = {current[0]["commit"]}
             yield pb.RevisionEvent(event="hello", main=current[0]["commit"])
             if request.since:
-                for record in publisher.revisions_after(request.model, request.since):
+                for record in log.revisions_after(request.model, request.since):
                     seen.add(record["commit"])
                     yield pb.RevisionEvent(event="revision", revision=_revision(record))
             quiet = 0.0

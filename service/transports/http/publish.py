@@ -21,8 +21,9 @@ from starlette.requests import ClientDisconnect
 
 from weightserve.client.errors import InvalidRequest, ResourceExhausted
 from weightserve.client.wire.routes import UPLOADS_ROUTE
-from weightserve.service.serving.feed import DRAIN_CHECK_SECONDS, HEARTBEAT_SECONDS
+from weightserve.service.serving.feed import DRAIN_CHECK_SECONDS, EVERY_MODEL, HEARTBEAT_SECONDS
 from weightserve.service.serving.state import ServiceState
+from weightserve.service.sources.base import RevisionLog
 from weightserve.service.sources.published import Publisher, Upload
 from weightserve.service.transports.http.common import OPERATION_KEY, AccessCheck, off_loop
 from weightserve.service.transports.http.routes import get_and_head
@@ -171,42 +172,76 @@ def add_publish_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -
         (NDJSON): first `{"event": "hello", "main": COMMIT}`, then with `since=COMMIT` every
         revision after it, then each new one as `{"event": "revision", ...}`; a
         `{"event": "heartbeat"}` line every few seconds keeps the connection alive. A
-        watcher whose connection drops reconnects with `since` = the last commit it saw."""
+        watcher whose connection drops reconnects with `since` = the last commit it saw. A
+        node cache announces a revision once it holds its bytes."""
         http.scope[OPERATION_KEY] = "watch"
         caller = access(http)
         caller.check(model)
-        if state.publisher is None:
-            raise InvalidRequest("this server keeps no published revisions to watch")
-        found = state.publisher
-        await run_in_threadpool(found.revisions, model)  # an unknown model: ModelNotFound now
+        log = revision_log()
+        await run_in_threadpool(log.revisions, model)  # an unknown model: ModelNotFound now
 
         async def lines() -> AsyncIterator[bytes]:
             with state.feed.subscribe(model) as queue:
                 # Read after subscribing: a revision published meanwhile is in the queue.
-                current = await run_in_threadpool(found.revisions, model)
+                current = await run_in_threadpool(log.revisions, model)
                 seen = {current[0]["commit"]}
                 backlog = []
                 if since:
-                    backlog = await run_in_threadpool(found.revisions_after, model, since)
+                    backlog = await run_in_threadpool(log.revisions_after, model, since)
                 yield _line({"event": "hello", "main": current[0]["commit"]})
                 for record in backlog:
                     seen.add(record["commit"])
                     yield _line({"event": "revision", **record})
-                quiet = 0.0
-                while not state.draining:
-                    try:
-                        record = await asyncio.wait_for(queue.get(), DRAIN_CHECK_SECONDS)
-                    except TimeoutError:
-                        quiet += DRAIN_CHECK_SECONDS
-                        if quiet >= HEARTBEAT_SECONDS:
-                            quiet = 0.0
-                            yield _line({"event": "heartbeat"})
-                        continue
-                    if record["commit"] not in seen:
+                async for record in _announced(queue):
+                    if record is None:
+                        yield _line({"event": "heartbeat"})
+                    elif record["commit"] not in seen:
                         seen.add(record["commit"])
                         yield _line({"event": "revision", **record})
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    @app.get("/v1/watch", tags=["publish"])
+    async def watch_all(http: Request) -> Response:
+        """Every model's new revisions (those the token may read), as the model's watch
+        sends them with `model` added: what a node cache follows its upstream by. No
+        backlog: a watcher that reconnects lists the models again."""
+        http.scope[OPERATION_KEY] = "watch"
+        caller = access(http)
+        revision_log()
+
+        async def lines() -> AsyncIterator[bytes]:
+            with state.feed.subscribe(EVERY_MODEL) as queue:
+                yield _line({"event": "hello"})
+                async for record in _announced(queue):
+                    if record is None:
+                        yield _line({"event": "heartbeat"})
+                    elif caller.may_read(record["model"]):
+                        yield _line({"event": "revision", **record})
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    async def _announced(
+        queue: asyncio.Queue[dict[str, Any]],
+    ) -> AsyncIterator[dict[str, Any] | None]:
+        """The records announced on ``queue``, and None when a heartbeat is due, until the
+        server shuts down."""
+        quiet = 0.0
+        while not state.draining:
+            try:
+                record = await asyncio.wait_for(queue.get(), DRAIN_CHECK_SECONDS)
+            except TimeoutError:
+                quiet += DRAIN_CHECK_SECONDS
+                if quiet >= HEARTBEAT_SECONDS:
+                    quiet = 0.0
+                    yield None
+                continue
+            yield record
+
+    def revision_log() -> RevisionLog:
+        if state.revision_log is None:
+            raise InvalidRequest("this server announces no revisions")
+        return state.revision_log
 
     @app.post(f"{MODEL}/holds", tags=["publish"])
     async def hold(http: Request, model: str) -> Response:

@@ -1,0 +1,86 @@
+"""A node cache follows its upstream weightserve by watching it, not by rescanning.
+
+One long-lived watch of every model on the upstream (``GET /v1/watch``, NDJSON): each revision
+announced there of a model this node holds is filled at once (only the files that changed)
+and announced to the node's own watchers once its bytes are here (``OriginCatalog.follow``),
+so a worker told by its node loads from its node. The watch reconnects with backoff; on every
+(re)connect the origin is listed again, so a revision announced while disconnected is caught.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from weightserve.client.errors import NotFound, WeightserveError
+from weightserve.service.sources.origin import OriginCatalog
+
+log = logging.getLogger("weightserve.service")
+
+RETRY_FIRST = 0.2
+RETRY_MAX = 10.0
+
+
+class UpstreamFollower:
+    """The thread that keeps a node cache's held models at its upstream's newest revision."""
+
+    def __init__(
+        self, catalog: OriginCatalog, events: Callable[[], Iterator[dict[str, Any]]]
+    ) -> None:
+        self.catalog = catalog
+        self.events = events
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name="weightserve-follow", daemon=True
+        )
+
+    def start(self) -> UpstreamFollower:
+        self._thread.start()
+        return self
+
+    def stop(self, wait: float = 1.0) -> None:
+        self._stop.set()
+        self._thread.join(wait)  # a watch blocked in a read ends at its next heartbeat
+
+    def _run(self) -> None:
+        pause = RETRY_FIRST
+        failing = False
+        while not self._stop.is_set():
+            try:
+                for event in self.events():
+                    if self._stop.is_set():
+                        return
+                    if event.get("event") == "hello":
+                        if failing:
+                            log.info("following %s again", self.catalog.description)
+                        failing, pause = False, RETRY_FIRST
+                        self._catch_up()
+                    elif event.get("event") == "revision" and event.get("model"):
+                        self.catalog.follow(event["model"], event)
+            except NotFound:
+                log.info(
+                    "%s announces no revisions (an older weightserve): its models are "
+                    "followed by rescanning only",
+                    self.catalog.description,
+                )
+                return
+            except (WeightserveError, OSError, ValueError) as e:
+                if not failing:
+                    log.warning(
+                        "the watch of %s broke (%s); reconnecting", self.catalog.description, e
+                    )
+                failing = True
+            self._stop.wait(pause)
+            pause = min(pause * 2, RETRY_MAX)
+
+    def _catch_up(self) -> None:
+        """List the origin again and follow every held model it has moved on from."""
+        try:
+            self.catalog.scan()
+        except WeightserveError as e:
+            log.warning("listing %s failed: %s", self.catalog.description, e)
+            return
+        for model_id in self.catalog.cache.cached_models():
+            self.catalog.follow(model_id)

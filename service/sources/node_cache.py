@@ -34,7 +34,7 @@ import shutil
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Generator, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
@@ -201,6 +201,97 @@ class _Fill:
     done_bytes: int = 0
     finished: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
+    landing: dict[str, LandedFile] = field(default_factory=dict)  # this fill's files, by name
+
+
+class LandedFile:
+    """One file of a running fill as far as its bytes have landed, for a reader that streams
+    it before the fill ends (``follow``). What is readable is the contiguous prefix written so
+    far, less its last byte until the file is whole, verified and in place: a file that fails
+    its final check never reaches a reader whole."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._path: Path | None = None  # the partial being written, then the file in place
+        self._prefix = 0
+        self._by_start: dict[int, int] = {}  # spans landed past the prefix, start -> end
+        self._by_end: dict[int, int] = {}
+        self._whole = False
+        self._error: BaseException | None = None
+        self._changed = threading.Condition()
+
+    def _started(self, partial: Path) -> None:
+        with self._changed:  # a file written again starts from nothing
+            self._path, self._prefix, self._by_start, self._by_end = partial, 0, {}, {}
+            self._changed.notify_all()
+
+    def _landed(self, offset: int, length: int) -> None:
+        start, end = offset, offset + length
+        with self._changed:
+            if start in self._by_end:  # join the spans this one touches
+                start = self._by_end.pop(start)
+                del self._by_start[start]
+            if end in self._by_start:
+                end_of_next = self._by_start.pop(end)
+                del self._by_end[end_of_next]
+                end = end_of_next
+            if start <= self._prefix:
+                self._prefix = max(self._prefix, end)
+                self._changed.notify_all()
+            else:
+                self._by_start[start], self._by_end[end] = end, start
+
+    def _placed(self, target: Path) -> None:
+        with self._changed:
+            self._path, self._prefix, self._whole = target, self.size, True
+            self._changed.notify_all()
+
+    def _failed(self, error: BaseException) -> None:
+        with self._changed:
+            if not self._whole:
+                self._error = error
+                self._changed.notify_all()
+
+    def _readable(self) -> int:
+        return self._prefix if self._whole else min(self._prefix, self.size - 1)
+
+    def follow(
+        self, start: int, stop: int, idle: float, piece: int = 1 << 20
+    ) -> Generator[bytes, None, None]:
+        """The bytes ``[start, stop)`` as they land, ``piece`` at most at a time; ``b""``
+        after each ``idle`` seconds with nothing new (the caller's turn to look at its
+        client). Raises the fill's error once it fails."""
+        fd, opened = -1, None
+
+        def news() -> bool:
+            return self._error is not None or self._readable() > start
+
+        try:
+            while start < stop:
+                with self._changed:
+                    self._changed.wait_for(news, idle)
+                    if self._error is not None:
+                        raise self._error
+                    readable, path = self._readable(), self._path
+                if readable <= start or path is None:
+                    yield b""
+                    continue
+                if path != opened:  # the partial renamed into place, or written again
+                    try:
+                        new_fd = os.open(path, os.O_RDONLY)
+                    except FileNotFoundError:
+                        continue  # renamed meanwhile: the new path is known now
+                    if fd >= 0:
+                        os.close(fd)
+                    fd, opened = new_fd, path
+                data = os.pread(fd, min(start + piece, readable, stop) - start, start)
+                if not data:
+                    raise OSError(f"{path.name} ended at byte {start} while being followed")
+                start += len(data)
+                yield data
+        finally:
+            if fd >= 0:
+                os.close(fd)
 
 
 class NodeCache:
@@ -357,6 +448,13 @@ class NodeCache:
                     f"named {pin!r} or under {pin + '/'!r}"
                 )
             self.ensure(pin, files)
+
+    def landed(self, model_id: str, name: str) -> LandedFile | None:
+        """The file ``name`` of the model's running fill, to follow as it lands; None when no
+        fill runs or this one does not fetch that file (it is held already)."""
+        with self._lock:
+            fill = self._fills.get(model_id)
+            return fill.landing.get(name) if fill is not None else None
 
     def progress(self, model_id: str) -> FillProgress | None:
         """The running fill of the model, or None when none runs."""
@@ -690,6 +788,7 @@ class NodeCache:
             )
         self._evict_for(model_id, total, room)
         fill = _Fill(total=sum(f.size for f in stale), remaining=sum(f.size for f in stale))
+        fill.landing = {f.name: LandedFile(f.size) for f in stale}
         self._fills[model_id] = fill
         self._states.setdefault(model_id, _ModelState(last_used=time.time()))
         self.stats.fills += 1
@@ -706,6 +805,8 @@ class NodeCache:
             self._finish(model_id, files)
         except BaseException as e:
             fill.error = e
+            for landing in fill.landing.values():
+                landing._failed(e)
             with self._lock:
                 self.stats.fill_failures += 1
             log.warning("filling model %r from %s failed: %s", model_id, self.origin.description, e)
@@ -734,6 +835,9 @@ class NodeCache:
             while True:
                 with self._lock:
                     fill.writing = file.size
+                landing = fill.landing.get(file.name)
+                if landing is not None:
+                    landing._started(partial)
                 try:
                     digest = self.origin.fetch(
                         file,
@@ -741,6 +845,7 @@ class NodeCache:
                         concurrency=self.concurrency,
                         part_bytes=self.part_bytes,
                         on_bytes=on_bytes,
+                        on_landed=landing._landed if landing is not None else None,
                     )
                     break
                 except OSError as e:
@@ -780,6 +885,8 @@ class NodeCache:
                     state.complete = False
                     self._save(model_id)
                 os.replace(partial, target)
+                if (landing := fill.landing.get(file.name)) is not None:
+                    landing._placed(target)
                 stamp = file_stamp(target.stat())
                 state.files[file.name] = FillRecord(file.size, file.version, digest, stamp)
                 self._verified.add((file.name, stamp))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import contextvars
 import difflib
 import logging
 import threading
@@ -49,6 +50,7 @@ from weightserve.service.sources.node_cache import (
     CacheDigests,
     CacheStats,
     EvictionRefused,
+    LandedFile,
     NodeCache,
 )
 from weightserve.service.sources.origins import Origin, OriginFile
@@ -66,6 +68,62 @@ log = logging.getLogger("weightserve.service")
 # and the client's retry budget covers the rest.
 FILL_WAIT_SECONDS = 10.0
 FILL_RETRY_AFTER_SECONDS = 2.0
+# Set by a caller that cannot be held for a fill (a Hub client's timeouts are shorter than a
+# fill) and follows it instead: the fill is started and handed over at once (FillInProgress).
+_FOLLOW_FILLS: contextvars.ContextVar[bool] = contextvars.ContextVar("follow_fills", default=False)
+
+
+@contextlib.contextmanager
+def following_fills() -> Iterator[None]:
+    """Within the block, a request that needs a fill raises ``FillInProgress`` at once."""
+    token = _FOLLOW_FILLS.set(True)
+    try:
+        yield
+    finally:
+        _FOLLOW_FILLS.reset(token)
+
+
+class FillInProgress(ModelFilling):
+    """ModelFilling raised at once where fills are followed (``following_fills``): the model's
+    fill runs, its files (the origin's listing) and their bytes can be followed as they land."""
+
+    def __init__(
+        self,
+        message: str,
+        cache: NodeCache,
+        model_id: str,
+        files: tuple[OriginFile, ...],
+        pending: concurrent.futures.Future[None],
+    ) -> None:
+        super().__init__(message, retry_after=FILL_RETRY_AFTER_SECONDS)
+        self.cache = cache
+        self.model_id = model_id
+        self.files = files
+        self._pending = pending
+
+    def origin_file(self, name: str) -> OriginFile | None:
+        """The listed file a model-relative ``name`` is: ``ID/name``, or the file of a file
+        model (or a split GGUF's part) beside it."""
+        for file in self.files:
+            inside = file.name.startswith(self.model_id + "/")
+            if file.name == f"{self.model_id}/{name}" or (
+                not inside and file.name.rpartition("/")[2] == name
+            ):
+                return file
+        return None
+
+    def landed(self, name: str) -> LandedFile | None:
+        """The file's bytes as the fill lands them; None where this fill does not fetch it."""
+        file = self.origin_file(name)
+        return self.cache.landed(self.model_id, file.name) if file is not None else None
+
+    def wait(self, timeout: float | None) -> bool:
+        """Whether the fill ended within ``timeout`` seconds; raises its error if it failed."""
+        try:
+            self._pending.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            return False
+        return True
 
 
 @dataclass(frozen=True)
@@ -428,7 +486,8 @@ class OriginCatalog:
     ) -> None:
         """Fill the model (one fill for every concurrent request, whatever its transport) and
         index it; a request waits ``fill_wait_seconds`` (or ``wait``) at most, then is told to
-        retry with the fill's progress, while the fill goes on."""
+        retry with the fill's progress, while the fill goes on. Where fills are followed
+        (``following_fills``) it is handed the fill at once (FillInProgress)."""
         with self._fills_lock:
             pending = self._fills.get(model_id)
             if pending is None:
@@ -441,9 +500,21 @@ class OriginCatalog:
                     name=f"weightserve-fill-{model_id}",
                     daemon=True,
                 ).start()
+        follow = _FOLLOW_FILLS.get() and files is not None
         try:
-            pending.result(timeout=self.fill_wait_seconds if wait is None else wait)
+            timeout = 0 if follow else self.fill_wait_seconds if wait is None else wait
+            pending.result(timeout=timeout)
         except concurrent.futures.TimeoutError:
+            if follow:
+                assert files is not None
+                raise FillInProgress(
+                    f"model {model_id!r} is being copied into this node's cache from "
+                    f"{self.origin.description}",
+                    self.cache,
+                    model_id,
+                    files,
+                    pending,
+                ) from None
             progress = self.cache.progress(model_id)
             done = (
                 f"{progress.bytes_done} of {progress.bytes_total} bytes"

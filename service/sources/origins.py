@@ -165,9 +165,12 @@ class Origin(Protocol):
         concurrency: int = DEFAULT_CONCURRENCY,
         part_bytes: int = DEFAULT_PART_BYTES,
         on_bytes: Callable[[int], None] | None = None,
+        on_landed: Callable[[int, int], None] | None = None,
     ) -> str | None:
         """Write ``file``'s bytes to ``dest``; the xxh3-128 (hex) of what was written where the
-        origin computed it anyway, else None (the node cache hashes the file itself)."""
+        origin computed it anyway, else None (the node cache hashes the file itself).
+        ``on_landed(offset, length)`` hears of each span written, so a reader can follow the
+        bytes as they land."""
         ...
 
 
@@ -370,6 +373,7 @@ class FileSystemOrigin:
         concurrency: int = DEFAULT_CONCURRENCY,
         part_bytes: int = DEFAULT_PART_BYTES,
         on_bytes: Callable[[int], None] | None = None,
+        on_landed: Callable[[int, int], None] | None = None,
     ) -> None:
         key = self._key(file.name)
 
@@ -429,6 +433,8 @@ class FileSystemOrigin:
             _pwrite_all(fd, memoryview(buffer), offset)
             if on_bytes is not None:
                 on_bytes(length)
+            if on_landed is not None:
+                on_landed(offset, length)
 
         try:
             idle.put(open_checked("since it was listed"))
@@ -630,6 +636,7 @@ class UpstreamOrigin:
         concurrency: int = DEFAULT_CONCURRENCY,
         part_bytes: int = DEFAULT_PART_BYTES,
         on_bytes: Callable[[int], None] | None = None,
+        on_landed: Callable[[int, int], None] | None = None,
     ) -> str:
         model, name = self._split(file.name)
 
@@ -660,6 +667,8 @@ class UpstreamOrigin:
                     landed[0] += got
                     if on_bytes is not None:
                         on_bytes(got)
+                    if on_landed is not None:
+                        on_landed(offset + done - got, got)
             finally:
                 source.close()
 

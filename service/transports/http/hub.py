@@ -18,14 +18,23 @@ not held is a 404 ``RevisionNotFound``. Errors carry the Hub's ``X-Error-Code``
 (``RepoNotFound``, ``RevisionNotFound``, ``EntryNotFound``; ``GatedRepo`` for a token not
 granted the model) and ``X-Error-Message`` so the clients raise their usual exceptions with
 the server's reason: huggingface_hub reports a 4xx it has no code for as a network failure.
+
+A node cache's fill is never answered 503 here (the clients neither wait a Retry-After out nor
+outlast a fill): a file streams as the fill lands it, a HEAD or model info is held in a way
+the client waits (docs/protocol.md, "Hugging Face Hub routes").
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import time
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import parse_qs, unquote
+from urllib.parse import parse_qs, unquote, urlencode
 
+import anyio
+import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
@@ -50,14 +59,38 @@ from weightserve.service.serving import files
 from weightserve.service.serving.auth import Access
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.sources.model import Model
+from weightserve.service.sources.origin import FillInProgress, following_fills
 from weightserve.service.transports.http.common import ERROR_KEY, OPERATION_KEY, AccessCheck
-from weightserve.service.transports.http.files import file_response
+from weightserve.service.transports.http.files import FILE_OPERATION, OCTET_STREAM, file_response
 from weightserve.service.transports.http.routes import get_and_head
+from weightserve.service.transports.http.streaming import GrowingFileResponse, HeldResponse
 
 DEFAULT_REVISION = MAIN_REVISION
 _API_ACTIONS = ("revision", "tree", "paths-info")
 # A Hub revision holding these (``refs/pr/1``) names no model id's revision: by commit only.
 _NOT_IN_IDS = ("/", REVISION_SEPARATOR, VARIANT_SEPARATOR)
+
+# A node cache's fill outlasts every timeout of huggingface_hub, so no Hub route answers it
+# 503 (the client does not wait a Retry-After out): each is held in a way its client waits.
+# What the fill must answer first (a HEAD whose commit only the fill tells, a file whose copy
+# has not started) is held HEAD_HOLD_SECONDS, under the client's 10 s for a HEAD and between
+# a download's bytes, then redirected to itself (``?held=N`` counts the hops): the client
+# follows 20 same-host redirects, each with a fresh timeout. The last hop it follows is held
+# LAST_HOP_SECONDS instead: the client times out and retries as it retries a slow Hub (a HEAD
+# again with 60 s a hop and backoff, a download resumed 5 times), each retry held again.
+HEAD_HOLD_SECONDS = 7.0
+LAST_HOP = 19
+LAST_HOP_SECONDS = 65.0
+HELD_QUERY = "held"
+# Threads that may wait on fills at once, apart from the routes' pool: they sleep on a
+# condition, and a node's many clients must not starve the other routes while they wait.
+HELD_REQUESTS = 512
+# Model info and listings: answered with their own status when the fill ends this soon, else
+# 200 with a space every KEEPALIVE_SECONDS (leading whitespace is JSON) until it does.
+HELD_QUIET_SECONDS = 2.0
+KEEPALIVE_SECONDS = 5.0
+# A file streamed as its fill lands it looks at its client this often while no byte comes.
+FOLLOW_IDLE_SECONDS = 1.0
 
 
 _HUB_ERROR_CODES: dict[type[WeightserveError], str] = {
@@ -208,10 +241,128 @@ def _model_info(model: Model, repo_id: str) -> dict[str, Any]:
     }
 
 
+def _held(http: Request, answer: Callable[[], Response], waits: anyio.CapacityLimiter) -> Response:
+    """``answer()``, or, while a node cache's fill it needs runs, a ``HeldResponse`` that
+    gives it once the fill ended (the fill's error where it failed): model info and listings
+    over object storage, whose commit the fill alone tells."""
+    following: list[FillInProgress] = []
+
+    def attempt() -> Response | None:
+        try:
+            with following_fills():
+                return answer()
+        except FillInProgress as fill:
+            following[:] = [fill]
+            return None
+
+    def poll(seconds: float) -> Response | None:
+        try:
+            if not following[0].wait(seconds):
+                return None
+        except WeightserveError as e:
+            return _hub_error(http, e)
+        return attempt()  # filled: answered from the cache (or a newer fill is followed)
+
+    first = attempt()
+    if first is not None:
+        return first
+    return HeldResponse(poll, HELD_QUIET_SECONDS, KEEPALIVE_SECONDS, waits)
+
+
+def _hold_seconds(http: Request) -> float:
+    """How long this hop of a held request may wait (see HEAD_HOLD_SECONDS)."""
+    try:
+        hop = int(http.query_params.get(HELD_QUERY, "0"))
+    except ValueError:
+        hop = 0
+    return LAST_HOP_SECONDS if hop >= LAST_HOP else HEAD_HOLD_SECONDS
+
+
+def _to_itself(http: Request) -> Response:
+    """A redirect to the request's own URL, its hop counted (relative, so the client stays on
+    this host): a Hub client follows it with a fresh timeout."""
+    raw = http.scope.get("raw_path") or http.url.path.encode()
+    query = dict(http.query_params)
+    try:
+        hop = int(query.get(HELD_QUERY, "0")) + 1
+    except ValueError:
+        hop = 1
+    query[HELD_QUERY] = str(min(hop, LAST_HOP))
+    location = raw.decode("latin-1").partition("?")[0] + "?" + urlencode(query)
+    return Response(status_code=307, headers={"location": location, "cache-control": "no-store"})
+
+
+def _resolve_during_fill(
+    http: Request,
+    state: ServiceState,
+    caller: Access,
+    described: Model | None,
+    name: str,
+    fill: FillInProgress,
+    waits: anyio.CapacityLimiter,
+) -> Response | None:
+    """``/resolve`` of a file of a model a fill is copying now, never 503: answered from the
+    listing at once where the commit is known before the fill (``described``: an upstream
+    weightserve lists content digests), a GET's body following the bytes as they land; a HEAD
+    whose commit only the fill tells, or a GET whose bytes do not come, is held
+    HEAD_HOLD_SECONDS, then redirected to itself so the client asks again. None when the fill
+    ended meanwhile: answer as for a cached model."""
+    listed = fill.origin_file(name)
+    if described is not None:
+        file = files.repo_file(described, name)  # EntryNotFound as for a cached model
+    elif listed is None:
+        raise FileNotFound(f"No file {name!r} in model {fill.model_id!r}.")
+    landed = fill.landed(name)
+    if landed is None or (described is None and http.method == "HEAD"):
+        return None if fill.wait(_hold_seconds(http)) else _to_itself(http)
+    headers = {"accept-ranges": "bytes"}
+    etag = ""
+    if described is not None:
+        etag = described.file_digest(file.path)
+        headers.update({"x-repo-commit": described.commit, "etag": f'"{etag}"'})
+        headers["x-weightserve-revision"] = described.revision
+        if files.etag_matches(http.headers.get("if-none-match"), etag):
+            return Response(status_code=304, headers=headers)
+    wanted = None
+    if_range = http.headers.get("if-range")
+    if if_range is None or (etag and if_range.removeprefix("W/").strip('"') == etag):
+        wanted = files.parse_range(http.headers.get("range"), landed.size)
+    byte_range = wanted or files.ByteRange(0, landed.size)
+    status = 200 if wanted is None else 206
+    if wanted is not None:
+        headers["content-range"] = wanted.content_range(landed.size)
+    if http.method == "HEAD":
+        headers["content-length"] = str(byte_range.length)
+        return Response(status_code=status, headers=headers, media_type=OCTET_STREAM)
+    http.scope[OPERATION_KEY] = FILE_OPERATION
+    pieces = landed.follow(byte_range.start, byte_range.stop, FOLLOW_IDLE_SECONDS)
+    # The answer starts once its bytes flow: a file whose copy has not started (a fill copies
+    # files one after another) is held, then redirected to itself as a HEAD is, so the
+    # client's 10 s between bytes starts again with each hop instead of running out.
+    first = b""
+    deadline = time.monotonic() + _hold_seconds(http)
+    while byte_range.length and not first and time.monotonic() < deadline:
+        first = next(pieces)  # the fill's error, if it failed, is this request's answer
+    if byte_range.length and not first:
+        pieces.close()
+        return _to_itself(http)
+    slot = contextlib.ExitStack()
+    client = caller.client_key(http.client.host if http.client else "")
+    slot.enter_context(state.stream_slot("http", client))
+
+    def ended(sent: int) -> None:
+        slot.close()
+        state.metrics.bytes_served.labels("http", fill.model_id).inc(sent)
+
+    body = itertools.chain([first], pieces)
+    return GrowingFileResponse(body, byte_range.length, headers, status, ended, waits, OCTET_STREAM)
+
+
 def add_hub_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -> None:
     """The Hub-compatible routes; registered last, so every other route keeps its paths (the
     resolve route only matches a path with a ``resolve`` part after a model id's parts)."""
     repos = HubRepos(state)
+    waits = anyio.CapacityLimiter(HELD_REQUESTS)  # what waits on a fill (HELD_REQUESTS)
 
     @get_and_head(app, "/api/models/{path:path}", tags=["hub"])
     def hub_api(http: Request, path: str, recursive: str = "false") -> Response:
@@ -220,20 +371,26 @@ def add_hub_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -> No
         http.scope[OPERATION_KEY] = "model_info"
         parts = _segments(http, "/api/models/")
         repo_id, rest = repos.split(parts, lambda p: p in _API_ACTIONS)
-        try:
-            caller = access(http)
-            action = rest[0] if rest else "revision"
-            revision = unquote(rest[1]) if len(rest) > 1 else DEFAULT_REVISION
-            if action not in ("revision", "tree") or (action == "revision" and len(rest) > 2):
-                raise NotFound(f"no Hub route /api/models/{path}")
-            model = repos.model(caller, repo_id, revision, metadata=True)
-            if action == "revision":
-                return JSONResponse(_model_info(model, repo_id))
-            under = "/".join(unquote(p) for p in rest[2:])
-            deep = recursive.lower() in ("true", "1")
-            return JSONResponse(_tree_entries(model, under, deep))
-        except WeightserveError as e:
-            return _hub_error(http, e)
+
+        def answer() -> Response:
+            try:
+                caller = access(http)
+                action = rest[0] if rest else "revision"
+                revision = unquote(rest[1]) if len(rest) > 1 else DEFAULT_REVISION
+                if action not in ("revision", "tree") or (action == "revision" and len(rest) > 2):
+                    raise NotFound(f"no Hub route /api/models/{path}")
+                model = repos.model(caller, repo_id, revision, metadata=True)
+                if action == "revision":
+                    return JSONResponse(_model_info(model, repo_id))
+                under = "/".join(unquote(p) for p in rest[2:])
+                deep = recursive.lower() in ("true", "1")
+                return JSONResponse(_tree_entries(model, under, deep))
+            except FillInProgress:
+                raise  # held until the fill ends (_held)
+            except WeightserveError as e:
+                return _hub_error(http, e)
+
+        return _held(http, answer, waits)
 
     @app.post("/api/models/{path:path}", tags=["hub"])
     async def hub_paths_info(http: Request, path: str) -> Response:
@@ -253,15 +410,21 @@ def add_hub_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -> No
                 wanted = {p.strip("/") for p in form.get("paths", [])}
                 listing = _tree_entries(model, "", recursive=True)
                 return JSONResponse([e for e in listing if e["path"] in wanted])
+            except FillInProgress:
+                raise  # held until the fill ends (_held)
             except WeightserveError as e:
                 return _hub_error(http, e)
 
-        return await run_in_threadpool(answer)
+        return await run_in_threadpool(_held, http, answer, waits)
 
     @get_and_head(app, "/{repo:model_id}/resolve/{rest:path}", tags=["hub"])
-    def hub_resolve(http: Request, repo: str, rest: str) -> Response:
+    async def hub_resolve(http: Request, repo: str, rest: str) -> Response:
         """`/{repo}/resolve/{revision}/{filename}`: the file, with `X-Repo-Commit`, `ETag`,
         `Content-Length` and Range, as the Hub answers."""
+        # On a thread of its own pool: it may be held for a fill.
+        return await anyio.to_thread.run_sync(resolve, http, limiter=waits)
+
+    def resolve(http: Request) -> Response:
         http.scope[OPERATION_KEY] = "file"
         parts = _segments(http, "/")
         repo_id, after = repos.split(parts, lambda p: p == "resolve")
@@ -273,7 +436,19 @@ def add_hub_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -> No
                     f"a Hub file URL is /REPO/resolve/REVISION/FILE, got {http.url.path}"
                 )
             name = "/".join(unquote(p) for p in after[2:])
-            model = repos.model(caller, repo_id, unquote(after[1]), metadata=True, file=name)
+            revision = unquote(after[1])
+            try:
+                with following_fills():
+                    model = repos.model(caller, repo_id, revision, metadata=True, file=name)
+            except FillInProgress as fill:
+                described = None
+                with contextlib.suppress(FillInProgress), following_fills():
+                    described = repos.model(caller, repo_id, revision, metadata=True)
+                commit = described.commit if described is not None else None
+                held = _resolve_during_fill(http, state, caller, described, name, fill, waits)
+                if held is not None:
+                    return held
+                model = repos.model(caller, repo_id, revision, metadata=True, file=name)
             commit = model.commit
             file = files.repo_file(model, name)
             return file_response(http, state, caller, model, file, {"x-repo-commit": commit})

@@ -19,6 +19,8 @@ import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import anyio
+import anyio.to_thread
 from fastapi import FastAPI
 from fastapi.responses import Response
 
@@ -395,3 +397,100 @@ class WeightserveApp(FastAPI):
             if _CYCLE_TYPES and isinstance(cycle, _CYCLE_TYPES):
                 scope[CYCLE_KEY] = cycle
         await super().__call__(scope, receive, send)
+
+
+class GrowingFileResponse(Response):
+    """A file's bytes sent as they come, with its exact Content-Length: ``pieces`` blocks for
+    the next bytes (a file a node cache's fill is still writing; on a thread of ``waits``, the
+    limiter of what mostly waits) and yields ``b""`` now and then, a turn to notice a client
+    gone. A failure before the last byte is logged and the connection closed with the body
+    short, so the client sees the transfer fail (and may resume it with a Range) instead of a
+    short file. ``on_end`` runs once, however it ends."""
+
+    def __init__(
+        self,
+        pieces: Iterator[bytes],
+        length: int,
+        headers: dict[str, str],
+        status_code: int,
+        on_end: Callable[[int], None],
+        waits: anyio.CapacityLimiter,
+        media_type: str = "application/octet-stream",
+    ) -> None:
+        super().__init__(
+            content=None,
+            status_code=status_code,
+            headers={**headers, "content-length": str(length)},
+            media_type=media_type,
+        )
+        self.pieces = pieces
+        self.on_end = on_end  # with the bytes sent
+        self.waits = waits
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def wait_disconnect() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        gone = asyncio.ensure_future(wait_disconnect())
+        sent = 0
+        try:
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})  # fmt: skip
+            while not gone.done():
+                piece = await anyio.to_thread.run_sync(next, self.pieces, None, limiter=self.waits)
+                if piece is None:
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    return
+                if piece:
+                    await send({"type": "http.response.body", "body": piece, "more_body": True})
+                    sent += len(piece)
+            scope[ERROR_KEY] = "Cancelled"
+        except (WeightserveError, OSError) as e:
+            scope[ERROR_KEY] = type(e).__name__
+            log.warning("file stream %s broke after %d bytes: %s", scope.get("path"), sent, e)
+        finally:
+            gone.cancel()
+            close = getattr(self.pieces, "close", None)
+            if close is not None:
+                await anyio.to_thread.run_sync(close, limiter=self.waits)
+            self.on_end(sent)
+
+
+class HeldResponse(Response):
+    """A JSON answer that waits for something slow (a node cache's fill) without letting the
+    connection idle: ``poll(seconds)`` blocks up to that long and returns the answer once it
+    is ready. One ready within ``quiet`` seconds is sent as it is (its status and headers);
+    after that, 200 is committed and a space sent every ``beat`` seconds (leading whitespace
+    is valid JSON), so proxies' idle timeouts never cut the wait. An error answer after the
+    commit is written and the connection closed before the body ends: the client sees a
+    failed transfer, never a 200 document. ``poll`` runs on a thread of ``waits``."""
+
+    def __init__(
+        self,
+        poll: Callable[[float], Response | None],
+        quiet: float,
+        beat: float,
+        waits: anyio.CapacityLimiter,
+    ) -> None:
+        super().__init__(content=None, status_code=200, media_type="application/json")
+        self.poll = poll
+        self.quiet = quiet
+        self.beat = beat
+        self.waits = waits
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        answer = await anyio.to_thread.run_sync(self.poll, self.quiet, limiter=self.waits)
+        if answer is not None:
+            return await answer(scope, receive, send)
+        headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        while answer is None:
+            await send({"type": "http.response.body", "body": b" ", "more_body": True})
+            answer = await anyio.to_thread.run_sync(self.poll, self.beat, limiter=self.waits)
+        whole = answer.status_code == 200
+        await send({"type": "http.response.body", "body": answer.body, "more_body": not whole})
+        if not whole:
+            scope[ERROR_KEY] = scope.get(ERROR_KEY) or "HeldAnswerFailed"
+            log.warning("held answer to %s failed after 200 was sent: %s", scope.get("path"),
+                        bytes(answer.body)[:300].decode("utf-8", "replace"))  # fmt: skip

@@ -290,10 +290,19 @@ def test_over_object_storage_model_info_and_head_are_held_not_refused(
     models: tuple[Path, dict], s3_server: S3Server, tmp_path: Path
 ) -> None:
     """The commit is known once filled: model info is held with the connection kept alive
-    (200 committed, then spaces, then the JSON), a HEAD is held then redirected to itself."""
+    (200 committed, then spaces, then the JSON), a HEAD is held then redirected to itself; a
+    side file's download, which needs no commit, comes without a fill."""
     s3_server.upload(models[0], "hub-held")
     s3 = lambda p: s3_server.uri("hub-held", port=p)  # noqa: E731
     with node(s3_server.port, s3, tmp_path / "n") as (server, proxy):
+        # A side file's download needs no commit: fetched alone, no fill.
+        config = http_request(server.http_port, resolve(SHARDED, "config.json"))
+        assert config.status == 200, config.body
+        assert config.body == (models[0] / SHARDED / "config.json").read_bytes()
+        assert "x-repo-commit" not in config.headers
+        state = http_request(server.http_port, f"/v1/admin/cache/{SHARDED}").json()
+        assert state["state"] == "remote", state
+
         proxy.rate = FILE_BYTES / 10
         replies: dict[str, tuple[float, object]] = {}
 

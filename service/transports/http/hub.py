@@ -169,17 +169,19 @@ class HubRepos:
         revision: str,
         metadata: bool = False,
         file: str | None = None,
+        commitless: bool = False,
     ) -> Model:
         """The model a repo id at a Hub revision names (see the module docstring). With
         ``metadata`` (model info, listings, one ``file`` to serve), a node cache's uncached
         model is described from its headers instead of filled, where its commit is known
-        before a fill: Hub clients pin the commit they are given."""
+        before a fill (Hub clients pin the commit they are given), or where the answer
+        carries none (``commitless``: a side file's bytes, fetched alone)."""
         state = self.state
 
         def main() -> Model:
             if metadata:
                 described = state.readable_metadata(caller, repo_id, file)
-                if described.commit:
+                if described.commit or commitless:
                     return described
             return state.readable_model(caller, repo_id)
 
@@ -437,9 +439,12 @@ def add_hub_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -> No
                 )
             name = "/".join(unquote(p) for p in after[2:])
             revision = unquote(after[1])
+            # A download needs no commit (a HEAD does): over object storage a side file's
+            # bytes come without a fill.
+            commitless = http.method == "GET"
             try:
                 with following_fills():
-                    model = repos.model(caller, repo_id, revision, metadata=True, file=name)
+                    model = repos.model(caller, repo_id, revision, True, name, commitless)
             except FillInProgress as fill:
                 described = None
                 with contextlib.suppress(FillInProgress), following_fills():
@@ -448,9 +453,10 @@ def add_hub_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -> No
                 held = _resolve_during_fill(http, state, caller, described, name, fill, waits)
                 if held is not None:
                     return held
-                model = repos.model(caller, repo_id, revision, metadata=True, file=name)
-            commit = model.commit
+                model = repos.model(caller, repo_id, revision, True, name, commitless)
+            commit = model.commit or None
             file = files.repo_file(model, name)
-            return file_response(http, state, caller, model, file, {"x-repo-commit": commit})
+            extra = {"x-repo-commit": commit} if commit else {}
+            return file_response(http, state, caller, model, file, extra)
         except WeightserveError as e:
             return _hub_error(http, e, commit)

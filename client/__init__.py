@@ -27,6 +27,7 @@ from weightserve.client._publish import Revision
 from weightserve.client.errors import ConversionRefused, DestinationError, WeightsClosed
 from weightserve.client.max.compat import backend as _backend
 from weightserve.client.max.load import WeightsFormat, load_weights, weights_format
+from weightserve.client.max.pipelines import served_model_dir
 from weightserve.client.max.weights import RandomWeights, RemoteWeights
 from weightserve.client.transports.base import TLSOptions
 
@@ -52,6 +53,7 @@ __all__ = [
     "WeightsFormat",
     "errors",
     "load_weights",
+    "served_model_dir",
     "weights_format",
 ]
 

@@ -1,5 +1,6 @@
 """The ``weightserve`` command: ``serve`` (needs the server extra), ``ls``, ``pull``,
-``publish``, ``watch`` and ``cache`` (client/_cache_cli.py)."""
+``publish``, ``watch``, ``cache`` (client/_cache_cli.py) and ``max`` (MAX's command line on a
+model URL: client/max/command.py)."""
 
 from __future__ import annotations
 
@@ -182,6 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
     watch.add_argument("--token", default=None, help=token_help)
     watch.set_defaults(func=_watch)
     add_cache_parser(sub, _CommandParser, token_help)
+    sub.add_parser(
+        "max",
+        add_help=False,  # `weightserve max --help` is MAX's help
+        help="run MAX's command line (max generate, max serve ...) on a model URL",
+        description="weightserve max ARGS...: MAX's `max ARGS...`, where --model-path may be "
+        "http://HOST:PORT/v1/models/MODEL or grpc://HOST:PORT/MODEL; the weights stay on the "
+        "server (needs: pip install 'weightserve[max]' 'max[serve]').",
+    )
     return parser
 
 
@@ -382,6 +391,15 @@ def _progress(
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["max"]:  # every later argument is MAX's, --help included
+        from weightserve.client.max.command import run_max
+
+        try:
+            return run_max(argv[1:])
+        except WeightserveError as e:
+            print(f"weightserve max: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown and args.func is not _no_server:  # `serve --demo` without the server extra

@@ -25,8 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 SERVER_ONLY = ("fastapi", "uvicorn", "starlette", "safetensors", "gguf", "prometheus_client")
 NEEDS_EXTRA = "weightserve serve needs the server extra: pip install 'weightserve[server]'\n"
 COPY_IGNORE = shutil.ignore_patterns(
-    ".git", ".venv", "venv", "*.egg-info", "build", "dist", "__pycache__", ".*_cache",
-    ".bench-cache", "*.pyc",
+    ".git", ".venv", ".venv-max", "venv", "*.egg-info", "build", "dist", "__pycache__",
+    ".*_cache", ".bench-cache", ".grpc-tools", "*.pyc",
 )  # fmt: skip
 
 

@@ -39,6 +39,9 @@ _SUFFIXES = {
 }
 
 
+CHECKPOINT_SUFFIXES = tuple(_SUFFIXES)  # a file of any other name is a side file
+
+
 def _as_list(paths_or_urls: Any) -> list[Any]:
     if isinstance(paths_or_urls, (str, os.PathLike)):
         return [paths_or_urls]

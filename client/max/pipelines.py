@@ -28,6 +28,8 @@ from typing import Any
 
 from weightserve.client._client import Client
 from weightserve.client._download import FilePull
+from weightserve.client.max.load import CHECKPOINT_SUFFIXES
+from weightserve.client.max.load import load_weights as load_served
 from weightserve.client.wire.dtypes import wire_dtype
 from weightserve.client.wire.routes import parse_url, split_revision
 
@@ -112,7 +114,7 @@ def _models_from_environment() -> None:
 
 
 def _is_side_file(name: str) -> bool:
-    return not name.endswith((".safetensors", ".gguf", ".bin", ".pt", ".pth"))
+    return not name.endswith(CHECKPOINT_SUFFIXES)
 
 
 @contextlib.contextmanager
@@ -190,8 +192,6 @@ def install_hook() -> None:
         model = held[0] if all(m is held[0] for m in held) else None
         if model is None:
             return original_load(paths, *args, **kwargs)
-        from weightserve.client.max.load import load_weights as load_served
-
         return load_served([model.url], revision=model.revision)
 
     # The pipeline modules hold their own reference: each one that took MAX's is repointed.

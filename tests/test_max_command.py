@@ -41,3 +41,13 @@ def test_a_model_the_server_lacks_fails_with_its_name(tmp_path: Path, child_env)
     assert proc.returncode == 1, proc.stderr
     assert "weightserve max: ModelNotFound" in proc.stderr and "'tiny'" in proc.stderr
     assert list((tmp_path / "tmp").iterdir()) == []  # the side-file directory is removed
+
+
+def test_a_server_url_is_a_usage_error(child_env) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "weightserve.client._cli", "max", "generate", "--model-path",
+         "http://127.0.0.1:9/v1/models", "--prompt", "hi"],
+        capture_output=True, text=True, timeout=60, env=child_env,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "names a server, not a model" in proc.stderr

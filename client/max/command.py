@@ -59,6 +59,13 @@ def run_max(argv: list[str]) -> int:
     try:
         args, served = list(argv), {}
         for i, url in urls.items():
+            if parse_url(url)[1] is None:
+                print(
+                    f"weightserve max: {url} names a server, not a model: use "
+                    "http://HOST:PORT/v1/models/MODEL or grpc://HOST:PORT/MODEL",
+                    file=sys.stderr,
+                )
+                return 2
             model = prepare_model_dir(url, work / re.sub(r"[^\w.@-]+", "-", url.split("://")[1]))
             served.update(model.to_environment())
             args[i] = (

@@ -291,7 +291,7 @@ def _publish(args: argparse.Namespace) -> int:
 
     _, model_id = parse_url(args.url)
     if model_id is None:
-        args.command_parser.error("give a model URL, e.g. http://HOST:PORT/v1/models/MODEL")
+        return args.command_parser.error("give a model URL, e.g. http://HOST:PORT/v1/models/MODEL")
     if not args.dir.is_dir():
         args.command_parser.error(f"{args.dir} is not a directory")
     total = sum(p.stat().st_size for p in args.dir.rglob("*") if p.is_file())
@@ -320,7 +320,7 @@ def _watch(args: argparse.Namespace) -> int:
 
     _, model_id = parse_url(args.url)
     if model_id is None:
-        args.command_parser.error("give a model URL, e.g. http://HOST:PORT/v1/models/MODEL")
+        return args.command_parser.error("give a model URL, e.g. http://HOST:PORT/v1/models/MODEL")
     with Client(args.url, token=args.token) as client:
         for rev in watch(client.transport, model_id, args.since, args.timeout):
             when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(rev.created))

@@ -151,6 +151,7 @@ def _configured_server(args: argparse.Namespace) -> WeightServer:
         tls_client_ca=args.tls_client_ca,
         rescan_seconds=args.rescan,
         watch=not args.no_watch,
+        follow=not args.no_follow,
         cache_dir=str(cache_dir),
         cache_size=args.cache_size,
         fill_concurrency=args.fill_concurrency,

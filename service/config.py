@@ -190,6 +190,9 @@ SETTINGS: tuple[Setting, ...] = (
             non_negative_seconds, "30 s"),
     Setting("--no-watch", "WEIGHTSERVE_NO_WATCH", False,
             "rescan only every --rescan seconds, not on file-system events (inotify)"),
+    Setting("--no-follow", "WEIGHTSERVE_NO_FOLLOW", False,
+            "with an upstream weightserve ROOT: follow its new revisions by rescanning only, not "
+            "by watching its announcements"),
     Setting("--cache-dir", "WEIGHTSERVE_CACHE_DIR", None,
             "where file content digests (file-digests.sqlite) are kept across restarts, so "
             "revisions cost no reads after the first, and where --demo writes", str,

@@ -28,8 +28,9 @@ from weightserve.service.sources.follow import UpstreamFollower
 from weightserve.service.sources.local import Catalog
 from weightserve.service.sources.node_cache import NodeCache
 from weightserve.service.sources.origin import OriginCatalog
-from weightserve.service.sources.origins import OriginFile, open_origin
+from weightserve.service.sources.origins import FileSystemOrigin, OriginFile, open_origin
 from weightserve.service.sources.published import Publisher
+from weightserve.service.sources.revision_stores import BucketStore, DirectoryStore
 from weightserve.service.sources.revisions import DigestStore
 from weightserve.service.transports.flight import FlightListener
 from weightserve.service.transports.grpc import GrpcListener
@@ -72,6 +73,8 @@ class ServerConfig:
     # How often the root is searched for new or removed models.
     rescan_seconds: float = default_of("rescan")
     watch: bool = True  # rescan on file-system events too (inotify), not only periodically
+    # A node cache over an upstream weightserve watches its announcements (follow.py).
+    follow: bool = True
     # Where file content digests are remembered across restarts (file-digests.sqlite); None:
     # in memory only, so each start reads every file once to compute revisions.
     cache_dir: str | None = None
@@ -269,6 +272,7 @@ class WeightServer:
             revisions = self.state.metrics.revisions
             self.state.publisher = Publisher(
                 self.catalog,
+                DirectoryStore(self.catalog.root),
                 config.max_upload_bytes,
                 config.keep_revisions,
                 on_published=self._published,
@@ -282,14 +286,33 @@ class WeightServer:
             self.catalog.on_revision = self.state.feed.announce
             self.state.revision_log = self.catalog
             events = getattr(self.catalog.origin, "events", None)
-            if events is not None:
+            if events is not None and config.follow:
                 self._follower = UpstreamFollower(self.catalog, events)
+            origin = self.catalog.origin
+            if isinstance(origin, FileSystemOrigin):  # publishes go into the bucket
+                self.state.publisher = Publisher(
+                    self.catalog,
+                    BucketStore(
+                        origin.fs,
+                        origin.prefix,
+                        self.catalog.cache.directory / "uploads",
+                        origin.description,
+                    ),
+                    config.max_upload_bytes,
+                    config.keep_revisions,
+                    # Announced by the node once it holds the bytes (OriginCatalog.scan).
+                    on_published=lambda model, record: self._count_revision("published"),
+                    on_removed=lambda model, commit: self._count_revision("removed"),
+                )
         self.listeners: list[Listener] = []  # those started (or starting), in start order
         self._http: UvicornListener | None = None
         self._grpc: GrpcListener | None = None
         self._flight: FlightListener | None = None
         self._handoff_listener: HandoffListener | None = None
         self._stop_rescan = threading.Event()
+
+    def _count_revision(self, event: str) -> None:
+        self.state.metrics.revisions.labels(event).inc()
 
     def _published(self, model_id: str, record: dict) -> None:
         """A new revision is main: counted, and every watcher of the model told."""

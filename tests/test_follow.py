@@ -35,8 +35,14 @@ def test_nodes_follow_a_publish_and_announce_it_once_they_hold_it(tmp_path: Path
     root.mkdir()
     upstream = WeightServer(
         ServerConfig(
-            str(root), http_port=0, grpc_port=0, flight_port=None, rescan_seconds=0,
-            watch=False, allow_publish=True, grace_seconds=1,
+            str(root),
+            http_port=0,
+            grpc_port=0,
+            flight_port=None,
+            rescan_seconds=0,
+            watch=False,
+            allow_publish=True,
+            grace_seconds=1,
         )  # fmt: skip
     ).start()
     try:

@@ -96,7 +96,10 @@ def test_an_unchanged_upstream_is_listed_with_one_request_per_rescan(tmp_path: P
     with (
         WeightServer(upstream_config) as upstream,
         ByteCountingProxy(upstream.http_port) as proxy,
-        WeightServer(config(f"http://127.0.0.1:{proxy.port}", tmp_path / "node")) as node,
+        # Rescans only: a follower's watch and its catch-up listing would be counted too.
+        WeightServer(
+            config(f"http://127.0.0.1:{proxy.port}", tmp_path / "node", follow=False)
+        ) as node,
     ):
         proxy.reset()
         before = origin_requests(node)

@@ -255,7 +255,9 @@ def test_head_answers_wherever_get_does(srv: WeightServer) -> None:
     fill = {"{model}": "odd/names", "{name}": "enc/layer_0/kernel"}
     paths = []
     for template, operations in spec["paths"].items():
-        assert "get" in operations or "post" in operations, template
+        assert operations.keys() & {"get", "post", "put", "delete"}, template
+        if template.endswith("/watch"):
+            continue  # a watch answers for as long as the client listens: no HEAD to compare
         if "get" in operations:
             for key, value in fill.items():
                 template = template.replace(key, value)

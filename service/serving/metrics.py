@@ -110,7 +110,7 @@ class Metrics:
 # The node cache's counters (service/sources/node_cache.py CacheStats): (metric, kind, help, field).
 NODE_CACHE_METRICS = (
     ("weightserve_origin_requests_total", "counter",
-     "Requests made to the origin, by kind (list, head, get) and outcome (ok, error)",
+     "Requests made to the origin, by kind (list, head, get, watch) and outcome (ok, error)",
      "origin_requests"),
     ("weightserve_origin_failures_total", "counter", "Origin listings and fetches that failed",
      "origin_failures"),

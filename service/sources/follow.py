@@ -32,9 +32,7 @@ class UpstreamFollower:
         self.catalog = catalog
         self.events = events
         self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, name="weightserve-follow", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, name="weightserve-follow", daemon=True)
 
     def start(self) -> UpstreamFollower:
         self._thread.start()

@@ -27,7 +27,7 @@ from pathlib import Path, PurePosixPath
 from weightserve.client.errors import ModelUnavailable
 from weightserve.service.readers.gguf import MAX_HEADER_BYTES as GGUF_MAX_HEADER_BYTES
 from weightserve.service.readers.safetensors import MAX_HEADER_BYTES as ST_MAX_HEADER_BYTES
-from weightserve.service.sources.layout import INDEX_NAME, checkpoint_format
+from weightserve.service.sources.layout import INDEX_NAME, checkpoint_format, hub_repo_file
 from weightserve.service.sources.local import MAX_INDEX_BYTES, Catalog
 from weightserve.service.sources.mapped import MappedFile
 from weightserve.service.sources.model import Model
@@ -214,6 +214,9 @@ class HeaderImages:
         """What the image of one file holds: (offset, bytes) fetched from the origin."""
         read = self._read(file)
         fmt = checkpoint_format(file.name)
+        repository = hub_repo_file(file.name)
+        if repository is not None and repository.rest.startswith("refs/") and file.size <= 256:
+            return [(0, read(0, file.size))]  # a published repository's ref names its snapshot
         if INDEX_NAME.fullmatch(PurePosixPath(file.name).name):
             return [(0, read(0, file.size))] if file.size <= MAX_INDEX_BYTES else []
         if fmt == "safetensors":

@@ -111,6 +111,32 @@ def hub_repo_id(directory_name: str) -> str | None:
     return "/".join(parts)
 
 
+@dataclass(frozen=True)
+class HubRepoFile:
+    """Where a '/'-separated name lies in a hub cache repository (``[DIR/]models--ORG--NAME/
+    REST``): the repository's folder, the model id it is served as (``[DIR/]ORG/NAME``, as
+    the local catalog names it), and the name inside the repository."""
+
+    folder: str
+    model_id: str
+    rest: str
+
+
+def hub_repo_file(name: str) -> HubRepoFile | None:
+    """The hub cache repository ``name`` lies in (the nearest ``models--`` folder), or None."""
+    parts = name.split("/")
+    for depth in range(len(parts) - 2, -1, -1):
+        repo = hub_repo_id(parts[depth])
+        if repo is not None and parts[depth].startswith("models--"):
+            prefix = "/".join(parts[:depth])
+            return HubRepoFile(
+                "/".join(parts[: depth + 1]),
+                f"{prefix}/{repo}" if prefix else repo,
+                "/".join(parts[depth + 1 :]),
+            )
+    return None
+
+
 def is_served_name(name: str) -> bool:
     """Whether a '/'-separated file name can be served: not hidden, and no folder on its way
     named the reserved path part or holding an id separator (a walked root skips or refuses

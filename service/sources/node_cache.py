@@ -49,7 +49,7 @@ from weightserve.client.errors import (
     ResourceExhausted,
     WeightserveError,
 )
-from weightserve.service.sources.layout import split_gguf_model
+from weightserve.service.sources.layout import hub_repo_file, split_gguf_model
 from weightserve.service.sources.revisions import DigestStore, FileChanged, hash_file
 from weightserve.service.sources.stamps import FileStamp, file_stamp
 
@@ -1195,8 +1195,12 @@ class CacheDigests(DigestStore):
 def _belongs(model_id: str, name: str) -> bool:
     """Whether the file ``name`` is part of the model: the id itself, a file under ``ID/``,
     or, for a split GGUF ``DIR/NAME.gguf``, one of its parts ``DIR/NAME-00001-of-00003.gguf``
-    beside it (where a local root has them too)."""
-    return name == model_id or name.startswith(model_id + "/") or split_gguf_model(name) == model_id
+    beside it (where a local root has them too), or a file of its hub cache repository
+    (``[DIR/]models--ORG--NAME/...``: revisions published into a bucket)."""
+    if name == model_id or name.startswith(model_id + "/") or split_gguf_model(name) == model_id:
+        return True
+    repository = hub_repo_file(name)
+    return repository is not None and repository.model_id == model_id
 
 
 def _model_files(model_id: str, listing: list[OriginFile]) -> list[OriginFile]:

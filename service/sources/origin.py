@@ -39,6 +39,7 @@ from weightserve.service.sources.layout import (
     base_model_id,
     checkpoint_format,
     gguf_models,
+    hub_repo_file,
     is_served_name,
     is_weight_file,
     validate_model_id,
@@ -143,11 +144,49 @@ class RemoteModel:
         return next((f for f in ("safetensors", "gguf", "pytorch") if f in formats), "")
 
 
-def group_models(listing: list[OriginFile]) -> tuple[dict[str, RemoteModel], dict[str, Problem]]:
+def hub_repo_models(
+    files: list[OriginFile], read_ref: Callable[[OriginFile], str] | None
+) -> tuple[dict[str, list[OriginFile]], set[str]]:
+    """Repositories in the hub cache's layout (revisions published into a bucket,
+    service/sources/published.py): each is its model id with ``refs/main`` and the files of
+    the snapshot it names (so the node's copy is laid out as the local catalog reads a hub
+    cache), offered only once that snapshot is listed: the pointer is written last. Also
+    every name inside such a repository, taken out of the other rules."""
+    repos: dict[str, tuple[str, dict[str, OriginFile], dict[str, list[OriginFile]]]] = {}
+    taken: set[str] = set()
+    for f in files:
+        found = hub_repo_file(f.name)
+        if found is None:
+            continue
+        taken.add(f.name)
+        _, refs, snapshots = repos.setdefault(found.folder, (found.model_id, {}, {}))
+        if found.rest == "refs/main":
+            refs["main"] = f
+        elif found.rest.startswith("snapshots/"):
+            commit, _, inner = found.rest.removeprefix("snapshots/").partition("/")
+            if inner:
+                snapshots.setdefault(commit, []).append(f)
+    models: dict[str, list[OriginFile]] = {}
+    for model_id, refs, snapshots in repos.values():
+        pointer = refs.get("main")
+        if pointer is None or read_ref is None:
+            continue
+        snapshot = snapshots.get(read_ref(pointer))
+        if snapshot:
+            models[model_id] = [pointer, *snapshot]
+    return models, taken
+
+
+def group_models(
+    listing: list[OriginFile], read_ref: Callable[[OriginFile], str] | None = None
+) -> tuple[dict[str, RemoteModel], dict[str, Problem]]:
     """Model id -> its files, from the origin's file names (the rules in the module docstring),
     and the models refused: a split GGUF (``NAME-00001-of-00002.gguf`` ...) is one model,
-    ``NAME.gguf``, offered only when every part is listed, as from a local root."""
+    ``NAME.gguf``, offered only when every part is listed, as from a local root. Hub cache
+    repositories (``models--ORG--NAME``) are read with ``read_ref`` (``hub_repo_models``)."""
     files = [f for f in listing if is_served_name(f.name)]
+    published, taken = hub_repo_models(files, read_ref)
+    files = [f for f in files if f.name not in taken]
     weight_dirs = {
         directory
         for f in files
@@ -180,6 +219,7 @@ def group_models(listing: list[OriginFile]) -> tuple[dict[str, RemoteModel], dic
             )
         elif split.model not in grouped:  # a plain NAME.gguf beside the parts keeps its id
             grouped[split.model] = split.ordered()
+    grouped.update(published)
     models = {model_id: RemoteModel(model_id, tuple(fs)) for model_id, fs in grouped.items()}
     return models, problems
 
@@ -214,6 +254,7 @@ class OriginCatalog:
         self._fills_lock = threading.Lock()
         self._ensured: dict[str, tuple[OriginFile, ...]] = {}  # the listing each fill matched
         self._fill_errors: dict[str, BaseException] = {}  # why each model's last fill failed
+        self._refs: dict[tuple[str, str], str] = {}  # (refs/main object, version) -> commit
         # Watchers are told of a model's revision once the node holds it (RevisionLog).
         self.on_revision: Callable[[str, dict[str, Any]], None] | None = None
         self._announced: dict[str, str] = {}  # model id -> the commit last announced
@@ -292,10 +333,16 @@ class OriginCatalog:
 
     def scan(self) -> None:
         """List the origin again, then index the cache. An origin that cannot be listed keeps
-        the last listing (cached models are served all the same) and is logged."""
+        the last listing (cached models are served all the same) and is logged. A held model
+        published into the origin (a hub cache repository) whose ``refs/main`` moved is
+        followed at once: filled to the new revision, then announced."""
         self._list_origin()
         self.cache.check_all()
         self.local.scan()
+        for model_id in self.cache.cached_models():
+            remote = self.remote.get(model_id)
+            if remote is not None and hub_repo_file(remote.files[0].name) is not None:
+                self.follow(model_id, relist=False)
 
     def _list_origin(self) -> None:
         try:
@@ -305,12 +352,26 @@ class OriginCatalog:
                 log.warning("origin %s cannot be listed: %s", self.origin.description, e)
             self.origin_error = e
         else:
-            self.remote, self.remote_problems = group_models(listing)
+            self.remote, self.remote_problems = group_models(listing, self._read_ref)
             if self.origin_error is not None:
                 log.info("origin %s can be listed again", self.origin.description)
             self.origin_error = None
 
     # -- lookup ------------------------------------------------------------------------------
+
+    def _read_ref(self, pointer: OriginFile) -> str:
+        """The commit a published repository's ``refs/main`` object names (read once per
+        version of it); "" when it cannot be read."""
+        key = (pointer.name, pointer.version)
+        found = self._refs.get(key)
+        if found is None:
+            try:
+                found = self.origin.read_range(pointer, 0, 256).decode("ascii").strip()
+            except (WeightserveError, OSError, UnicodeDecodeError) as e:
+                log.warning("cannot read %s at the origin: %s", pointer.name, e)
+                return ""
+            self._refs[key] = found
+        return found
 
     def state_of(self, model_id: str) -> str:
         """``filling``; ``cached`` (held as the origin lists it now, or as it was last listed
@@ -588,7 +649,9 @@ class OriginCatalog:
         current = self.revisions(model_id)
         return [] if current[0]["commit"].startswith(since.lower()) else current
 
-    def follow(self, model_id: str, record: dict[str, Any] | None = None) -> None:
+    def follow(
+        self, model_id: str, record: dict[str, Any] | None = None, *, relist: bool = True
+    ) -> None:
         """The upstream announced a new revision (``record``) of ``model_id``: a model the
         node holds is filled to it now (the files that changed; nobody waits), then
         announced to the node's watchers. Models not held are filled on request as ever."""
@@ -596,7 +659,8 @@ class OriginCatalog:
             self._upstream_records[(model_id, record["commit"])] = record
         if model_id not in self.cache.cached_models():
             return
-        self._list_origin()
+        if relist:
+            self._list_origin()
         remote = self.remote.get(model_id)
         if remote is None or self._holds_listed(model_id):
             return

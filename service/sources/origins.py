@@ -81,14 +81,15 @@ class OriginFile:
     version: str
 
 
-ORIGIN_REQUEST_KINDS = ("list", "head", "get")
+ORIGIN_REQUEST_KINDS = ("list", "head", "get", "watch")  # watch: a follower's connection
 # What bytes taken from the origin were for: a model's fill, the header reads that describe a
 # model not cached (service/sources/headers.py), a side file fetched alone.
 ORIGIN_BYTE_KINDS = ("fill", "header", "file")
 
 
 class OriginRequests:
-    """Requests made to an origin, by (kind, outcome): kind ``list``, ``head`` or ``get``,
+    """Requests made to an origin, by (kind, outcome): kind ``list``, ``head``, ``get`` or
+    ``watch`` (a follower's connection to an upstream's announcements),
     outcome ``ok`` or ``error``; and the bytes taken for headers and side files (``received``;
     a fill's bytes are the node cache's own count). Thread-safe; ``call`` counts one request
     as it ends."""
@@ -548,7 +549,7 @@ class UpstreamOrigin:
     def events(self) -> Iterator[dict[str, Any]]:
         """The upstream's announcements of new revisions of every model (``GET /v1/watch``),
         one connection, until it ends or breaks (service/sources/follow.py reconnects)."""
-        conn, resp = self.transport.open_lines("/v1/watch")
+        conn, resp = self.requests.call("watch", lambda: self.transport.open_lines("/v1/watch"))
         try:
             while True:
                 if conn.sock is not None:  # heartbeats come every few seconds

@@ -1,14 +1,15 @@
-"""Published revisions: new weights a trainer sends, stored under a local root as ordinary
-checkpoint files in the Hugging Face hub cache's layout, which the local catalog already serves.
+"""Published revisions: new weights a trainer sends, stored as ordinary checkpoint files in
+the Hugging Face hub cache's layout, under a local root or in the bucket a node serves
+(service/sources/revision_stores.py), which the catalogs already serve.
 
 ``models--ORG--NAME/snapshots/COMMIT/`` holds each revision's files (served as
 ``ORG/NAME@COMMIT``), ``refs/main`` names the newest (served as ``ORG/NAME``), and
 ``.revisions/COMMIT.json`` records its parent, time, size, message and metadata. An upload is
-written aside (``snapshots/.incoming-UPLOAD/``, which the catalog skips), read by the same strict
-readers as any checkpoint, named by its content commit and renamed into place; ``refs/main`` is
-replaced last, atomically. So a publish that fails, is refused or is cut off leaves nothing
-behind and ``main`` where it was. Files a revision keeps from its base are hard links, and no
-published file is ever rewritten: their bytes are safe to share zero-copy.
+written aside (a staging directory the catalog skips), read by the same strict readers as any
+checkpoint, named by its content commit and stored; ``refs/main`` is replaced last, whole. So
+a publish that fails, is refused or is cut off leaves nothing behind and ``main`` where it
+was. Files a revision keeps from its base are hard links, and no published file is ever
+rewritten: their bytes are safe to share zero-copy.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import os
 import shutil
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,14 +37,15 @@ from weightserve.client.wire.routes import REVISION_SEPARATOR, split_revision
 from weightserve.client.wire.safetensors_layout import LayoutEntry, safetensors_header
 from weightserve.service.readers.base import TensorEntry
 from weightserve.service.readers.safetensors import SafetensorsReader
+from weightserve.service.sources.base import ModelSource
 from weightserve.service.sources.layout import INDEX_NAME, is_served_name, validate_model_id
 from weightserve.service.sources.local import Catalog
 from weightserve.service.sources.model import Model
+from weightserve.service.sources.revision_stores import INCOMING_PREFIX, RevisionStore
+from weightserve.service.sources.revisions import DigestStore
 
 log = logging.getLogger("weightserve.publish")
 
-INCOMING_PREFIX = ".incoming-"
-RECORDS_DIR = ".revisions"
 MODEL_PART = "model"  # the incoming model's directory: indexed as a directory model
 TENSORS_NAME = "model.safetensors"  # where ``tensors`` go in a revision without a base
 UPLOAD_IDLE_SECONDS = 600.0  # an upload untouched this long was abandoned: removed
@@ -58,8 +59,8 @@ class Upload:
 
     id: str
     model_id: str
-    repo: Path
-    directory: Path  # snapshots/.incoming-ID
+    folder: str  # the repository's folder: models--ORG--NAME
+    directory: Path  # the staging directory
     base: Model | None
     message: str
     metadata: dict[str, Any]
@@ -90,14 +91,18 @@ class Publisher:
 
     def __init__(
         self,
-        catalog: Catalog,
+        catalog: ModelSource,
+        store: RevisionStore,
         max_upload_bytes: int,
         keep_revisions: int = DEFAULT_KEEP_REVISIONS,
         on_published: Callable[[str, dict[str, Any]], None] | None = None,
         on_removed: Callable[[str, str], None] | None = None,
     ) -> None:
         self.catalog = catalog
-        self.root = catalog.root
+        self.store = store
+        # The local root's digest store: renamed files keep their identity, so the root's
+        # catalog hashes none of them again.
+        self.digests: DigestStore = getattr(catalog, "digests", None) or DigestStore()
         self.max_upload_bytes = max_upload_bytes
         self.keep_revisions = keep_revisions
         self.on_published = on_published
@@ -115,25 +120,25 @@ class Publisher:
     ) -> Upload:
         """A new upload of ``model_id``; ``base`` (a revision of it) supplies what the upload
         does not. A model served from plain files under the root cannot be published to."""
-        repo = self.root / repo_folder(model_id)
-        plain = self.root / model_id
-        if plain.exists() and not repo.exists():
+        folder = repo_folder(model_id)
+        published = self.store.main(folder) is not None
+        if not published and (model_id in self.catalog.models or model_id in self.catalog.listed):
             raise InvalidRequest(
-                f"model {model_id!r} is served from files under the root ({model_id}/), which "
-                "weightserve does not own: publish to another model id"
+                f"model {model_id!r} is served from files weightserve does not own (not "
+                "published): publish to another model id"
             )
         base_model = None
         if base is not None:
-            if not (repo / "snapshots").is_dir():
+            if not published:
                 raise RevisionNotFound(
                     f"model {model_id!r} has no published revision to use as base {base!r}"
                 )
             base_model = self.catalog.get(f"{model_id}{REVISION_SEPARATOR}{base}")
         self._expire()
-        upload_id = uuid.uuid4().hex
-        directory = repo / "snapshots" / f"{INCOMING_PREFIX}{upload_id}"
+        directory = self.store.staging(folder)
+        upload_id = directory.name.removeprefix(INCOMING_PREFIX)
         (directory / MODEL_PART).mkdir(parents=True)
-        upload = Upload(upload_id, model_id, repo, directory, base_model, message, metadata)
+        upload = Upload(upload_id, model_id, folder, directory, base_model, message, metadata)
         with self._lock:
             self._uploads[upload_id] = upload
         return upload
@@ -220,9 +225,7 @@ class Publisher:
             self._keep_base_files(upload)
         model = self._check(upload)
         commit = model.commit
-        snapshots = upload.repo / "snapshots"
-        final = snapshots / commit
-        parent = self._main(upload.repo)
+        parent = self.store.main(upload.folder)
         if upload.base is not None:
             parent = upload.base.commit
         record = {
@@ -233,15 +236,12 @@ class Publisher:
             "message": upload.message,
             "metadata": upload.metadata,
         }
-        if final.exists():  # the same content published again: main moves to it
-            record = self.record(upload.repo, commit) or record
+        if self.store.holds(upload.folder, commit):  # the same content again: main moves to it
+            record = self.store.record(upload.folder, commit) or record
         else:
-            os.rename(upload.model_dir, final)
-            _write_atomically(upload.repo / RECORDS_DIR / f"{commit}.json", json.dumps(record))
-        refs = upload.repo / "refs"
-        refs.mkdir(exist_ok=True)
-        _write_atomically(refs / "main", commit)
-        self._retain(upload.model_id, upload.repo)
+            self.store.put(upload.folder, commit, upload.model_dir, record)
+        self.store.set_main(upload.folder, commit)
+        self._retain(upload.model_id, upload.folder)
         self.catalog.scan()
         log.info(
             "published %r revision %s (%d bytes, parent %s)",
@@ -253,9 +253,7 @@ class Publisher:
 
     def _check(self, upload: Upload) -> Model:
         """The upload indexed as any root's model is: every file through the strict readers."""
-        # The root's digest store: the renamed files keep their identity, so the root's
-        # catalog reads none of them again.
-        checked = Catalog(upload.directory, recheck_seconds=0, digests=self.catalog.digests)
+        checked = Catalog(upload.directory, recheck_seconds=0, digests=self.digests)
         problem = checked.problems.get(MODEL_PART)
         if problem is None:
             problem = next(iter(checked.problems.values()), None)
@@ -334,36 +332,19 @@ class Publisher:
 
     # -- records ------------------------------------------------------------------------------
 
-    def _main(self, repo: Path) -> str | None:
-        with contextlib.suppress(OSError):
-            return (repo / "refs" / "main").read_text().strip() or None
-        return None
-
-    def record(self, repo: Path, commit: str) -> dict[str, Any] | None:
-        with contextlib.suppress(OSError, ValueError):
-            found = json.loads((repo / RECORDS_DIR / f"{commit}.json").read_text())
-            return found if isinstance(found, dict) else None
-        return None
-
     def revisions(self, model_id: str) -> list[dict[str, Any]]:
-        """The model's revisions, newest first: every published one still held, or for a
-        model not published, the one it is."""
+        """The model's revisions, ``main`` first, then newest first: every published one still
+        held, or for a model not published, the one it is."""
         plain = split_revision(validate_model_id(model_id))[0]
-        repo = None
+        folder = None
         with contextlib.suppress(InvalidRequest):
-            repo = self.root / repo_folder(plain)
-        found: list[dict[str, Any]] = []
-        snapshots = repo / "snapshots" if repo is not None else None
-        if snapshots is not None and snapshots.is_dir():
-            for d in snapshots.iterdir():
-                if d.name.startswith("."):
-                    continue
-                assert repo is not None
-                record = self.record(repo, d.name) or {
-                    "commit": d.name, "parent": None, "created": d.stat().st_mtime,
-                    "bytes": 0, "message": "", "metadata": {},
-                }  # fmt: skip
-                found.append(record)
+            folder = repo_folder(plain)
+        found = []
+        if folder is not None:
+            for commit in self.store.commits(folder):
+                record = self.store.record(folder, commit)
+                if record is not None:
+                    found.append(record)
         if not found:
             model = self.catalog.get(plain)
             return [
@@ -376,7 +357,7 @@ class Publisher:
                     "metadata": {},
                 }
             ]
-        main = self._main(repo) if repo is not None else None
+        main = self.store.main(folder) if folder is not None else None
         found.sort(key=lambda r: (r["commit"] == main, r.get("created", 0)), reverse=True)
         return found
 
@@ -413,7 +394,7 @@ class Publisher:
                 del self._holds[key]
             return {commit for (m, commit) in self._holds if m == model_id}
 
-    def _retain(self, model_id: str, repo: Path) -> None:
+    def _retain(self, model_id: str, folder: str) -> None:
         """Remove the oldest revisions beyond ``keep_revisions``; ``main`` and held ones stay.
         A stream reading a removed revision keeps its open files (and resumes fail over to
         RevisionNotFound)."""
@@ -421,14 +402,12 @@ class Publisher:
             return
         revisions = self.revisions(model_id)
         keep = {r["commit"] for r in revisions[: self.keep_revisions]} | self._held(model_id)
-        keep.add(self._main(repo) or "")
+        keep.add(self.store.main(folder) or "")
         for r in revisions[self.keep_revisions :]:
             commit = r["commit"]
             if commit in keep:
                 continue
-            shutil.rmtree(repo / "snapshots" / commit, ignore_errors=True)
-            with contextlib.suppress(FileNotFoundError):
-                (repo / RECORDS_DIR / f"{commit}.json").unlink()
+            self.store.remove(folder, commit)
             log.info("removed revision %s of %r (--keep-revisions %d)",
                      commit[:16], model_id, self.keep_revisions)  # fmt: skip
             if self.on_removed is not None:
@@ -449,26 +428,9 @@ class Publisher:
 
     def _remove_leftovers(self) -> None:
         """Uploads a previous process left half-written (killed mid-publish): removed."""
-        for incoming in self.root.glob(f"**/models--*/snapshots/{INCOMING_PREFIX}*"):
+        for incoming in self.store.leftovers():
             shutil.rmtree(incoming, ignore_errors=True)
-            log.info("removed an unfinished upload left by a previous run: %s",
-                     incoming.relative_to(self.root))  # fmt: skip
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """Write ``path`` whole or not at all (a reader sees the old file or the new one)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-    with open(temporary, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+            log.info("removed an unfinished upload left by a previous run: %s", incoming.name)
 
 
 def _write_safetensors(path: Path, entries: list[TensorEntry]) -> None:

@@ -260,6 +260,7 @@ class WeightService:
                 self._watches += 1
         except WeightserveError as e:
             _abort(context, e)
+            return  # abort raised; for the type checker
         try:
             yield from self._watch(log, request, context)
         except WeightserveError as e:

@@ -192,12 +192,12 @@ def add_publish_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -
                 for record in backlog:
                     seen.add(record["commit"])
                     yield _line({"event": "revision", **record})
-                async for record in _announced(queue):
-                    if record is None:
+                async for announced in _announced(queue):
+                    if announced is None:
                         yield _line({"event": "heartbeat"})
-                    elif record["commit"] not in seen:
-                        seen.add(record["commit"])
-                        yield _line({"event": "revision", **record})
+                    elif announced["commit"] not in seen:
+                        seen.add(announced["commit"])
+                        yield _line({"event": "revision", **announced})
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 

@@ -5,6 +5,7 @@ publish rights; revisions listed, kept across a restart, held and retained."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shutil
@@ -239,3 +240,21 @@ def test_the_command_line_publishes_a_directory(server, tmp_path: Path, capsys) 
         assert {f.name for f in model.files()} == {"model.safetensors", "tokenizer.json"}
         assert c.revisions("team/from-dir")[0].message == "from disk"
     shutil.rmtree(source)
+
+
+def test_retention_keeps_a_revision_while_it_is_streamed(root: Path) -> None:
+    big = {"w": np.zeros(8 << 20, dtype=np.float32)}  # 32 MiB: more than the socket buffers
+    with serve(root, allow_publish=True, keep_revisions=1) as srv, Client(srv.http_url) as c:
+        first = c.publish("team/policy", big)
+        conn = http.client.HTTPConnection("127.0.0.1", srv.http_port)
+        conn.request("GET", f"/v1/models/team/policy@{first.commit}/-/stream?prefix=")
+        reply = conn.getresponse()
+        assert reply.status == 200 and reply.read(1024)  # the stream is open, not drained
+        second = c.publish("team/policy", weights(2))
+        assert [r.commit for r in c.revisions("team/policy")] == [second.commit, first.commit]
+        conn.close()
+        deadline = time.monotonic() + 10
+        while srv.state.open_streams and time.monotonic() < deadline:
+            time.sleep(0.05)
+        third = c.publish("team/policy", weights(3))
+        assert [r.commit for r in c.revisions("team/policy")] == [third.commit]

@@ -132,6 +132,9 @@ class Catalog:
         self._found_variants: dict[str, tuple[str, Path, list[Path]]] = {}
         self._model_dirs: set[Path] = set()
         self._lock = threading.Lock()
+        # Streams reading each model's directory (``using``): a published revision being
+        # streamed is kept from retention (service/sources/published.py).
+        self._streamed: dict[Path, int] = {}
         self.scan()
 
     # -- discovery ---------------------------------------------------------------------------
@@ -585,9 +588,28 @@ class Catalog:
 
     @contextlib.contextmanager
     def using(self, model_id: str) -> Iterator[None]:
-        """Hold the model while a stream reads it: nothing to do for a local root (a catalog
-        over a node cache keeps the model from eviction)."""
-        yield
+        """Hold the model while a stream reads it: counted by its directory, so retention
+        keeps a published revision that is streamed (a catalog over a node cache keeps the
+        model from eviction)."""
+        found = self.models.get(model_id)
+        path = found.path if found is not None else None
+        if path is None:
+            yield
+            return
+        with self._lock:
+            self._streamed[path] = self._streamed.get(path, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._streamed[path] -= 1
+                if not self._streamed[path]:
+                    del self._streamed[path]
+
+    def streamed(self, path: Path) -> bool:
+        """Whether a stream reads the model whose files are at ``path`` now."""
+        with self._lock:
+            return path.resolve() in self._streamed or path in self._streamed
 
     @property
     def description(self) -> str:

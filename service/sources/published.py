@@ -403,9 +403,14 @@ class Publisher:
         revisions = self.revisions(model_id)
         keep = {r["commit"] for r in revisions[: self.keep_revisions]} | self._held(model_id)
         keep.add(self.store.main(folder) or "")
+        streamed = getattr(self.catalog, "streamed", None)
         for r in revisions[self.keep_revisions :]:
             commit = r["commit"]
             if commit in keep:
+                continue
+            if streamed is not None and streamed(self.catalog.root / folder / "snapshots" / commit):
+                log.info("revision %s of %r is streamed: kept until a later publish",
+                         commit[:16], model_id)  # fmt: skip
                 continue
             self.store.remove(folder, commit)
             log.info("removed revision %s of %r (--keep-revisions %d)",

@@ -5,7 +5,9 @@ Layout under the cache directory::
 
     data/NAME                       each file under its origin name ('/'-separated)
     data/DIR/.BASE.partial-RANDOM   a file being fetched, renamed to NAME once verified
+    data/.revisions/COMMIT/ID/...   a past revision's copy, a model of its own to the cache
     state/QUOTED-ID.json            per model: each whole file's fill record
+    history/QUOTED-ID.json          per model: the revisions filled (past_revisions.py)
     lock                            held by the one process that owns the directory
 
 A file is visible under its name only once the origin verified it and it reached the disk
@@ -504,6 +506,12 @@ class NodeCache:
                 return False
             recorded = {name: (r.size, r.version) for name, r in state.files.items()}
         return recorded == {f.name: (f.size, f.version) for f in files}
+
+    def records(self, model_id: str) -> dict[str, FillRecord]:
+        """The fill records of the model held whole, by file name ({} when it is not)."""
+        with self._lock:
+            state = self._states.get(model_id)
+            return dict(state.files) if state is not None and state.complete else {}
 
     def bytes_used(self) -> int:
         with self._lock:

@@ -19,7 +19,7 @@ import difflib
 import logging
 import threading
 from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from weightserve.client.errors import (
     RevisionNotFound,
     WeightserveError,
 )
-from weightserve.client.wire.routes import MAIN_REVISION, split_revision
+from weightserve.client.wire.routes import MAIN_REVISION, split_revision, with_revision
 from weightserve.service.sources.base import Problem
 from weightserve.service.sources.headers import HeaderImages
 from weightserve.service.sources.layout import (
@@ -55,6 +55,14 @@ from weightserve.service.sources.node_cache import (
     NodeCache,
 )
 from weightserve.service.sources.origins import Origin, OriginFile
+from weightserve.service.sources.past_revisions import (
+    PAST_COPIES,
+    PastFile,
+    PastRevision,
+    RevisionHistory,
+    model_file_name,
+    revision_of,
+)
 from weightserve.service.sources.pinning import pick_revision
 from weightserve.service.sources.revisions import (
     COMMIT_CHARS,
@@ -262,6 +270,12 @@ class OriginCatalog:
         self._list_origin()
         # Metadata of models not cached, from their headers (describe), beside the cache's data.
         self.headers = HeaderImages(self.origin, cache.directory / "headers")
+        # The revisions filled here with their object versions (past_revisions.py), across
+        # restarts, and the catalogs of past revisions' copies by commit.
+        self.history = RevisionHistory(cache.directory / "history")
+        self._past_catalogs: dict[str, Catalog] = {}
+        for held in cache.cached_models():
+            self._remember(held)
         self.local = Catalog(
             cache.data_dir,
             recheck_seconds=recheck_seconds,
@@ -396,12 +410,9 @@ class OriginCatalog:
         commit its fill will have. "" elsewhere (object storage: known once filled)."""
         if not self.origin.lists_content_digests:
             return ""
-        directory = remote.id + "/"
         return content_revision(
-            (f.name.removeprefix(directory) if f.name.startswith(directory)
-             else f.name.rpartition("/")[2], f.size, f.version)  # a file model: by its name
-            for f in remote.files
-        )  # fmt: skip
+            (model_file_name(remote.id, f.name), f.size, f.version) for f in remote.files
+        )
 
     def listing_fields(self, model: Model) -> dict[str, Any]:
         """The state of a cached model, and what its summary says of the revision: the
@@ -443,6 +454,9 @@ class OriginCatalog:
         """The model, filled into the cache first if it is not there (see ``_fill``)."""
         plain, revision = split_revision(validate_model_id(model_id))
         base = base_model_id(plain)  # ID@R: the local catalog picks R
+        past = self._past(plain, base, revision, may_read)
+        if past is not None:
+            return past
         remote = self.remote.get(base)
         self.cache.check(base)  # a file found corrupt is dropped here, and filled again below
         cached = base in self.cache.cached_models()
@@ -502,6 +516,80 @@ class OriginCatalog:
                 f"{listed[:COMMIT_CHARS]} of it now"
             ) from None
         return True
+
+    # -- past revisions ----------------------------------------------------------------------
+
+    def _remember(self, model_id: str) -> None:
+        """Record the revision of the model held whole now in the history, with the object
+        version each file was read at (where the origin keeps versions)."""
+        held = self._held_files(model_id)
+        if held and not model_id.startswith(PAST_COPIES + "/"):  # a copy was recorded before
+            self.history.record(model_id, held)
+
+    def _held_files(self, model_id: str) -> list[PastFile]:
+        """The files of the model held whole, as filled (none when it is not held whole)."""
+        return [
+            PastFile(name, r.size, r.version, r.digest, self.origin.version_id(
+                OriginFile(name, r.size, r.version)))
+            for name, r in self.cache.records(model_id).items()
+        ]  # fmt: skip
+
+    def _past(
+        self, plain: str, base: str, revision: str | None, may_read: Callable[[str], bool] | None
+    ) -> Model | None:
+        """``ID@R`` from a copy of R, where R is a revision this node filled with the object
+        version of each file recorded (a versioned bucket) and not the copy held as the
+        newest: the copy is filled from those versions on first use (each file verified
+        against R's digest), then served, and evicted like a model. None where R is
+        answered otherwise (the copy held, or RevisionNotFound naming what is held)."""
+        if revision is None or revision == MAIN_REVISION:
+            return None
+        past = self.history.find(base, revision)
+        if past is None or not past.versioned:
+            return None
+        held = self._held_files(base)
+        if held and revision_of(base, held).digest == past.digest:
+            return None  # the copy held as the newest is R: served as it is
+        copy, files = past.copy_id, past.copies()
+        self.cache.check(copy)
+        if copy in self.cache.cached_models():
+            self.cache.ensure(copy, list(files))  # a hit: counted, marked used
+        else:
+            self._fill(copy, files)
+        catalog = self._past_catalog(past.commit)
+        if base not in catalog.models:
+            catalog.scan()
+        # Named by its commit, so that a stream of it holds the copy (``using``).
+        return replace(catalog.get(plain, may_read), id=with_revision(plain, past.commit))
+
+    def _past_of(self, model_id: str) -> PastRevision | None:
+        """The past revision whose copy serves ``model_id`` (``ID@COMMIT``, as ``_past``
+        names the models it gives), else None."""
+        plain, revision = split_revision(model_id)
+        past = self.history.find(base_model_id(plain), revision) if revision else None
+        return past if past is not None and past.commit == revision else None
+
+    def _past_catalog(self, commit: str) -> Catalog:
+        """The catalog of the copies of revision ``commit`` (``.revisions/COMMIT`` in the
+        cache's data directory), serving the copies held whole."""
+        prefix = f"{PAST_COPIES}/{commit}/"
+
+        def whole() -> list[str]:
+            return [
+                m.removeprefix(prefix) for m in self.cache.cached_models() if m.startswith(prefix)
+            ]
+
+        with self._fills_lock:
+            catalog = self._past_catalogs.get(commit)
+            if catalog is None:
+                catalog = Catalog(
+                    self.cache.data_dir / prefix,
+                    recheck_seconds=self.local.recheck_seconds,
+                    digests=CacheDigests(self.cache),
+                    whole_models=whole,
+                )
+                self._past_catalogs[commit] = catalog
+        return catalog
 
     def describe(
         self,
@@ -606,6 +694,7 @@ class OriginCatalog:
                 self.cache.ensure(model_id, list(files) if files is not None else None)
             if files is not None:
                 self._ensured[model_id] = files
+            self._remember(model_id)
             self.local.scan()
             self._announce(model_id)
         except BaseException as e:
@@ -622,6 +711,11 @@ class OriginCatalog:
         """Keep the model's files from eviction while a stream reads them. A model not
         cached whose side file is read from its header images holds nothing: holding it
         would fill it."""
+        past = self._past_of(model_id)
+        if past is not None:  # a past revision's copy (``_past``)
+            with self.cache.using(past.copy_id, list(past.copies())):
+                yield
+            return
         base = base_model_id(model_id)
         if base not in self.cache.cached_models() and self.headers.describes(base):
             yield

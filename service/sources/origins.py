@@ -43,6 +43,7 @@ from weightserve.client.errors import (
     OriginChanged,
     OriginUnavailable,
     PermissionDenied,
+    RevisionNotFound,
     TransportError,
     Unauthenticated,
     WeightserveError,
@@ -79,6 +80,17 @@ class OriginFile:
     # Changes whenever the object changes: the S3 ETag where the store gives one, else
     # size and mtime; an upstream weightserve's ETag (xxh3-128 of the content).
     version: str
+
+
+@dataclass(frozen=True)
+class ObjectVersion(OriginFile):
+    """An object as it was when a past revision was filled: fetched into ``name`` (where the
+    node keeps the copy) from the object ``source`` (its name below the prefix) at the
+    store's ``version_id``, and refused unless its bytes hash to ``digest`` (xxh3-128)."""
+
+    source: str = ""
+    version_id: str = ""
+    digest: str = ""
 
 
 ORIGIN_REQUEST_KINDS = ("list", "head", "get", "watch")  # watch: a follower's connection
@@ -174,6 +186,12 @@ class Origin(Protocol):
         bytes as they land."""
         ...
 
+    def version_id(self, file: OriginFile) -> str | None:
+        """The object store's version id of the bytes this origin last read as ``file`` (its
+        version), to fetch them again as an ``ObjectVersion`` once the object changed; None
+        where the store keeps no versions or they were not read."""
+        ...
+
 
 class _Retryable(Exception):
     """A failure worth trying again (network, a server error); wraps the cause."""
@@ -205,7 +223,7 @@ def open_origin(
             uri, token=token, tls=tls, retry=retry or RetryPolicy(), timeout=stall_seconds
         )
     if scheme in ("s3", "gs", "gcs", "file"):
-        return FileSystemOrigin(uri)
+        return FileSystemOrigin(uri, retry=retry or RetryPolicy(), stall_seconds=stall_seconds)
     raise ValueError(
         f"unsupported origin {_redact_uri(uri)!r}: use s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, "
         "file:///ABSOLUTE/DIR or http(s)://HOST:PORT of another weightserve"
@@ -240,8 +258,17 @@ class FileSystemOrigin:
     # How old an object's mtime must be before its size and mtime stand for its ETag.
     settle_seconds = 60.0
 
-    def __init__(self, uri: str) -> None:
+    def __init__(
+        self,
+        uri: str,
+        *,
+        retry: RetryPolicy | None = None,
+        stall_seconds: float = UPSTREAM_READ_TIMEOUT,
+    ) -> None:
         self._secrets = _secrets_of(uri)
+        self._uri = uri  # the S3 client of object versions is configured from it
+        self._retry = retry or RetryPolicy()
+        self._stall_seconds = stall_seconds
         parts = urlsplit(uri)
         if parts.scheme in ("gs", "gcs") and "retry_limit_seconds" not in parse_qs(parts.query):
             # The GCS client's own default retries for minutes: bound it.
@@ -261,6 +288,9 @@ class FileSystemOrigin:
         # Object key -> (size, mtime_ns, version) as last listed (see list_files).
         self._known: dict[str, tuple[int, int | None, str]] = {}
         self._known_lock = threading.Lock()
+        # (object key, version) -> the store's version id, from each HEAD's answer.
+        self._version_ids: dict[tuple[str, str], str] = {}
+        self._versions_client: Any = None  # botocore's S3 client, made on first use
 
     def _scrub(self, text: str) -> str:
         for secret in self._secrets:
@@ -306,9 +336,23 @@ class FileSystemOrigin:
                 raise FileNotFoundError(key)
             return info.size, self._version(info, None)
         if source is not None:
-            return source.size(), self._version(pafs.FileInfo(key), source)
+            return source.size(), self._noted(key, source)
         with self._open(key) as opened:
-            return opened.size(), self._version(pafs.FileInfo(key), opened)
+            return opened.size(), self._noted(key, opened)
+
+    def _noted(self, key: str, source: pafs.NativeFile) -> str:
+        """The open object's version; the store's version id of it is remembered beside it
+        (``version_id``)."""
+        version = self._version(pafs.FileInfo(key), source)
+        version_id = (source.metadata() or {}).get("VersionId", b"").decode()
+        if version_id and version_id != "null":  # "null": written while versioning was off
+            with self._known_lock:
+                self._version_ids[key, version] = version_id
+        return version
+
+    def version_id(self, file: OriginFile) -> str | None:
+        with self._known_lock:
+            return self._version_ids.get((self._key(file.name), file.version))
 
     def list_files(self) -> list[OriginFile]:
         selector = pafs.FileSelector(self.prefix, recursive=True)
@@ -375,7 +419,9 @@ class FileSystemOrigin:
         part_bytes: int = DEFAULT_PART_BYTES,
         on_bytes: Callable[[int], None] | None = None,
         on_landed: Callable[[int, int], None] | None = None,
-    ) -> None:
+    ) -> str | None:
+        if isinstance(file, ObjectVersion):
+            return self._fetch_version(file, dest, concurrency, part_bytes, on_bytes, on_landed)
         key = self._key(file.name)
 
         def check_unchanged(when: str, source: pafs.NativeFile | None = None) -> None:
@@ -449,6 +495,7 @@ class FileSystemOrigin:
         except BaseException:
             _remove(dest)
             raise
+        return None  # the node cache hashes what was written
 
     def read_range(self, file: OriginFile, offset: int, length: int) -> bytes:
         key = self._key(file.name)
@@ -474,6 +521,136 @@ class FileSystemOrigin:
         if self._local or not _MD5_ETAG.fullmatch(file.version):
             return None
         return _file_digest(path, hashlib.md5(usedforsecurity=False)) == file.version
+
+    # -- object versions: what pyarrow.fs cannot ask for (a HEAD or GET of a VersionId) ------
+
+    def _s3_client(self) -> Any:
+        """botocore's S3 client, configured as the URI configures pyarrow: the same endpoint
+        and scheme (path-style addressing there, as pyarrow uses, so no other host is asked),
+        region, TLS options and credentials (the URI's, else the SDK's usual chain); its
+        retries are ``RetryPolicy.attempts`` and a read without a byte for ``stall_seconds``
+        is abandoned."""
+        with self._known_lock:
+            if self._versions_client is not None:
+                return self._versions_client
+            if self.fs.type_name != "s3":
+                raise RevisionNotFound(
+                    f"origin {self.description} keeps no object versions to fill a past "
+                    "revision from"
+                )
+            # Imported on first use: only a fill of a past revision needs it.
+            import botocore.config
+            import botocore.session
+
+            parts = urlsplit(self._uri)
+            query = {key: values[0] for key, values in parse_qs(parts.query).items()}
+            endpoint = query.get("endpoint_override")
+            virtual = query.get("force_virtual_addressing", "").lower() == "true"
+            verify: bool | str | None = None
+            if query.get("tls_verify_certificates", "").lower() in ("false", "0"):
+                verify = False
+            elif query.get("tls_ca_file_path"):
+                verify = query["tls_ca_file_path"]
+            config = botocore.config.Config(
+                s3={"addressing_style": "virtual" if virtual or not endpoint else "path"},
+                retries={"total_max_attempts": self._retry.attempts, "mode": "standard"},
+                connect_timeout=self._stall_seconds,
+                read_timeout=self._stall_seconds,
+                max_pool_connections=2 * DEFAULT_CONCURRENCY,
+            )
+            self._versions_client = botocore.session.Session().create_client(
+                "s3",
+                region_name=query.get("region"),
+                endpoint_url=f"{query.get('scheme', 'https')}://{endpoint}" if endpoint else None,
+                verify=verify,
+                aws_access_key_id=unquote(parts.username) if parts.username else None,
+                aws_secret_access_key=unquote(parts.password) if parts.password else None,
+                config=config,
+            )
+            return self._versions_client
+
+    def _fetch_version(
+        self,
+        file: ObjectVersion,
+        dest: Path,
+        concurrency: int,
+        part_bytes: int,
+        on_bytes: Callable[[int], None] | None,
+        on_landed: Callable[[int, int], None] | None,
+    ) -> str:
+        """``file.source`` at ``file.version_id`` into ``dest``, checked against the size and
+        digest recorded: RevisionNotFound naming the object and version where the store no
+        longer has it or its bytes are not those."""
+        import botocore.exceptions
+
+        client = self._s3_client()
+        bucket, _, key = self._key(file.source).partition("/")
+        what = f"{file.source} version {file.version_id}"
+
+        def call(kind: str, request: Callable[[], T]) -> T:
+            try:
+                return self.requests.call(kind, request)
+            except botocore.exceptions.ClientError as e:
+                code = str(e.response.get("Error", {}).get("Code", ""))
+                status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+                if status == 404 or code in ("NoSuchVersion", "NoSuchKey", "InvalidArgument"):
+                    raise RevisionNotFound(
+                        f"origin {self.description} no longer has {what} ({code or status}), "
+                        "which this revision was filled from: it cannot be filled again"
+                    ) from None
+                raise OriginUnavailable(
+                    f"origin {self.description} failed to read {what}: "
+                    f"{self._scrub(str(e))}; check that the origin is reachable and its credentials"
+                ) from e
+            except botocore.exceptions.BotoCoreError as e:
+                raise OriginUnavailable(
+                    f"origin {self.description} failed to read {what}: {self._scrub(str(e))}; "
+                    "check that the origin is reachable"
+                ) from e
+
+        head = call(
+            "head", lambda: client.head_object(Bucket=bucket, Key=key, VersionId=file.version_id)
+        )
+        if head.get("ContentLength") != file.size:
+            raise RevisionNotFound(
+                f"origin {self.description}: {what} has {head.get('ContentLength')} bytes, not the "
+                f"{file.size} recorded when this revision was filled"
+            )
+
+        def copy_part(fd: int, offset: int, length: int) -> None:
+            answer = call(
+                "get",
+                lambda: client.get_object(
+                    Bucket=bucket,
+                    Key=key,
+                    VersionId=file.version_id,
+                    Range=f"bytes={offset}-{offset + length - 1}",
+                ),
+            )
+            body, done = answer["Body"], 0
+            try:
+                while done < length and (piece := body.read(min(RECEIVE_BYTES, length - done))):
+                    _pwrite_all(fd, memoryview(piece), offset + done)
+                    if on_bytes is not None:
+                        on_bytes(len(piece))
+                    if on_landed is not None:
+                        on_landed(offset + done, len(piece))
+                    done += len(piece)
+            finally:
+                body.close()
+            if done != length:
+                raise OriginUnavailable(
+                    f"origin {self.description}: {what} ended at byte {offset + done} of its "
+                    f"{file.size}; try again"
+                )
+
+        return _fetch_checked(
+            dest, file.size, copy_part, concurrency, part_bytes, file.digest,
+            lambda digest: RevisionNotFound(
+                f"origin {self.description}: {what} has xxh3-128 {digest}, not the "
+                f"{file.digest} recorded when this revision was filled: it cannot be filled again"
+            ),
+        )  # fmt: skip
 
 
 # ------------------------------------------------------------------ an upstream weightserve
@@ -685,16 +862,14 @@ class UpstreamOrigin:
                     f"origin {self.description}: {file.name} vanished; list it again"
                 ) from e
 
-        _fetch_parts(dest, file.size, copy_part, concurrency, part_bytes)
         # Every part came with the listed ETag; the whole file must hash to it too.
-        digest = _xxh3_128_file(dest)
-        if digest != file.version:
-            _remove(dest)
-            raise OriginChanged(
+        return _fetch_checked(
+            dest, file.size, copy_part, concurrency, part_bytes, file.version,
+            lambda digest: OriginChanged(
                 f"origin {self.description}: {file.name} arrived with digest {digest}, not the "
                 f"listed {file.version}; list it again"
-            )
-        return digest
+            ),
+        )  # fmt: skip
 
     def read_range(self, file: OriginFile, offset: int, length: int) -> bytes:
         model, name = self._split(file.name)
@@ -727,6 +902,9 @@ class UpstreamOrigin:
 
     def matches(self, file: OriginFile, path: Path) -> bool | None:
         return _file_digest(path, xxhash.xxh3_128()) == file.version
+
+    def version_id(self, file: OriginFile) -> str | None:
+        return None  # an upstream serves the revisions it holds: ask it for ID@R
 
     def close(self) -> None:
         self.transport.close()
@@ -786,6 +964,25 @@ def _fetch_parts(
         _remove(dest)
         raise
     os.close(fd)
+
+
+def _fetch_checked(
+    dest: Path,
+    size: int,
+    copy_part: Callable[[int, int, int], None],
+    concurrency: int,
+    part_bytes: int,
+    expected: str,
+    mismatch: Callable[[str], WeightserveError],
+) -> str:
+    """``_fetch_parts``, then the whole file's xxh3-128 (returned), which must be
+    ``expected``: else ``dest`` is removed and ``mismatch(digest)`` raised."""
+    _fetch_parts(dest, size, copy_part, concurrency, part_bytes)
+    digest = _xxh3_128_file(dest)
+    if digest != expected:
+        _remove(dest)
+        raise mismatch(digest)
+    return digest
 
 
 def _preallocate(fd: int, size: int) -> None:

@@ -283,7 +283,7 @@ class OriginCatalog:
             whole_models=cache.cached_models,
         )
         # An evicted model's mappings are let go at once: until then its space stays used.
-        cache.on_evict = self.local.scan
+        cache.on_evict = self._let_go_evicted
 
     # -- what the local catalog of the cache answers -----------------------------------------
 
@@ -561,6 +561,15 @@ class OriginCatalog:
             catalog.scan()
         # Named by its commit, so that a stream of it holds the copy (``using``).
         return replace(catalog.get(plain, may_read), id=with_revision(plain, past.commit))
+
+    def _let_go_evicted(self) -> None:
+        """Index the cache again (the data directory's models and the past revisions'
+        copies), so the mappings of evicted files are let go."""
+        self.local.scan()
+        with self._fills_lock:
+            catalogs = list(self._past_catalogs.values())
+        for catalog in catalogs:
+            catalog.scan()
 
     def _past_of(self, model_id: str) -> PastRevision | None:
         """The past revision whose copy serves ``model_id`` (``ID@COMMIT``, as ``_past``

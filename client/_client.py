@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -33,6 +33,7 @@ from weightserve.client._publish import (
     watch,
 )
 from weightserve.client._retry import OnWait, call_with_retry, retry_seconds_from
+from weightserve.client._update import TensorUpdate, apply_updates, iter_updates
 from weightserve.client.errors import InvalidRequest, TensorNotFound, TransportError
 from weightserve.client.receive.stream import (
     ReceivedTensor,
@@ -238,6 +239,7 @@ class RemoteModel:
         self.options = options or FetchOptions()
         self.info = client.model_info(self.id)
         self._lock = threading.Lock()
+        self.last_update: dict[str, int] = {}  # what the last ``update`` did (by outcome)
 
     @property
     def revision(self) -> str:
@@ -283,6 +285,34 @@ class RemoteModel:
                 weights = RemoteWeights(url, revision=rev.commit)  # or fetch / iter_tensors
         """
         return watch(self.client.transport, split_revision(self.id)[0], since, timeout)
+
+    def iter_updates(self, *, since: str, revision: str | None = None) -> Iterator[TensorUpdate]:
+        """What a worker holding revision ``since`` needs to hold ``revision`` (default
+        ``main``), tensor by tensor, for engines with their own ``load_weights``: ``same``,
+        ``patch`` (positions and new values) or ``whole`` (every byte); see ``update``."""
+        return iter_updates(self.client.transport, split_revision(self.id)[0], since, revision)[1]
+
+    def update(
+        self, state: MutableMapping[str, Any], *, since: str, revision: str | None = None
+    ) -> Revision:
+        """Bring ``state`` (names to writable arrays holding revision ``since``: NumPy arrays,
+        or torch tensors such as a module's ``state_dict()``) to ``revision`` (default
+        ``main``) in place: per tensor the server sends nothing, an element patch or the
+        whole tensor, whichever is smallest (computed once for every worker). Every tensor is
+        then checked against the revision's digest; one that does not match (a wrong base)
+        is fetched whole, never left wrong. A tensor whose dtype or shape changed, or that is
+        new, gets a new array in ``state`` (not in place). ``last_update`` counts what was
+        done and what travelled."""
+        plain = split_revision(self.id)[0]
+        target, updates = iter_updates(self.client.transport, plain, since, revision)
+
+        def fetch_whole(names: list[str]) -> dict[str, np.ndarray]:
+            fetched = self.client.model(plain, revision=target.commit).fetch(names)
+            return {name: np.asarray(array) for name, array in fetched.items()}
+
+        self.last_update = apply_updates(state, updates, fetch_whole)
+        found = [r for r in self.client.revisions(plain) if r.commit == target.commit]
+        return found[0] if found else Revision(target.commit, None, 0.0, 0)
 
     def hold(self, commit: str, seconds: float) -> float | None:
         """Keep revision ``commit`` from the server's retention for ``seconds`` (renew it

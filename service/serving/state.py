@@ -13,6 +13,7 @@ from typing import Any
 from weightserve.client.errors import ModelUnavailable, ResourceExhausted
 from weightserve.client.wire.schema import DEFAULT_CHUNK_BYTES
 from weightserve.service.serving.auth import Access, TokenStore
+from weightserve.service.serving.delta import DeltaCache
 from weightserve.service.serving.feed import RevisionFeed
 from weightserve.service.serving.idle import IdleCutter
 from weightserve.service.serving.metrics import Metrics, NodeCacheCollector
@@ -53,6 +54,7 @@ class ServiceState:
         self.publisher: Publisher | None = None  # set by the server for a local root
         self.allow_publish = False  # publishes without a token file (--allow-publish)
         self.feed = RevisionFeed()  # watchers of published revisions
+        self.deltas = DeltaCache()  # patches between revisions, computed once for all
         # What the watch routes announce: the publisher, or a node cache's catalog.
         self.revision_log: RevisionLog | None = None
         self._per_client: dict[str, int] = {}

@@ -17,14 +17,16 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.concurrency import run_in_threadpool
+from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 from starlette.requests import ClientDisconnect
 
-from weightserve.client.errors import InvalidRequest, ResourceExhausted
-from weightserve.client.wire.routes import UPLOADS_ROUTE
+from weightserve.client.errors import InvalidRequest, ResourceExhausted, RevisionNotFound
+from weightserve.client.wire.delta import DELTA_MEDIA_TYPE
+from weightserve.client.wire.routes import MAIN_REVISION, UPLOADS_ROUTE, with_revision
 from weightserve.service.serving.feed import DRAIN_CHECK_SECONDS, EVERY_MODEL, HEARTBEAT_SECONDS
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.sources.base import RevisionLog
+from weightserve.service.sources.model import Model
 from weightserve.service.sources.published import Publisher, Upload
 from weightserve.service.transports.http.common import OPERATION_KEY, AccessCheck, off_loop
 from weightserve.service.transports.http.routes import get_and_head
@@ -265,6 +267,37 @@ def add_publish_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -
         if state.revision_log is None:
             raise InvalidRequest("this server announces no revisions")
         return state.revision_log
+
+    @get_and_head(app, f"{MODEL}/delta", tags=["publish"])
+    async def delta(
+        http: Request, model: str, since: str, revision: str = MAIN_REVISION
+    ) -> Response:
+        """What a worker holding revision `since` needs to hold `revision` (default `main`):
+        per tensor, one JSON line (`kind` `same`, `patch` or `whole`) and its bytes
+        (docs/protocol.md, "Delta updates"). A `since` the server no longer holds gives every
+        tensor whole (`x-weightserve-delta-base` empty)."""
+        http.scope[OPERATION_KEY] = "stream"
+
+        def plan() -> tuple[Model, Model | None]:
+            caller = access(http)
+            target = state.readable_model(caller, with_revision(model, revision))
+            try:
+                base = state.readable_model(caller, with_revision(model, since))
+            except RevisionNotFound:
+                base = None
+            return target, base
+
+        target, base = await run_in_threadpool(plan)
+        headers = {
+            "x-weightserve-revision": target.revision,
+            "x-weightserve-commit": target.commit,
+            "x-weightserve-delta-base": base.commit if base is not None else "",
+        }
+        return StreamingResponse(
+            iterate_in_threadpool(state.deltas.stream(target, base)),
+            media_type=DELTA_MEDIA_TYPE,
+            headers=headers,
+        )
 
     @app.post(f"{MODEL}/holds", tags=["publish"])
     async def hold(http: Request, model: str) -> Response:

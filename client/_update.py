@@ -1,0 +1,199 @@
+"""Delta updates on the worker: arrays holding revision A brought to revision B in place, from
+the server's per-tensor answer (nothing, an element patch, or the whole tensor; wire form in
+client/wire/delta.py), every tensor then checked against B's digest and fetched whole where it
+does not match (a wrong base), never left wrong.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+from collections.abc import Callable, Iterator, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlencode
+
+import numpy as np
+import xxhash
+
+from weightserve.client.errors import InvalidRequest, ServerUnreachable
+from weightserve.client.transports.base import Transport
+from weightserve.client.transports.http import HttpTransport
+from weightserve.client.wire.delta import (
+    PATCH,
+    SAME,
+    WHOLE,
+    DeltaHeader,
+    apply_patch,
+    patch_positions,
+    patch_values,
+)
+from weightserve.client.wire.dtypes import from_numpy_dtype, numpy_dtype
+from weightserve.client.wire.routes import MAIN_REVISION, http_model_path
+
+
+@dataclass(frozen=True)
+class TensorUpdate:
+    """One tensor's part of an update: ``kind`` ``same`` (nothing to do), ``patch``
+    (``positions``: the changed elements' indices, ``values``: their new bits as unsigned
+    integers of the element's size) or ``whole`` (``data``: every byte)."""
+
+    name: str
+    kind: str
+    header: DeltaHeader
+    positions: np.ndarray | None = None
+    values: np.ndarray | None = None
+    data: bytes | None = None
+
+    @property
+    def wire_bytes(self) -> int:
+        """What this tensor's update cost on the wire, its header line aside."""
+        return self.header.payload_bytes
+
+
+@dataclass(frozen=True)
+class UpdateTarget:
+    """The revision an update leads to, as the server answered (its headers)."""
+
+    commit: str
+    revision: str
+    base: str  # the commit the server diffed against; "" when it no longer holds ``since``
+
+
+def iter_updates(
+    transport: Transport, model_id: str, since: str, revision: str | None = None
+) -> tuple[UpdateTarget, Iterator[TensorUpdate]]:
+    """The server's per-tensor answer for a worker holding ``since`` that wants ``revision``
+    (default ``main``): the target, and the updates in the model's order."""
+    if not isinstance(transport, HttpTransport):
+        raise InvalidRequest("updates are fetched over HTTP: use the server's http(s):// URL")
+    query = urlencode({"since": since, "revision": revision or MAIN_REVISION})
+    conn, resp = transport.open_lines(http_model_path(model_id, "delta") + "?" + query)
+    target = UpdateTarget(
+        commit=resp.getheader("x-weightserve-commit") or "",
+        revision=resp.getheader("x-weightserve-revision") or "",
+        base=resp.getheader("x-weightserve-delta-base") or "",
+    )
+
+    def updates() -> Iterator[TensorUpdate]:
+        try:
+            while line := resp.readline():
+                header = DeltaHeader.from_json(_json(line))
+                payload = _read_exactly(resp, header.payload_bytes)
+                if header.kind == PATCH:
+                    positions_raw = payload[: header.positions_bytes]
+                    values_raw = payload[header.positions_bytes :]
+                    yield TensorUpdate(
+                        header.name,
+                        PATCH,
+                        header,
+                        positions=patch_positions(header, positions_raw),
+                        values=patch_values(header, values_raw),
+                    )
+                elif header.kind == WHOLE:
+                    yield TensorUpdate(header.name, WHOLE, header, data=payload)
+                else:
+                    yield TensorUpdate(header.name, SAME, header)
+        except (OSError, http.client.HTTPException) as e:
+            raise ServerUnreachable(f"the update of {model_id!r} was cut off: {e!r}") from e
+        finally:
+            conn.close()
+
+    return target, updates()
+
+
+def apply_updates(
+    state: MutableMapping[str, Any],
+    updates: Iterator[TensorUpdate],
+    fetch_whole: Callable[[list[str]], dict[str, np.ndarray]],
+) -> dict[str, int]:
+    """Apply ``updates`` to ``state`` in place; check every tensor against its digest and fetch
+    whole (``fetch_whole(names)``) those that do not match. Counts by outcome."""
+    counts = {SAME: 0, PATCH: 0, WHOLE: 0, "refetched": 0, "wire_bytes": 0}
+    wrong: list[str] = []
+    for update in updates:
+        counts[update.kind] += 1
+        counts["wire_bytes"] += update.wire_bytes
+        header = update.header
+        target = _bytes_of(state.get(update.name), header)
+        if target is None:  # missing, or another dtype or shape: a new array, not in place
+            if update.kind == WHOLE:
+                assert update.data is not None
+                state[update.name] = _new_array(header, update.data)
+            else:
+                wrong.append(update.name)
+            continue
+        if update.kind == WHOLE:
+            assert update.data is not None
+            target[:] = np.frombuffer(update.data, dtype=np.uint8)
+        elif update.kind == PATCH:
+            assert update.positions is not None and update.values is not None
+            apply_patch(target, header, update.positions, update.values)
+        if xxhash.xxh3_128_hexdigest(memoryview(target.data)) != header.digest:
+            wrong.append(update.name)
+    if wrong:
+        counts["refetched"] = len(wrong)
+        for name, array in fetch_whole(wrong).items():
+            header_bytes = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+            found = state.get(name)
+            target = None
+            if found is not None:
+                target = _writable_bytes(found)
+            if target is not None and target.size == header_bytes.size:
+                target[:] = header_bytes
+            else:
+                state[name] = np.array(array)
+    return counts
+
+
+def _bytes_of(value: Any, header: DeltaHeader) -> np.ndarray | None:
+    """``value``'s memory as writable bytes when it is the tensor ``header`` describes (its
+    dtype and shape), else None."""
+    if value is None:
+        return None
+    if type(value).__module__.startswith("torch"):
+        dtype = str(value.dtype).removeprefix("torch.")
+    else:
+        array = np.asarray(value)
+        try:
+            dtype = from_numpy_dtype(array.dtype)
+        except ValueError:
+            return None
+    if dtype != header.dtype or list(value.shape) != list(header.shape):
+        return None
+    return _writable_bytes(value)
+
+
+def _writable_bytes(value: Any) -> np.ndarray | None:
+    """The array's own memory as a flat writable uint8 array (None where it has none of its
+    own to give: not contiguous, read-only, not on the CPU)."""
+    if type(value).__module__.startswith("torch"):
+        import torch  # only for torch tensors: torch is optional
+
+        t = value.detach()
+        if t.device.type != "cpu" or not t.is_contiguous():
+            return None
+        return t.reshape(-1).view(torch.uint8).numpy()
+    if not isinstance(value, np.ndarray) or not value.flags.c_contiguous:
+        return None
+    if not value.flags.writeable:
+        return None
+    return value.reshape(-1).view(np.uint8)
+
+
+def _new_array(header: DeltaHeader, data: bytes) -> np.ndarray:
+    return np.frombuffer(bytearray(data), dtype=numpy_dtype(header.dtype)).reshape(header.shape)
+
+
+def _read_exactly(resp: http.client.HTTPResponse, n: int) -> bytes:
+    data = resp.read(n) if n else b""
+    if len(data) != n:
+        raise http.client.IncompleteRead(data, n - len(data))
+    return data
+
+
+def _json(line: bytes) -> dict[str, Any]:
+    found = json.loads(line)
+    if not isinstance(found, dict):
+        raise InvalidRequest("the delta stream holds something other than a tensor's header")
+    return found

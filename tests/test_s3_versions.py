@@ -25,6 +25,7 @@ from tests.support._util import http_request
 from tests.support.s3_server import S3Server
 from tests.test_origin_serving import assert_same_tensors, config, node_cache
 from weightserve.client import Client
+from weightserve.client._cli import main as cli_main
 from weightserve.client.errors import RevisionNotFound
 from weightserve.service.server import WeightServer
 
@@ -123,7 +124,12 @@ def assert_serves(server: WeightServer, commit: str, data: bytes, *, hub: bool =
 
 
 def test_a_past_revision_is_filled_from_its_object_versions(
-    s3_server: S3Server, s3: Any, versioned: str, tmp_path: Path, sockets: str
+    s3_server: S3Server,
+    s3: Any,
+    versioned: str,
+    tmp_path: Path,
+    sockets: str,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     one, two = weights(1), weights(2)
     first_version = put(s3, versioned, WEIGHTS, one)
@@ -158,6 +164,12 @@ def test_a_past_revision_is_filled_from_its_object_versions(
 
     # The history outlives the process: the copy, evicted before, is filled again.
     with node(uri, cache_dir, 1 << 30, uds=f"{sockets}/ws.sock") as restarted:
+        # The operator warms the past revision: its copy, named by its commit.
+        assert (
+            cli_main(["cache", "prefetch", restarted.http_url, f"org/m@{old[:12]}", "--quiet"]) == 0
+        )
+        assert f"org/m@{old} cached" in capsys.readouterr().out
+        assert node_cache(restarted).cached_models() == [copy, "org/m"]
         assert_serves(restarted, old, one)
         latest, tensors = fetch_model(restarted, "main")
         assert latest == new
@@ -165,7 +177,8 @@ def test_a_past_revision_is_filled_from_its_object_versions(
 
         # The version R was filled from is deleted: R cannot be filled again, and says why.
         s3.delete_object(Bucket=versioned, Key=WEIGHTS, VersionId=first_version)
-        node_cache(restarted).evict(copy)
+        assert cli_main(["cache", "evict", restarted.http_url, f"org/m@{old}"]) == 0
+        assert copy not in node_cache(restarted).cached_models()
         with pytest.raises(RevisionNotFound) as refused:
             fetch_model(restarted, old)
         message = str(refused.value)

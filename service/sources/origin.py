@@ -542,14 +542,9 @@ class OriginCatalog:
         newest: the copy is filled from those versions on first use (each file verified
         against R's digest), then served, and evicted like a model. None where R is
         answered otherwise (the copy held, or RevisionNotFound naming what is held)."""
-        if revision is None or revision == MAIN_REVISION:
+        past = self._past_named(base, revision)
+        if past is None:
             return None
-        past = self.history.find(base, revision)
-        if past is None or not past.versioned:
-            return None
-        held = self._held_files(base)
-        if held and revision_of(base, held).digest == past.digest:
-            return None  # the copy held as the newest is R: served as it is
         copy, files = past.copy_id, past.copies()
         self.cache.check(copy)
         if copy in self.cache.cached_models():
@@ -561,6 +556,42 @@ class OriginCatalog:
             catalog.scan()
         # Named by its commit, so that a stream of it holds the copy (``using``).
         return replace(catalog.get(plain, may_read), id=with_revision(plain, past.commit))
+
+    def _past_named(self, base: str, revision: str | None) -> PastRevision | None:
+        """The past revision R names that a copy serves (``_past``): recorded with every
+        object version, and not the copy held as the newest."""
+        if revision is None or revision == MAIN_REVISION:
+            return None
+        past = self.history.find(base, revision)
+        if past is None or not past.versioned:
+            return None
+        held = self._held_files(base)
+        if held and revision_of(base, held).digest == past.digest:
+            return None  # the copy held as the newest is R: served as it is
+        return past
+
+    def _copy_state(self, past: PastRevision) -> dict[str, Any]:
+        """``cache_state`` of a past revision's copy, named ``ID@COMMIT``."""
+        copy = past.copy_id
+        progress = self.cache.progress(copy)
+        held = copy in self.cache.cached_models()
+        total = sum(f.size for f in past.files)
+        body: dict[str, Any] = {
+            "id": with_revision(past.model_id, past.commit),
+            "state": "filling" if progress is not None else "cached" if held else "remote",
+            "bytes_total": progress.bytes_total if progress is not None else total,
+            "bytes_done": progress.bytes_done if progress is not None else total if held else 0,
+            "pinned": False,
+        }
+        error = self._fill_errors.get(copy)
+        if error is not None and progress is None and not held:
+            body["error"] = f"{type(error).__name__}: {error}"
+        return body
+
+    def _past_admin(self, model_id: str) -> PastRevision | None:
+        """The past revision an operator's ``ID@R`` names, served from a copy."""
+        plain, revision = split_revision(validate_model_id(model_id))
+        return self._past_named(base_model_id(plain), revision)
 
     def _let_go_evicted(self) -> None:
         """Index the cache again (the data directory's models and the past revisions'
@@ -806,7 +837,11 @@ class OriginCatalog:
 
     def cache_state(self, model_id: str) -> dict[str, Any]:
         """The model's state in the cache: ``cached``, ``filling`` (bytes done of total) or
-        ``remote``, whether it is pinned, and why its last fill failed (``error``)."""
+        ``remote``, whether it is pinned, and why its last fill failed (``error``). ``ID@R``
+        of a past revision served from a copy (``_past``) is that copy's state."""
+        past = self._past_admin(model_id)
+        if past is not None:
+            return self._copy_state(past)
         base = _cached_id(model_id)
         remote = self.remote.get(base)
         if remote is None and base not in self.cache.cached_models():
@@ -833,9 +868,18 @@ class OriginCatalog:
         join; nobody waits for it), and say its state. What a request would be refused
         before a fill (not found, refused, origin down) is raised here; so is
         RevisionNotFound for ``ID@R`` where the origin lists content digests (elsewhere the
-        fill is what the origin holds now, and a load of R checks it)."""
+        fill is what the origin holds now, and a load of R checks it). A past revision
+        served from a copy (``_past``) has that copy filled."""
         plain, revision = split_revision(validate_model_id(model_id))
         base = base_model_id(plain)
+        past = self._past_named(base, revision)
+        if past is not None:
+            if past.copy_id in self.cache.cached_models():
+                self.cache.touch(past.copy_id)
+            else:
+                with contextlib.suppress(ModelFilling):
+                    self._fill(past.copy_id, past.copies(), wait=0.5)
+            return self._copy_state(past)
         remote = self.remote.get(base)
         if revision is not None and remote is not None and self.origin.lists_content_digests:
             self.describe(model_id)
@@ -850,7 +894,12 @@ class OriginCatalog:
 
     def evict(self, model_id: str) -> dict[str, Any]:
         """Remove the model from the cache now; EvictionRefused while it is streamed, being
-        filled or pinned, ModelNotFound when the cache does not hold it."""
+        filled or pinned, ModelNotFound when the cache does not hold it. ``ID@R`` of a past
+        revision served from a copy (``_past``) evicts that copy."""
+        past = self._past_admin(model_id)
+        if past is not None:
+            freed = self.cache.evict(past.copy_id)
+            return {**self._copy_state(past), "evicted_bytes": freed}
         base = _cached_id(model_id)
         freed = self.cache.evict(base)
         self._ensured.pop(base, None)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -67,6 +68,8 @@ from weightserve.service.transports.http.streaming import GrowingFileResponse, H
 
 DEFAULT_REVISION = MAIN_REVISION
 _API_ACTIONS = ("revision", "tree", "paths-info")
+# A commit, or a prefix of at least 12 hex digits of one (service/sources/pinning.py).
+_COMMIT_LIKE = re.compile(r"[0-9a-fA-F]{12,64}")
 # A Hub revision holding these (``refs/pr/1``) names no model id's revision: by commit only.
 _NOT_IN_IDS = ("/", REVISION_SEPARATOR, VARIANT_SEPARATOR)
 
@@ -187,7 +190,10 @@ class HubRepos:
 
         if revision in ("", DEFAULT_REVISION):
             return main()
-        if metadata:
+        if metadata and not _COMMIT_LIKE.fullmatch(revision):
+            # A ref (not a commit) may name main: main is described first. A commit goes
+            # straight to the revision it names: over object storage describing main would
+            # fill it, and a node holding room for one copy would trade it for R's, forever.
             current = main()  # a node cache's model, described before its fill
             if revision in (current.revision, current.commit):
                 return current

@@ -11,29 +11,19 @@ the client checks after applying it. The wire format is docs/protocol.md, "Delta
 
 from __future__ import annotations
 
-import json
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import numpy as np
-import pyarrow as pa
-import xxhash
 
-from weightserve.client.wire.delta import PATCH, SAME, WHOLE, DeltaHeader
+from weightserve.client.wire.delta import WHOLE
+from weightserve.client.wire.delta_plan import DeltaEntry, element_bytes, header_line, plan_delta
 from weightserve.client.wire.dtypes import wire_dtype
 from weightserve.service.readers.base import TensorEntry
 from weightserve.service.sources.model import Model
 
 CACHE_BYTES = 1 << 30  # patches kept in memory, least recently used dropped first
-CODEC = "zstd"
-
-
-@dataclass(frozen=True)
-class DeltaEntry:
-    header: DeltaHeader
-    payload: tuple[bytes | memoryview, ...]  # the bytes after the header, in order
 
 
 def tensor_bytes(model: Model, entry: TensorEntry) -> memoryview:
@@ -50,62 +40,21 @@ def tensor_bytes(model: Model, entry: TensorEntry) -> memoryview:
     return memoryview(np.ascontiguousarray(strided).reshape(-1).data)
 
 
-def _element_type(entry: TensorEntry) -> np.dtype:
-    """The unsigned integer type of one element (bytes for quantized or packed data)."""
-    if entry.encoding is not None:
-        return np.dtype(np.uint8)
-    size = wire_dtype(entry.dtype).bits // 8
-    return np.dtype({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}.get(size, np.uint8))
-
-
 def plan_entry(name: str, target: Model, base: Model | None) -> DeltaEntry:
     """The cheapest way from ``base``'s tensor ``name`` to ``target``'s."""
     entry = target.tensors[name]
-    new = tensor_bytes(target, entry)
-    digest = xxhash.xxh3_128_hexdigest(new)
-    common = {
-        "name": name, "dtype": entry.dtype, "shape": list(entry.shape), "nbytes": entry.nbytes,
-        "digest": digest,
-    }  # fmt: skip
     old_entry = base.tensors.get(name) if base is not None else None
+    old = None
     if (
-        base is None
-        or old_entry is None
-        or (old_entry.dtype, old_entry.shape, old_entry.nbytes, old_entry.encoding)
-        != (entry.dtype, entry.shape, entry.nbytes, entry.encoding)
+        base is not None
+        and old_entry is not None
+        and (old_entry.dtype, old_entry.shape, old_entry.nbytes, old_entry.encoding)
+        == (entry.dtype, entry.shape, entry.nbytes, entry.encoding)
     ):
-        return DeltaEntry(DeltaHeader(kind=WHOLE, **common), (new,))
-    old = tensor_bytes(base, old_entry)
-    if xxhash.xxh3_128_hexdigest(old) == digest:
-        return DeltaEntry(DeltaHeader(kind=SAME, **common), ())
-    element = _element_type(entry)
-    usable = entry.nbytes - entry.nbytes % element.itemsize
-    a = np.frombuffer(old, dtype=np.uint8)[:usable].view(element)
-    b = np.frombuffer(new, dtype=np.uint8)[:usable].view(element)
-    changed = np.flatnonzero(a != b)
-    tail = entry.nbytes - usable  # a packed tensor's last partial element: bytes
-    if tail and bytes(old[usable:]) != bytes(new[usable:]):
-        return DeltaEntry(DeltaHeader(kind=WHOLE, **common), (new,))
-    gaps = np.diff(changed, prepend=0)
-    gap_type = np.uint32 if gaps.size == 0 or int(gaps.max()) < 1 << 32 else np.uint64
-    positions = pa.compress(gaps.astype(gap_type).tobytes(), codec=CODEC, asbytes=True)
-    raw_values = b[changed].tobytes()
-    packed = pa.compress(raw_values, codec=CODEC, asbytes=True)
-    values, values_codec = (packed, CODEC) if len(packed) < len(raw_values) else (raw_values, "")
-    if len(positions) + len(values) >= entry.nbytes:
-        return DeltaEntry(DeltaHeader(kind=WHOLE, **common), (new,))
-    header = DeltaHeader(
-        kind=PATCH,
-        count=int(changed.size),
-        element_bytes=element.itemsize,
-        gap_bytes=np.dtype(gap_type).itemsize,
-        positions_bytes=len(positions),
-        values_bytes=len(values),
-        values_raw_bytes=len(raw_values),
-        values_codec=values_codec,
-        **common,
-    )
-    return DeltaEntry(header, (positions, values))
+        old = tensor_bytes(base, old_entry)
+    # Quantized blocks are patched as bytes.
+    size = 1 if entry.encoding is not None else element_bytes(entry.dtype)
+    return plan_delta(name, entry.dtype, entry.shape, tensor_bytes(target, entry), old, size)
 
 
 class DeltaCache:
@@ -156,7 +105,7 @@ class DeltaCache:
         """The delta stream: per tensor of ``target``, one header line and its payload."""
         for name, entry in target.tensors.items():
             found = self.entry(name, target, base)
-            yield json.dumps(found.header.to_json(), separators=(",", ":")).encode() + b"\n"
+            yield header_line(found.header)
             if found.header.kind == WHOLE:
                 yield tensor_bytes(target, entry)
             else:

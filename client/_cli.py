@@ -129,6 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(safetensors and PyTorch models; GGUF is refused)",
     )
     pull.add_argument("--prefix", default="", help="with --to: only tensors whose name starts so")
+    pull.add_argument(
+        "--since",
+        default=None,
+        metavar="R",
+        help="OUT holds revision R's files (an earlier pull): update it in place, patching "
+        "changed safetensors files from the server's delta, fetching other changed files "
+        "whole and removing files the revision no longer has",
+    )
     pull.add_argument("--revision", default=None, help=revision_help)
     pull.add_argument("--token", default=None, help=token_help)
     pull.add_argument(
@@ -254,6 +262,8 @@ def _pull(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.since is not None and args.to is not None:
+        args.command_parser.error("--since updates pulled files: it does not go with --to")
     if args.prefix and args.to is None:
         args.command_parser.error(
             "--prefix selects tensors: it needs --to safetensors (a plain pull writes files)"
@@ -266,6 +276,8 @@ def _pull(args: argparse.Namespace) -> int:
         model = client.model(model_id, options, revision=args.revision)
         if args.to == "safetensors":
             return _pull_converted(args, model, out_dir)
+        if args.since is not None:
+            return _pull_since(args, model, out_dir)
         from weightserve.client._download import FilePull
 
         pull = FilePull(model, out_dir, force=args.force).plan()
@@ -325,6 +337,35 @@ def _watch(args: argparse.Namespace) -> int:
         for rev in watch(client.transport, model_id, args.since, args.timeout):
             when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(rev.created))
             print(f"{rev.commit}  {when}  {_size(rev.bytes):>10}  {rev.message}", flush=True)
+    return 0
+
+
+def _pull_since(args: argparse.Namespace, model: Any, out_dir: Path) -> int:
+    from weightserve.client._pull_since import PullSince
+
+    pull = PullSince(model, out_dir, args.since)
+    try:
+        with _progress(args, model.id, 0) as (received, show_wait, replanned):
+            pull.plan(received)
+            # At most what a plain pull would move; the bar counts what travels.
+            replanned(pull.changed_bytes, pull.report.wire_bytes)
+            pull.run(received, show_wait)
+            replanned(pull.report.wire_bytes, pull.report.wire_bytes)
+    except KeyboardInterrupt:
+        print(
+            "weightserve pull: interrupted; run the same command again: the files already "
+            "updated are kept",
+            file=sys.stderr,
+        )
+        return 130
+    r = pull.report
+    print(
+        f"weightserve pull: {r.kept} files kept, {r.patched} patched, {r.whole} fetched whole, "
+        f"{r.removed} removed; {_size(r.wire_bytes)} travelled for {_size(r.model_bytes)} "
+        "of files",
+        file=sys.stderr,
+    )
+    print(out_dir)
     return 0
 
 

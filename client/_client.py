@@ -32,6 +32,7 @@ from weightserve.client._publish import (
     revisions,
     watch,
 )
+from weightserve.client._pull_since import pull_since
 from weightserve.client._retry import OnWait, call_with_retry, retry_seconds_from
 from weightserve.client._update import TensorUpdate, apply_updates, iter_updates
 from weightserve.client.errors import InvalidRequest, TensorNotFound, TransportError
@@ -518,6 +519,7 @@ class RemoteModel:
         dest: str | os.PathLike[str],
         *,
         force: bool = False,
+        since: str | None = None,
         on_bytes: Callable[[int], None] | None = None,
         on_wait: OnWait | None = None,
     ) -> Path:
@@ -529,7 +531,19 @@ class RemoteModel:
         keeps what arrived); an identical file already in place is kept; a different one is
         refused with ``DestinationError`` unless ``force``. ``on_bytes(n)`` hears of the bytes
         transferred.
+
+        ``since=R``: ``dest`` holds revision R's files (as a download wrote them) and is
+        updated in place: unchanged files are kept, a changed safetensors file with the same
+        tensor layout is patched from the delta stream (see ``update``), other changed files
+        are fetched whole, R's files this revision lacks are removed; each file is verified
+        and renamed into place alone. ``last_update`` then counts files by outcome and the
+        bytes that travelled (``wire_bytes``).
         """
+        if since is not None:
+            self.last_update = pull_since(
+                self, Path(dest), since, on_bytes=on_bytes, on_wait=on_wait
+            ).as_counts()
+            return Path(dest)
         return download_files(self, Path(dest), force=force, on_bytes=on_bytes, on_wait=on_wait)
 
     def _wanted(self, names: Sequence[str] | None, prefix: str | None) -> list[str]:

@@ -1,0 +1,409 @@
+"""``weightserve pull --since R``: a directory holding revision R's files brought to the model's
+target revision in place. A changed safetensors file whose tensor layout is unchanged is
+patched from the delta stream (client/_update.py); every other changed file is fetched whole
+(client/_download.py). Each file is verified against its digest and renamed into place alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import mmap
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from weightserve.client._download import (
+    PARTIAL_SUFFIX,
+    DownloadableModel,
+    FilePull,
+    PlannedFile,
+    _file_digest,
+    _safe_relative,
+    destination_error,
+)
+from weightserve.client._models import RemoteFile
+from weightserve.client._retry import OnWait, call_with_retry
+from weightserve.client._update import TensorUpdate, iter_updates
+from weightserve.client.errors import RevisionNotFound, WeightserveError
+from weightserve.client.transports.http import HttpTransport
+from weightserve.client.wire.delta import PATCH, WHOLE, apply_patch
+from weightserve.client.wire.routes import split_revision, with_revision
+
+SAFETENSORS_SUFFIX = ".safetensors"
+# A header larger than this is no header a writer makes: the file is fetched whole instead.
+MAX_HEADER_BYTES = 100 << 20
+_COPY_BLOCK = 64 << 20
+
+log = logging.getLogger("weightserve.client")
+
+# name -> (dtype code, shape, begin, end), the offsets relative to the data's start
+TensorLayout = dict[str, tuple[str, tuple[int, ...], int, int]]
+
+
+@dataclass(frozen=True)
+class SafetensorsLayout:
+    """A safetensors file's header bytes (length prefix included) and its tensors' places."""
+
+    header: bytes
+    tensors: TensorLayout
+
+    @property
+    def data_start(self) -> int:
+        return len(self.header)
+
+
+@dataclass
+class PullSinceReport:
+    """What ``pull --since`` did: files by outcome, and the bytes that travelled (delta
+    payloads and header lines, safetensors headers, whole files)."""
+
+    kept: int = 0
+    patched: int = 0
+    whole: int = 0
+    removed: int = 0
+    wire_bytes: int = 0
+    model_bytes: int = 0  # the target revision's files in all
+
+    def as_counts(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Patched:
+    """One file being patched: its plan entry and both layouts."""
+
+    planned: PlannedFile
+    local: SafetensorsLayout
+    remote: SafetensorsLayout
+    mapping: mmap.mmap | None = None
+    applied: set[str] = field(default_factory=set)
+
+
+def parse_safetensors_header(raw: bytes) -> SafetensorsLayout | None:
+    """The layout a safetensors header (length prefix included) describes, or None when it is
+    not one."""
+    if len(raw) < 8 or len(raw) != 8 + int.from_bytes(raw[:8], "little"):
+        return None
+    try:
+        found = json.loads(raw[8:])
+    except ValueError:
+        return None
+    if not isinstance(found, dict):
+        return None
+    tensors: TensorLayout = {}
+    for name, info in found.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = (int(x) for x in info["data_offsets"])
+            tensors[name] = (str(info["dtype"]), tuple(int(x) for x in info["shape"]), begin, end)
+        except (KeyError, TypeError, ValueError):
+            return None
+    return SafetensorsLayout(raw, tensors)
+
+
+def _local_layout(path: Path) -> SafetensorsLayout | None:
+    try:
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+            if not 0 <= length <= min(MAX_HEADER_BYTES, path.stat().st_size - 8):
+                return None
+            return parse_safetensors_header(prefix + f.read(length))
+    except OSError:
+        return None
+
+
+class PullSince:
+    """A pull of ``model`` into ``dest``, which holds revision ``since`` as a previous pull
+    wrote it: ``plan()`` looks at what is there and which files can be patched, ``run()``
+    patches them from one delta stream, fetches the other changed files whole and removes
+    the files the target revision no longer has."""
+
+    def __init__(self, model: DownloadableModel, dest: Path, since: str) -> None:
+        self.model = model
+        self.dest = Path(dest)
+        self.since = since
+        self.pull = FilePull(model, self.dest, force=True)  # the files are R's: replaced
+        self.patchable: list[_Patched] = []
+        self.stale: list[Path] = []  # R's files the target lacks
+        self.report = PullSinceReport()
+        self._on_bytes: Callable[[int], None] | None = None
+
+    @property
+    def changed_bytes(self) -> int:
+        """What a plain pull would move: the files that are not kept as they are."""
+        return sum(p.file.size for p in self.pull.files or () if not p.keep)
+
+    def plan(self, on_bytes: Callable[[int], None] | None = None) -> PullSince:
+        self._on_bytes = on_bytes
+        self.pull.plan()
+        assert self.pull.files is not None
+        self.report.model_bytes = self.pull.total
+        before = self._files_of_since()
+        if before is None:
+            log.warning(
+                "the server does not hold revision %s of %r: the changed files are fetched "
+                "whole and no file is removed",
+                self.since, self.model.id,
+            )  # fmt: skip
+            return self
+        names = {p.file.name for p in self.pull.files}
+        self.stale = [
+            self.dest / _safe_relative(name, self.model.id) for name in before if name not in names
+        ]
+        if not isinstance(self.model.client.transport, HttpTransport):
+            return self  # the delta stream is an HTTP route: changed files come whole
+        for p in self.pull.files:
+            found = self._patchable(p)
+            if found is not None:
+                self.patchable.append(found)
+        return self
+
+    def run(
+        self, on_bytes: Callable[[int], None] | None = None, on_wait: OnWait | None = None
+    ) -> Path:
+        if self.pull.files is None:
+            self.plan(on_bytes)
+        assert self.pull.files is not None
+        self._on_bytes = on_bytes
+        self.report.kept = sum(p.keep for p in self.pull.files)
+        if self.patchable:
+            self._patch(on_wait)
+        for path in self.stale:
+            for gone in (path, path.with_name(path.name + PARTIAL_SUFFIX)):
+                with contextlib.suppress(FileNotFoundError):
+                    gone.unlink()
+                    self.report.removed += gone == path
+        self.report.whole = sum(not p.keep for p in self.pull.files)
+        self.pull.run(self._count, on_wait)
+        return self.dest
+
+    def _count(self, n: int) -> None:
+        self.report.wire_bytes += n
+        if self._on_bytes is not None:
+            self._on_bytes(n)
+
+    def _files_of_since(self) -> list[str] | None:
+        """The names of revision ``since``'s files, or None when the server does not hold it."""
+        client = self.model.client
+        old_id = with_revision(split_revision(self.model.id)[0], self.since)
+        try:
+            listing = call_with_retry(
+                lambda: client.transport.list_files(old_id),
+                client.retry_seconds,
+                f"{client.address.url} files of {old_id!r}",
+                client.on_wait,
+            )
+        except RevisionNotFound:
+            return None
+        return [RemoteFile.from_json(f).name for f in listing["files"]]
+
+    def _patchable(self, p: PlannedFile) -> _Patched | None:
+        """A changed safetensors file whose local copy has the target's tensor layout."""
+        if p.keep or p.have or not p.file.name.endswith(SAFETENSORS_SUFFIX):
+            return None
+        if not p.target.is_file():
+            return None
+        local = _local_layout(p.target)
+        if local is None:
+            return None
+        remote = self._remote_layout(p.file)
+        if remote is None or remote.tensors != local.tensors:
+            return None
+        local_data = p.target.stat().st_size - local.data_start
+        if p.file.size - remote.data_start != local_data:
+            return None
+        return _Patched(p, local, remote)
+
+    def _remote_layout(self, file: RemoteFile) -> SafetensorsLayout | None:
+        if file.size < 8:
+            return None
+        prefix = self._read_range(file.name, 0, 8)
+        length = int.from_bytes(prefix, "little")
+        if length > min(MAX_HEADER_BYTES, file.size - 8):
+            return None
+        return parse_safetensors_header(prefix + self._read_range(file.name, 8, length))
+
+    def _read_range(self, name: str, offset: int, length: int) -> bytes:
+        client = self.model.client
+
+        def read() -> bytes:
+            source = client.transport.open_file(
+                self.model.id, name, offset=offset, length=length, revision=self.pull.revision
+            )
+            try:
+                data = bytearray(length)
+                view, got = memoryview(data), 0
+                while got < length and (n := source.readinto(view[got:])) > 0:
+                    got += n
+                return bytes(data[:got])
+            finally:
+                source.close()
+
+        data = call_with_retry(
+            read, client.retry_seconds, f"{client.address.url} file {name!r}", client.on_wait
+        )
+        self._count(len(data))
+        return data
+
+    def _patch(self, on_wait: OnWait | None) -> None:
+        """Copy each patchable file to its ``.partial`` locally, apply the delta stream to
+        the copies, and put each one whose digest then matches in place; the others stay in
+        the plan, to be fetched whole."""
+        client = self.model.client
+        plain = split_revision(self.model.id)[0]
+        try:
+            target, updates = call_with_retry(
+                lambda: iter_updates(client.transport, plain, self.since, self.pull.revision),
+                client.retry_seconds,
+                f"{client.address.url} update of {plain!r}",
+                on_wait or client.on_wait,
+            )
+        except WeightserveError as e:  # e.g. the listed revision is gone: the pull follows
+            log.warning("no update of %r (%s); fetching the changed files whole", plain, e)
+            return
+        if not target.base or not target.commit.startswith(self.pull.revision):
+            # No base to patch (the server no longer holds ``since``), or the model moved on
+            # since it was listed: every changed file is fetched whole, pinned as listed.
+            updates.close()
+            return
+        try:
+            places = self._open_copies()
+            try:
+                self._apply(updates, places)
+            except WeightserveError as e:  # the stream was cut: what it did not reach is whole
+                log.warning("the update of %r stopped (%s); fetching the rest whole", plain, e)
+            finally:
+                updates.close()
+                places.clear()  # no view of a mapping outlives it: each closes below
+            for patched in self.patchable:
+                self._finish(patched)
+        except BaseException:
+            for patched in self.patchable:
+                _close(patched)
+                patched.planned.partial.unlink(missing_ok=True)
+            raise
+
+    def _open_copies(self) -> dict[str, list[tuple[_Patched, np.ndarray]]]:
+        """Each file's ``.partial``: the target's header, then the local data copied
+        without reading it through this process; the tensors' places in them by name."""
+        places: dict[str, list[tuple[_Patched, np.ndarray]]] = {}
+        for patched in self.patchable:
+            p = patched.planned
+            size = p.file.size
+            try:
+                with open(p.target, "rb") as src, open(p.partial, "w+b") as dst:
+                    dst.truncate(size)
+                    dst.write(patched.remote.header)
+                    dst.flush()
+                    _copy_range(
+                        src.fileno(), dst.fileno(), patched.local.data_start,
+                        patched.remote.data_start, size - patched.remote.data_start,
+                    )  # fmt: skip
+                    patched.mapping = mmap.mmap(dst.fileno(), size) if size else None
+            except OSError as e:
+                raise destination_error(e, p.partial) from e
+            if patched.mapping is None:
+                continue
+            data = np.frombuffer(patched.mapping, dtype=np.uint8)
+            start = patched.remote.data_start
+            for name, (_, _, begin, end) in patched.remote.tensors.items():
+                view = data[start + begin : start + end]
+                places.setdefault(name, []).append((patched, view))
+        return places
+
+    def _apply(
+        self, updates: Iterator[TensorUpdate], places: dict[str, list[tuple[_Patched, np.ndarray]]]
+    ) -> None:
+        for update in updates:
+            header = update.header
+            line = len(json.dumps(header.to_json(), separators=(",", ":"))) + 1
+            self._count(line + update.wire_bytes)
+            for patched, view in places.get(update.name, ()):
+                if header.nbytes != view.size:
+                    continue  # not this tensor after all: the file's digest says so
+                if update.kind == WHOLE:
+                    assert update.data is not None
+                    view[:] = np.frombuffer(update.data, dtype=np.uint8)
+                elif update.kind == PATCH:
+                    assert update.positions is not None and update.values is not None
+                    apply_patch(view, header, update.positions, update.values)
+                patched.applied.add(update.name)
+
+    def _finish(self, patched: _Patched) -> None:
+        p = patched.planned
+        _close(patched)
+        try:
+            with open(p.partial, "rb+") as f:
+                os.fsync(f.fileno())  # whole on disk before it gets its final name
+        except OSError as e:
+            raise destination_error(e, p.partial) from e
+        complete = patched.applied >= set(patched.remote.tensors)
+        if not complete or _file_digest(p.partial) != p.file.etag:
+            # A local file that was not revision ``since``'s, or a cut stream.
+            log.warning(
+                "%s does not match the server's %s after patching; fetching it whole",
+                p.target, p.file.etag,
+            )  # fmt: skip
+            p.partial.unlink(missing_ok=True)
+            return
+        try:
+            os.replace(p.partial, p.target)
+        except OSError as e:
+            raise destination_error(e, p.target) from e
+        p.keep, p.have = True, p.file.size
+        self.report.patched += 1
+
+
+def _close(patched: _Patched) -> None:
+    if patched.mapping is not None:
+        patched.mapping.flush()
+        with contextlib.suppress(BufferError):  # views may still be alive: closed when they go
+            patched.mapping.close()
+        patched.mapping = None
+
+
+def _copy_range(src: int, dst: int, src_offset: int, dst_offset: int, count: int) -> None:
+    """``count`` bytes from ``src`` at ``src_offset`` to ``dst`` at ``dst_offset``: in the
+    kernel (a reflink where the file system shares blocks), else through a buffer."""
+    done = 0
+    while done < count:
+        try:
+            n = os.copy_file_range(
+                src, dst, min(_COPY_BLOCK, count - done), src_offset + done, dst_offset + done
+            )
+        except OSError as e:
+            if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            break
+        if n == 0:
+            break
+        done += n
+    while done < count:
+        block = os.pread(src, min(_COPY_BLOCK, count - done), src_offset + done)
+        if not block:
+            raise OSError(errno.EIO, f"the local file ended {count - done} bytes early")
+        os.pwrite(dst, block, dst_offset + done)
+        done += len(block)
+
+
+def pull_since(
+    model: DownloadableModel,
+    dest: Path,
+    since: str,
+    *,
+    on_bytes: Callable[[int], None] | None = None,
+    on_wait: OnWait | None = None,
+) -> PullSinceReport:
+    """Bring ``dest``, holding revision ``since``'s files, to ``model``'s revision in place;
+    see ``RemoteModel.download``."""
+    pull = PullSince(model, dest, since).plan(on_bytes)
+    pull.run(on_bytes, on_wait)
+    return pull.report

@@ -181,6 +181,7 @@ class Client:
         tensors: Mapping[str, Any] | None = None,
         *,
         base: str | None = None,
+        base_tensors: Mapping[str, Any] | None = None,
         files: Mapping[str, UploadSource] | None = None,
         metadata: Mapping[str, Any] | None = None,
         message: str = "",
@@ -189,7 +190,11 @@ class Client:
         ``tensors`` maps names to arrays (NumPy, torch, DLPack, buffers; stored as
         safetensors), ``files`` adds files (name -> bytes or a path: config, tokenizer, or
         checkpoint files as they are). With ``base`` (a revision of the model), what is not
-        given is the base's: tensors not given, files not given. The server checks the
+        given is the base's: tensors not given, files not given. ``base_tensors`` (with
+        ``base``: the arrays published as that revision, as a trainer keeps them) sends each
+        tensor as nothing, an element patch against its base array, or whole, whichever is
+        smallest; the server checks every result against its digest and refuses the publish
+        (``RevisionMismatch``) where ``base_tensors`` were not ``base``. The server checks the
         upload with its strict readers; a refused or interrupted publish leaves ``main`` as
         it was. Over HTTP; needs a token granted ``publish=`` (or ``--allow-publish``)."""
         return publish(
@@ -197,6 +202,7 @@ class Client:
             split_revision(model_id)[0],
             tensors,
             base=base,
+            base_tensors=base_tensors,
             files=files,
             metadata=metadata,
             message=message,
@@ -262,14 +268,23 @@ class RemoteModel:
         tensors: Mapping[str, Any] | None = None,
         *,
         base: str | None = None,
+        base_tensors: Mapping[str, Any] | None = None,
         files: Mapping[str, UploadSource] | None = None,
         metadata: Mapping[str, Any] | None = None,
         message: str = "",
     ) -> Revision:
-        """A new revision of this model (see ``Client.publish``); ``model(...)`` of a model
-        that does not exist yet fails, so a first revision goes through ``Client.publish``."""
+        """A new revision of this model (see ``Client.publish``; ``base_tensors``: send
+        ``tensors`` as a patch against the arrays published as ``base``); ``model(...)`` of a
+        model that does not exist yet fails, so a first revision goes through
+        ``Client.publish``."""
         return self.client.publish(
-            self.id, tensors, base=base, files=files, metadata=metadata, message=message
+            self.id,
+            tensors,
+            base=base,
+            base_tensors=base_tensors,
+            files=files,
+            metadata=metadata,
+            message=message,
         )
 
     def revisions(self) -> list[Revision]:

@@ -26,6 +26,7 @@ from weightserve.client.errors import InvalidRequest, ServerUnreachable, Transpo
 from weightserve.client.transports.base import Transport
 from weightserve.client.transports.grpc import GrpcTransport
 from weightserve.client.transports.http import HttpTransport
+from weightserve.client.wire.delta_plan import element_bytes, header_line, plan_delta
 from weightserve.client.wire.dtypes import from_numpy_dtype, wire_dtype
 from weightserve.client.wire.routes import UPLOADS_ROUTE, http_model_path
 from weightserve.client.wire.safetensors_layout import LayoutEntry, safetensors_header
@@ -107,6 +108,35 @@ def _tensor_stream(
     return len(header) + sum(raw.nbytes for *_, raw in parts), chunks()
 
 
+def _patch_stream(
+    tensors: Mapping[str, Any], base_tensors: Mapping[str, Any]
+) -> tuple[int, Iterator[memoryview | bytes]]:
+    """(total bytes, the chunks) of a patch against the base: per tensor, in the delta stream's
+    form, nothing (its bytes are ``base_tensors``'), an element patch or the whole tensor,
+    whichever is smallest; a whole tensor's bytes are the array's own memory."""
+    entries = []
+    for name, value in tensors.items():
+        dtype, shape, new = tensor_bytes(value)
+        old = None
+        if name in base_tensors:
+            old_dtype, old_shape, old_raw = tensor_bytes(base_tensors[name])
+            if (old_dtype, old_shape) == (dtype, shape):
+                old = old_raw
+        entries.append(plan_delta(name, dtype, shape, new, old, element_bytes(dtype)))
+    lines = [header_line(e.header) for e in entries]
+
+    def chunks() -> Iterator[memoryview | bytes]:
+        for line, entry in zip(lines, entries, strict=True):
+            yield line
+            for piece in entry.payload:
+                view = memoryview(piece)
+                for start in range(0, view.nbytes, READ_BLOCK):
+                    yield view[start : start + READ_BLOCK]
+
+    total = sum(len(line) + e.header.payload_bytes for line, e in zip(lines, entries, strict=True))
+    return total, chunks()
+
+
 def _file_stream(source: UploadSource) -> tuple[int, Iterator[memoryview | bytes]]:
     if isinstance(source, bytes | bytearray | memoryview):
         data = memoryview(source)
@@ -128,18 +158,25 @@ def publish(
     tensors: Mapping[str, Any] | None = None,
     *,
     base: str | None = None,
+    base_tensors: Mapping[str, Any] | None = None,
     files: Mapping[str, UploadSource] | None = None,
     metadata: Mapping[str, Any] | None = None,
     message: str = "",
     on_bytes: Callable[[int], None] | None = None,
 ) -> Revision:
-    """Upload and commit one revision of ``model_id`` (see ``RemoteModel.publish``)."""
+    """Upload and commit one revision of ``model_id`` (see ``RemoteModel.publish``); with
+    ``base_tensors`` (the arrays published as ``base``), ``tensors`` travel as a patch
+    against them."""
     if not isinstance(transport, HttpTransport):
         raise InvalidRequest(
             "publishing goes over HTTP: give the client the server's http(s):// URL"
         )
     if not tensors and not files:
         raise InvalidRequest("a publish needs tensors or files")
+    if base_tensors is not None and base is None:
+        raise InvalidRequest(
+            "base_tensors are the arrays published as a base revision: give that base too"
+        )
     uploads = http_model_path(model_id, UPLOADS_ROUTE)
     body = {"base": base, "message": message, "metadata": dict(metadata or {})}
     upload = transport.request_json("POST", uploads, ok=(201,), body=body)["upload"]
@@ -148,7 +185,11 @@ def publish(
             size, chunks = _file_stream(source)
             path = http_model_path(model_id, UPLOADS_ROUTE, upload, "files") + "/" + _quote(name)
             transport.upload(path, chunks, size, on_bytes)
-        if tensors:
+        if tensors and base_tensors is not None:
+            size, chunks = _patch_stream(tensors, base_tensors)
+            path = http_model_path(model_id, UPLOADS_ROUTE, upload, "patch")
+            transport.upload(path, chunks, size, on_bytes)
+        elif tensors:
             size, chunks = _tensor_stream(tensors, None)
             path = http_model_path(model_id, UPLOADS_ROUTE, upload, "tensors")
             transport.upload(path, chunks, size, on_bytes)

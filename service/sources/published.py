@@ -41,6 +41,7 @@ from weightserve.service.sources.base import ModelSource
 from weightserve.service.sources.layout import INDEX_NAME, is_served_name, validate_model_id
 from weightserve.service.sources.local import Catalog
 from weightserve.service.sources.model import Model
+from weightserve.service.sources.patched_tensors import apply_patch_file, copy_range
 from weightserve.service.sources.revision_stores import INCOMING_PREFIX, RevisionStore
 from weightserve.service.sources.revisions import DigestStore
 
@@ -49,7 +50,6 @@ log = logging.getLogger("weightserve.publish")
 MODEL_PART = "model"  # the incoming model's directory: indexed as a directory model
 TENSORS_NAME = "model.safetensors"  # where ``tensors`` go in a revision without a base
 UPLOAD_IDLE_SECONDS = 600.0  # an upload untouched this long was abandoned: removed
-COPY_BLOCK = 64 << 20
 DEFAULT_KEEP_REVISIONS = 4
 
 
@@ -196,6 +196,32 @@ class Publisher:
             upload.files[name.strip("/")] = size
         upload.touched = time.monotonic()
 
+    def patch_target(self, upload: Upload) -> Path:
+        """Where the upload's patch against its base is received."""
+        if upload.base is None:
+            raise InvalidRequest(
+                f"a patch of {upload.model_id!r} needs a base: begin the upload with one"
+            )
+        self._tensors_base(upload, upload.base)
+        if upload.tensors is not None:
+            raise InvalidRequest("an upload takes tensors or a patch, not both")
+        return upload.directory / "patch.delta"
+
+    def apply_patch(self, upload: Upload, patch: Path) -> None:
+        """The received patch applied onto the base's tensors: the tensors it changes become
+        the upload's tensors, placed as a tensors upload's are at commit. A patch that is
+        malformed or does not lead to its digests discards the whole upload."""
+        assert upload.base is not None
+        output = self.target(upload, None)
+        try:
+            if apply_patch_file(upload.base, patch, output):
+                self.received(upload, None, output, output.stat().st_size)
+        except BaseException:
+            self.abort(upload.id, "its patch was refused")
+            raise
+        finally:
+            patch.unlink(missing_ok=True)
+
     def abort(self, upload_id: str, reason: str = "aborted") -> None:
         """Forget the upload and remove what it wrote."""
         with self._lock:
@@ -282,11 +308,7 @@ class Publisher:
                 raise InvalidRequest(f"{TENSORS_NAME} is uploaded both as a file and as tensors")
             os.rename(upload.tensors, target)
             return
-        if base.format != "safetensors":
-            raise InvalidRequest(
-                f"tensors can be published onto a safetensors revision only; base "
-                f"{base.commit[:16]} of {upload.model_id!r} is {base.format}: publish its files"
-            )
+        self._tensors_base(upload, base)
         by_file: dict[Path, list[TensorEntry]] = {}
         for entry in base.contents.tensors.values():
             by_file.setdefault(entry.file, []).append(entry)
@@ -304,6 +326,14 @@ class Publisher:
             upload.files.setdefault(name, 0)
         if added and len(weight_files) > 1:
             self._extend_index(upload, base, [e.name for e in added], last)
+
+    @staticmethod
+    def _tensors_base(upload: Upload, base: Model) -> None:
+        if base.format != "safetensors":
+            raise InvalidRequest(
+                f"tensors can be published onto a safetensors revision only; base "
+                f"{base.commit[:16]} of {upload.model_id!r} is {base.format}: publish its files"
+            )
 
     def _extend_index(self, upload: Upload, base: Model, names: list[str], shard: Path) -> None:
         index = next((f for f in base.files if f.name == INDEX_NAME), None)
@@ -450,17 +480,8 @@ def _write_safetensors(path: Path, entries: list[TensorEntry]) -> None:
             for e in entries:
                 if e.file not in sources:
                     sources[e.file] = os.open(e.file, os.O_RDONLY)
-                _copy_range(sources[e.file], out.fileno(), e.offset, e.nbytes, e.file.name)
+                copy_range(sources[e.file], out.fileno(), e.offset, e.nbytes, e.file.name)
         finally:
             for fd in sources.values():
                 os.close(fd)
         os.fsync(out.fileno())
-
-
-def _copy_range(source: int, target: int, offset: int, length: int, name: str) -> None:
-    done = 0
-    while done < length:
-        n = os.copy_file_range(source, target, min(COPY_BLOCK, length - done), offset + done)
-        if n == 0:
-            raise CheckpointError(name, "a tensor's bytes end before the file says they do")
-        done += n

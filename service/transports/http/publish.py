@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -53,6 +54,15 @@ async def _json_body(http: Request) -> dict[str, Any]:
 async def _receive(http: Request, publisher: Publisher, upload: Upload, name: str | None) -> int:
     """Stream the request body into the upload's file; the bytes written."""
     target = publisher.target(upload, name)
+    written = await _receive_into(http, publisher, upload, target, name or "the tensors")
+    publisher.received(upload, name, target, written)
+    return written
+
+
+async def _receive_into(
+    http: Request, publisher: Publisher, upload: Upload, target: Path, label: str
+) -> int:
+    """Stream the request body into ``target``; the bytes written."""
     length = http.headers.get("content-length")
     declared = int(length) if length is not None and length.isdigit() else None
     publisher.check_size(upload, declared)
@@ -96,8 +106,7 @@ async def _receive(http: Request, publisher: Publisher, upload: Upload, name: st
         await run_in_threadpool(out.close)
     if declared is not None and written != declared:
         publisher.abort(upload.id, "a file arrived short")
-        raise InvalidRequest(f"{name or 'the tensors'}: {written} bytes of {declared} arrived")
-    publisher.received(upload, name, target, written)
+        raise InvalidRequest(f"{label}: {written} bytes of {declared} arrived")
     return written
 
 
@@ -160,6 +169,19 @@ def add_publish_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -
         found = publisher(http, model)
         pending = found.upload(model, upload)
         size = await _receive(http, found, pending, None)
+        return JSONResponse({"size": size})
+
+    @app.put(f"{MODEL}/{UPLOADS_ROUTE}/{{upload}}/patch", tags=["publish"])
+    async def put_patch(http: Request, model: str, upload: str) -> Response:
+        """The revision's tensors as a patch against the upload's base, in the delta stream's
+        form (per tensor a JSON line, `same`, `patch` or `whole`, then its bytes), applied onto
+        the base's tensors once received; each result must match the digest its line names,
+        or the publish is refused (`412`, naming the tensors) and the upload discarded."""
+        found = publisher(http, model)
+        pending = found.upload(model, upload)
+        target = found.patch_target(pending)
+        size = await _receive_into(http, found, pending, target, "the patch")
+        await run_in_threadpool(found.apply_patch, pending, target)
         return JSONResponse({"size": size})
 
     @app.post(f"{MODEL}/{UPLOADS_ROUTE}/{{upload}}/commit", tags=["publish"], status_code=201)

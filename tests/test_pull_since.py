@@ -17,6 +17,8 @@ from tests.test_cli import run_cli
 from weightserve.client._client import Client
 from weightserve.client._download import STATE_FILE
 from weightserve.client._pull_since import parse_safetensors_header
+from weightserve.client.wire.dtypes import from_numpy_dtype
+from weightserve.client.wire.safetensors_layout import LayoutEntry, safetensors_header
 from weightserve.service.server import WeightServer
 
 MODEL = "team/policy"
@@ -155,4 +157,27 @@ def test_a_changed_layout_is_fetched_whole(server: WeightServer, tmp_path: Path)
         model = client.model(MODEL)
         model.download(out, since=r1)
     assert model.last_update["patched"] == 0
+    assert_same_tree(out, fresh)
+
+
+def test_a_header_that_changed_in_metadata_only_is_rewritten_locally(
+    server: WeightServer, tmp_path: Path
+) -> None:
+    """A longer header moves the data: it is copied to its new offset, no tensor travels."""
+    out, fresh = tmp_path / "out", tmp_path / "fresh"
+    weights = first_weights()
+    entries = [
+        LayoutEntry(n, from_numpy_dtype(a.dtype), a.shape, a.nbytes) for n, a in weights.items()
+    ]
+    data = b"".join(a.tobytes() for a in weights.values())
+    with Client(server.http_url) as client:
+        r1 = client.publish(MODEL, files={WEIGHTS: safetensors_header(entries) + data}).commit
+        header = safetensors_header(entries, {"format": "pt", "step": "2" * 100})
+        client.publish(MODEL, files={WEIGHTS: header + data})
+        client.model(MODEL, revision=r1).download(out)
+        client.model(MODEL).download(fresh)
+        model = client.model(MODEL)
+        model.download(out, since=r1)
+    assert model.last_update["patched"] == 1, model.last_update
+    assert model.last_update["wire_bytes"] < 4096, model.last_update
     assert_same_tree(out, fresh)

@@ -286,6 +286,8 @@ def test_reflection_lists_the_service(channel) -> None:
         "GetServerInfo",
         "ListFiles",
         "ReadFile",
+        "ListRevisions",
+        "WatchRevisions",
     }
     method = service.FindMethodByName("StreamTensors")
     assert method.input_type.full_name == "weightserve.v1.TensorRequest"

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -270,6 +271,11 @@ def test_snapshots_keep_to_the_budget_and_follow_the_file(tmp_path, sockets, mon
         handoff = HandoffClient(handoff_socket_path(srv.config.uds))
         a = handoff.open("a", prefix="")
         assert [f.kind for f in a.files] == [FILE_SEALED]
+        # The server lets go of a's snapshot just after the descriptor is sent: a held one is
+        # never evicted, so wait for that before asking for b.
+        deadline = time.monotonic() + 5
+        while any(s.holds for s in store._snapshots.values()) and time.monotonic() < deadline:
+            time.sleep(0.01)
         b = handoff.open("b", prefix="")  # room for one: a's snapshot goes (a keeps its pages)
         assert [f.kind for f in b.files] == [FILE_SEALED]
         assert store.bytes_held == size

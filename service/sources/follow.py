@@ -4,7 +4,9 @@ One long-lived watch of every model on the upstream (``GET /v1/watch``, NDJSON):
 announced there of a model this node holds is filled at once (only the files that changed)
 and announced to the node's own watchers once its bytes are here (``OriginCatalog.follow``),
 so a worker told by its node loads from its node. The watch reconnects with backoff; on every
-(re)connect the origin is listed again, so a revision announced while disconnected is caught.
+reconnect the origin is listed again, so a revision announced while disconnected is caught
+(the first connection follows the listing the server made at start; a revision published in
+between is caught by the next rescan).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class UpstreamFollower:
     def _run(self) -> None:
         pause = RETRY_FIRST
         failing = False
+        connected_before = False
         while not self._stop.is_set():
             try:
                 for event in self.events():
@@ -54,7 +57,9 @@ class UpstreamFollower:
                         if failing:
                             log.info("following %s again", self.catalog.description)
                         failing, pause = False, RETRY_FIRST
-                        self._catch_up()
+                        if connected_before:  # the first: the server listed it at start
+                            self._catch_up()
+                        connected_before = True
                     elif event.get("event") == "revision" and event.get("model"):
                         self.catalog.follow(event["model"], event)
             except NotFound:
@@ -74,11 +79,9 @@ class UpstreamFollower:
             pause = min(pause * 2, RETRY_MAX)
 
     def _catch_up(self) -> None:
-        """List the origin again and follow every held model it has moved on from."""
+        """After a reconnect: list the origin again and follow every held model it has moved
+        on from while the watch was down."""
         try:
-            self.catalog.scan()
+            self.catalog.catch_up()
         except WeightserveError as e:
             log.warning("listing %s failed: %s", self.catalog.description, e)
-            return
-        for model_id in self.catalog.cache.cached_models():
-            self.catalog.follow(model_id)

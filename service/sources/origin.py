@@ -778,6 +778,13 @@ class OriginCatalog:
         commit = self._listed_revision(remote)[:COMMIT_CHARS]
         return [self._record(base, commit, remote.total_bytes)]
 
+    def catch_up(self) -> None:
+        """List the origin again and follow each held model it has moved on from (a node's
+        watch of its upstream reconnected: what was announced meanwhile is not missed)."""
+        self._list_origin()
+        for model_id in self.cache.cached_models():
+            self.follow(model_id, relist=False)
+
     def revisions_after(self, model_id: str, since: str) -> list[dict[str, Any]]:
         """The revision held now, unless it is ``since``: a node keeps no history."""
         current = self.revisions(model_id)

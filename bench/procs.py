@@ -35,18 +35,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def env() -> dict[str, str]:
+def env(first: list[str] | None = None) -> dict[str, str]:
+    """This environment with the repository (after ``first``) on PYTHONPATH."""
     e = dict(os.environ)
-    e["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), e.get("PYTHONPATH")]))
+    path = [*(first or []), str(REPO), e.get("PYTHONPATH")]
+    e["PYTHONPATH"] = os.pathsep.join(filter(None, path))
     e.setdefault("PYTHONUNBUFFERED", "1")
     return e
 
 
 class ServerProcess:
     """``python -m MODULE ARGS...`` that prints ``BENCH-READY {json}`` once serving and
-    exits when its stdin closes (or on SIGTERM)."""
+    exits when its stdin closes (or on SIGTERM). ``pythonpath`` goes before the repository
+    on its PYTHONPATH (an A/B run's other tree)."""
 
-    def __init__(self, module: str, *args: str) -> None:
+    def __init__(self, module: str, *args: str, pythonpath: list[str] | None = None) -> None:
         self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, *args],
@@ -55,7 +58,7 @@ class ServerProcess:
             stderr=self.log,
             text=True,
             cwd=REPO,
-            env=env(),
+            env=env(pythonpath),
         )
         self.info: dict = {}
         deadline = time.monotonic() + 120
@@ -175,6 +178,7 @@ class Job:
 
     fn: str  # "module:function"
     kwargs: dict = field(default_factory=dict)
+    pythonpath: list[str] | None = None  # before the repository's (an A/B run's other client)
 
 
 class Workers:
@@ -196,7 +200,7 @@ class Workers:
                         stderr=log,
                         text=True,
                         cwd=REPO,
-                        env=env(),
+                        env=env(job.pythonpath),
                     )
                 )
             for p, log in zip(self.procs, self.logs, strict=True):

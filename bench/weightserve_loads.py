@@ -51,7 +51,10 @@ def import_transport(base: str) -> None:
     them); a pipeline that loads over gRPC pays ~130 ms of imports once per process, which
     is start-up, not load time. Timing it would mostly measure the import system.
     """
-    from weightserve.client.transports import base as _transport  # noqa: F401
+    try:
+        from weightserve.client.transports import base as _transport  # noqa: F401
+    except ImportError:  # an older tree's client (``--against REF --client ref``)
+        import weightserve.client  # noqa: F401
 
     if base.startswith("grpc"):
         import grpc  # noqa: F401
@@ -96,10 +99,13 @@ def max_load(base: str, model_id: str, how: str = "items", data_plane: str | Non
     import_transport(base)
     try:  # import MAX (when installed) before the clock starts, as a pipeline has it already
         from weightserve.client.max.compat import backend
-
-        backend()
     except ImportError:
-        pass
+        try:  # an older tree's client (``--against REF --client ref``)
+            from weightserve.client._max_compat import backend  # type: ignore[no-redef]
+        except ImportError:
+            backend = None  # type: ignore[assignment]
+    if backend is not None:
+        backend()
 
     def run_max():
         weights = RemoteWeights(url)

@@ -99,6 +99,37 @@ def test_bench_quick(tmp_path: Path) -> None:
         assert g["measured"] >= 0
 
 
+@pytest.mark.slow
+def test_bench_ab_quick(tmp_path: Path) -> None:
+    """``python -m bench --against HEAD --quick``: HEAD's tree exported and served beside this
+    one, every contender measured on both, ratios per round (no timing is asserted)."""
+    out = tmp_path / "ab.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--against", "HEAD", "--quick", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "this/REF" in proc.stdout
+
+    results = json.loads(out.read_text())
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    assert results["config"]["ref_commit"] == head.stdout.strip()
+    rounds = results["config"]["rounds"]
+    assert rounds >= 3 and len(results["ceiling"]["values"]) == rounds
+    assert results["ceiling"]["median"] > 0
+    contenders = results["contenders"]
+    assert set(contenders) == {"ws_http_max", "ws_http_fetch", "ws_http_small_latency"}
+    for key, c in contenders.items():
+        for side in ("this", "ref"):
+            assert len(c[side]["values"]) == rounds, key
+            assert all(v > 0 for v in c[side]["values"]), key
+        assert c["ratio"]["min"] > 0 and c["ratio"]["median"] > 0, key
+    assert contenders["ws_http_max"]["this"]["ratio_to_ceiling"] > 0
+
+
 FILL_CONTENDERS = {
     "copy_files",
     "copy_files_chunk16MiB",

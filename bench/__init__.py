@@ -11,6 +11,9 @@ processes), ``worker`` (one measured client), ``ceilings``, ``webserver``, ``ser
 ``weightserve_loads`` (the contenders), ``report`` (stats, goals, table), ``run`` (the
 orchestration), ``profile`` (py-spy profiles of the whole-model loads).
 
+``python -m bench --against REF`` (``ab``, servers from ``ab_server``) runs the HTTP loads
+against this tree's server and REF's alternately and prints the ratios this/REF.
+
 ``python -m bench.fill`` measures cold fills of the node cache from a loopback S3 server
 (``s3``: SeaweedFS) against ``pyarrow.fs.copy_files`` of the same objects
 (``bench/results/fill-latest.json``).

@@ -7,8 +7,6 @@ patched from the delta stream (client/_update.py); every other changed file is f
 from __future__ import annotations
 
 import contextlib
-import errno
-import json
 import logging
 import mmap
 import os
@@ -32,30 +30,21 @@ from weightserve.client._retry import OnWait, call_with_retry
 from weightserve.client._update import TensorUpdate, iter_updates
 from weightserve.client.errors import RevisionNotFound, WeightserveError
 from weightserve.client.transports.http import HttpTransport
-from weightserve.client.wire.delta import PATCH, WHOLE, apply_patch
+from weightserve.client.wire.file_patch import (
+    SAFETENSORS_SUFFIX,
+    SafetensorsLayout,
+    apply_update,
+    close_mapping,
+    copy_range,
+    header_length,
+    local_layout,
+    parse_safetensors_header,
+    patchable,
+    update_line_bytes,
+)
 from weightserve.client.wire.routes import split_revision, with_revision
 
-SAFETENSORS_SUFFIX = ".safetensors"
-# A header larger than this is no header a writer makes: the file is fetched whole instead.
-MAX_HEADER_BYTES = 100 << 20
-_COPY_BLOCK = 64 << 20
-
 log = logging.getLogger("weightserve.client")
-
-# name -> (dtype code, shape, begin, end), the offsets relative to the data's start
-TensorLayout = dict[str, tuple[str, tuple[int, ...], int, int]]
-
-
-@dataclass(frozen=True)
-class SafetensorsLayout:
-    """A safetensors file's header bytes (length prefix included) and its tensors' places."""
-
-    header: bytes
-    tensors: TensorLayout
-
-    @property
-    def data_start(self) -> int:
-        return len(self.header)
 
 
 @dataclass
@@ -83,41 +72,6 @@ class _Patched:
     remote: SafetensorsLayout
     mapping: mmap.mmap | None = None
     applied: set[str] = field(default_factory=set)
-
-
-def parse_safetensors_header(raw: bytes) -> SafetensorsLayout | None:
-    """The layout a safetensors header (length prefix included) describes, or None when it is
-    not one."""
-    if len(raw) < 8 or len(raw) != 8 + int.from_bytes(raw[:8], "little"):
-        return None
-    try:
-        found = json.loads(raw[8:])
-    except ValueError:
-        return None
-    if not isinstance(found, dict):
-        return None
-    tensors: TensorLayout = {}
-    for name, info in found.items():
-        if name == "__metadata__":
-            continue
-        try:
-            begin, end = (int(x) for x in info["data_offsets"])
-            tensors[name] = (str(info["dtype"]), tuple(int(x) for x in info["shape"]), begin, end)
-        except (KeyError, TypeError, ValueError):
-            return None
-    return SafetensorsLayout(raw, tensors)
-
-
-def _local_layout(path: Path) -> SafetensorsLayout | None:
-    try:
-        with open(path, "rb") as f:
-            prefix = f.read(8)
-            length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
-            if not 0 <= length <= min(MAX_HEADER_BYTES, path.stat().st_size - 8):
-                return None
-            return parse_safetensors_header(prefix + f.read(length))
-    except OSError:
-        return None
 
 
 class PullSince:
@@ -211,14 +165,11 @@ class PullSince:
             return None
         if not p.target.is_file():
             return None
-        local = _local_layout(p.target)
+        local = local_layout(p.target)
         if local is None:
             return None
         remote = self._remote_layout(p.file)
-        if remote is None or remote.tensors != local.tensors:
-            return None
-        local_data = p.target.stat().st_size - local.data_start
-        if p.file.size - remote.data_start != local_data:
+        if remote is None or not patchable(local, p.target.stat().st_size, remote, p.file.size):
             return None
         return _Patched(p, local, remote)
 
@@ -226,8 +177,8 @@ class PullSince:
         if file.size < 8:
             return None
         prefix = self._read_range(file.name, 0, 8)
-        length = int.from_bytes(prefix, "little")
-        if length > min(MAX_HEADER_BYTES, file.size - 8):
+        length = header_length(prefix, file.size)
+        if length is None:
             return None
         return parse_safetensors_header(prefix + self._read_range(file.name, 8, length))
 
@@ -303,7 +254,7 @@ class PullSince:
                     dst.truncate(size)
                     dst.write(patched.remote.header)
                     dst.flush()
-                    _copy_range(
+                    copy_range(
                         src.fileno(), dst.fileno(), patched.local.data_start,
                         patched.remote.data_start, size - patched.remote.data_start,
                     )  # fmt: skip
@@ -323,19 +274,11 @@ class PullSince:
         self, updates: Iterator[TensorUpdate], places: dict[str, list[tuple[_Patched, np.ndarray]]]
     ) -> None:
         for update in updates:
-            header = update.header
-            line = len(json.dumps(header.to_json(), separators=(",", ":"))) + 1
-            self._count(line + update.wire_bytes)
+            self._count(update_line_bytes(update.header) + update.wire_bytes)
             for patched, view in places.get(update.name, ()):
-                if header.nbytes != view.size:
-                    continue  # not this tensor after all: the file's digest says so
-                if update.kind == WHOLE:
-                    assert update.data is not None
-                    view[:] = np.frombuffer(update.data, dtype=np.uint8)
-                elif update.kind == PATCH:
-                    assert update.positions is not None and update.values is not None
-                    apply_patch(view, header, update.positions, update.values)
-                patched.applied.add(update.name)
+                # An update of another size is not this tensor's: the file's digest says so.
+                if apply_update(view, update):
+                    patched.applied.add(update.name)
 
     def _finish(self, patched: _Patched) -> None:
         p = patched.planned
@@ -363,35 +306,8 @@ class PullSince:
 
 
 def _close(patched: _Patched) -> None:
-    if patched.mapping is not None:
-        patched.mapping.flush()
-        with contextlib.suppress(BufferError):  # views may still be alive: closed when they go
-            patched.mapping.close()
-        patched.mapping = None
-
-
-def _copy_range(src: int, dst: int, src_offset: int, dst_offset: int, count: int) -> None:
-    """``count`` bytes from ``src`` at ``src_offset`` to ``dst`` at ``dst_offset``: in the
-    kernel (a reflink where the file system shares blocks), else through a buffer."""
-    done = 0
-    while done < count:
-        try:
-            n = os.copy_file_range(
-                src, dst, min(_COPY_BLOCK, count - done), src_offset + done, dst_offset + done
-            )
-        except OSError as e:
-            if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-                raise
-            break
-        if n == 0:
-            break
-        done += n
-    while done < count:
-        block = os.pread(src, min(_COPY_BLOCK, count - done), src_offset + done)
-        if not block:
-            raise OSError(errno.EIO, f"the local file ended {count - done} bytes early")
-        os.pwrite(dst, block, dst_offset + done)
-        done += len(block)
+    close_mapping(patched.mapping)
+    patched.mapping = None
 
 
 def pull_since(

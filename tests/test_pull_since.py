@@ -16,8 +16,8 @@ from tests import test_delta
 from tests.test_cli import run_cli
 from weightserve.client._client import Client
 from weightserve.client._download import STATE_FILE
-from weightserve.client._pull_since import parse_safetensors_header
 from weightserve.client.wire.dtypes import from_numpy_dtype
+from weightserve.client.wire.file_patch import parse_safetensors_header
 from weightserve.client.wire.safetensors_layout import LayoutEntry, safetensors_header
 from weightserve.service.server import WeightServer
 

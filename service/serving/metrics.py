@@ -116,7 +116,8 @@ NODE_CACHE_METRICS = (
      "origin_failures"),
     ("weightserve_origin_bytes_total", "counter",
      "Bytes taken from the origin, by kind: fill (a model's files), header (metadata of a model "
-     "not cached), file (a side file fetched alone)", "origin_bytes_by_kind"),
+     "not cached), file (a side file fetched alone), patch (an upstream's delta stream and "
+     "headers a changed file was built from)", "origin_bytes_by_kind"),
     ("weightserve_cache_fills_total", "counter", "Models filled (or refreshed) from the origin",
      "fills"),
     ("weightserve_cache_fill_failures_total", "counter", "Fills that failed", "fill_failures"),

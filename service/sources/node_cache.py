@@ -52,6 +52,7 @@ from weightserve.client.errors import (
     WeightserveError,
 )
 from weightserve.service.sources.layout import hub_repo_file, split_gguf_model
+from weightserve.service.sources.patched_files import build_from_patches
 from weightserve.service.sources.revisions import DigestStore, FileChanged, hash_file
 from weightserve.service.sources.stamps import FileStamp, file_stamp
 
@@ -808,8 +809,13 @@ class NodeCache:
     ) -> None:
         try:
             self._release_evicted()  # the room made for this fill, freed before it is written
-            for file in sorted(stale, key=lambda f: f.name):
-                self._fetch_file(model_id, file, fill)
+            built = self._build_patched(model_id, files, stale)
+            try:
+                for file in sorted(stale, key=lambda f: f.name):
+                    self._fetch_file(model_id, file, fill, built.pop(file.name, None))
+            finally:
+                for partial, _ in built.values():  # a fill that failed before placing them
+                    partial.unlink(missing_ok=True)
             self._finish(model_id, files)
         except BaseException as e:
             fill.error = e
@@ -825,9 +831,31 @@ class NodeCache:
                 self.stats.fill_seconds += time.monotonic() - fill.started
             fill.finished.set()
 
-    def _fetch_file(self, model_id: str, file: OriginFile, fill: _Fill) -> None:
+    def _partial(self, file: OriginFile) -> Path:
         target = self.data_dir / file.name
-        partial = target.with_name(f".{target.name}{PARTIAL_MARK}{secrets.token_hex(6)}")
+        return target.with_name(f".{target.name}{PARTIAL_MARK}{secrets.token_hex(6)}")
+
+    def _build_patched(
+        self, model_id: str, files: list[OriginFile], stale: list[OriginFile]
+    ) -> dict[str, tuple[Path, str]]:
+        """The stale files built here from the held copy and the upstream's patch (a whole
+        copy held, an upstream weightserve): by name, the built file and its digest."""
+        with self._lock:
+            state = self._states.get(model_id)
+            if state is None or not state.complete:
+                return {}
+            held = [(name, r.size, r.version) for name, r in state.files.items()]
+        return build_from_patches(
+            self.origin, model_id, held, files, stale, self.data_dir, self._partial
+        )
+
+    def _fetch_file(
+        self, model_id: str, file: OriginFile, fill: _Fill, built: tuple[Path, str] | None = None
+    ) -> None:
+        """Fetch ``file`` and put it in place with its fill record; ``built``: its bytes are
+        already here (a file built from a patch, and its digest), only to be put in place."""
+        target = self.data_dir / file.name
+        partial = built[0] if built is not None else self._partial(file)
 
         landed = 0  # this file's bytes counted in the fill's progress
 
@@ -838,9 +866,14 @@ class NodeCache:
                 landed += n
                 self.stats.origin_bytes += n
 
+        digest: str | None = None
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
-            while True:
+            if built is not None:
+                digest = built[1]
+                with self._lock:  # progress counts the file; origin_bytes only what was fetched
+                    fill.done_bytes += file.size
+            while built is None:
                 with self._lock:
                     fill.writing = file.size
                 landing = fill.landing.get(file.name)

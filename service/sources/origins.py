@@ -38,6 +38,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import pyarrow.fs as pafs
 import xxhash
 
+from weightserve.client._update import TensorUpdate, UpdateTarget, iter_updates
 from weightserve.client.errors import (
     NotFound,
     OriginChanged,
@@ -95,8 +96,9 @@ class ObjectVersion(OriginFile):
 
 ORIGIN_REQUEST_KINDS = ("list", "head", "get", "watch")  # watch: a follower's connection
 # What bytes taken from the origin were for: a model's fill, the header reads that describe a
-# model not cached (service/sources/headers.py), a side file fetched alone.
-ORIGIN_BYTE_KINDS = ("fill", "header", "file")
+# model not cached (service/sources/headers.py), a side file fetched alone, an upstream's
+# delta stream and new headers a changed file was built from (service/sources/patched_files.py).
+ORIGIN_BYTE_KINDS = ("fill", "header", "file", "patch")
 
 
 class OriginRequests:
@@ -905,6 +907,20 @@ class UpstreamOrigin:
 
     def version_id(self, file: OriginFile) -> str | None:
         return None  # an upstream serves the revisions it holds: ask it for ID@R
+
+    def open_delta(
+        self, file: OriginFile, since: str, revision: str
+    ) -> tuple[UpdateTarget, Iterator[TensorUpdate]]:
+        """The upstream's delta stream (docs/protocol.md, "Delta updates") of the model
+        ``file`` belongs to, from commit ``since`` to ``revision``; NotFound from an upstream
+        too old to have the route."""
+        model, _ = self._split(file.name)
+        return self._attempt(
+            f"open the update of {model}",
+            lambda: self.requests.call(
+                "get", lambda: iter_updates(self.transport, model, since, revision)
+            ),
+        )
 
     def close(self) -> None:
         self.transport.close()

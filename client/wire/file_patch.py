@@ -1,0 +1,161 @@
+"""A safetensors file patched in place of a fetch, the pieces both the client's ``pull --since``
+and a node cache's fill use: a file's tensor layout from its header, the local data copied in
+the kernel, and one tensor's update (client/wire/delta.py) written into its bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from weightserve.client.wire.delta import PATCH, WHOLE, DeltaHeader, apply_patch
+
+SAFETENSORS_SUFFIX = ".safetensors"
+# A header larger than this is no header a writer makes: the file is fetched whole instead.
+MAX_HEADER_BYTES = 100 << 20
+_COPY_BLOCK = 64 << 20
+
+# name -> (dtype code, shape, begin, end), the offsets relative to the data's start
+TensorLayout = dict[str, tuple[str, tuple[int, ...], int, int]]
+
+
+@dataclass(frozen=True)
+class SafetensorsLayout:
+    """A safetensors file's header bytes (length prefix included) and its tensors' places."""
+
+    header: bytes
+    tensors: TensorLayout
+
+    @property
+    def data_start(self) -> int:
+        return len(self.header)
+
+
+class TensorBytesUpdate(Protocol):
+    """One tensor's update as the delta stream gives it (client/_update.py TensorUpdate)."""
+
+    @property
+    def kind(self) -> str: ...
+    @property
+    def header(self) -> DeltaHeader: ...
+    @property
+    def positions(self) -> np.ndarray | None: ...
+    @property
+    def values(self) -> np.ndarray | None: ...
+    @property
+    def data(self) -> bytes | None: ...
+
+
+def parse_safetensors_header(raw: bytes) -> SafetensorsLayout | None:
+    """The layout a safetensors header (length prefix included) describes, or None when it is
+    not one."""
+    if len(raw) < 8 or len(raw) != 8 + int.from_bytes(raw[:8], "little"):
+        return None
+    try:
+        found = json.loads(raw[8:])
+    except ValueError:
+        return None
+    if not isinstance(found, dict):
+        return None
+    tensors: TensorLayout = {}
+    for name, info in found.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = (int(x) for x in info["data_offsets"])
+            tensors[name] = (str(info["dtype"]), tuple(int(x) for x in info["shape"]), begin, end)
+        except (KeyError, TypeError, ValueError):
+            return None
+    return SafetensorsLayout(raw, tensors)
+
+
+def local_layout(path: Path) -> SafetensorsLayout | None:
+    """The layout of the safetensors file at ``path``, or None when it is not one."""
+    try:
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+            if not 0 <= length <= min(MAX_HEADER_BYTES, path.stat().st_size - 8):
+                return None
+            return parse_safetensors_header(prefix + f.read(length))
+    except OSError:
+        return None
+
+
+def header_length(prefix: bytes, file_size: int) -> int | None:
+    """The header's length from a file's first 8 bytes, None where no writer makes it."""
+    if len(prefix) != 8:
+        return None
+    length = int.from_bytes(prefix, "little")
+    return length if length <= min(MAX_HEADER_BYTES, file_size - 8) else None
+
+
+def patchable(
+    local: SafetensorsLayout, local_size: int, remote: SafetensorsLayout, remote_size: int
+) -> bool:
+    """Whether the new file has the local one's tensors at the same places (only the header
+    and tensor bytes may differ), so it can be built from it."""
+    return (
+        remote.tensors == local.tensors
+        and remote_size - remote.data_start == local_size - local.data_start
+    )
+
+
+def apply_update(view: np.ndarray, update: TensorBytesUpdate) -> bool:
+    """Write one tensor's update into ``view``, its bytes in the file (writable uint8); False
+    when the update is not of this tensor's size (the file's digest then says so)."""
+    header = update.header
+    if header.nbytes != view.size:
+        return False
+    if update.kind == WHOLE:
+        assert update.data is not None
+        view[:] = np.frombuffer(update.data, dtype=np.uint8)
+    elif update.kind == PATCH:
+        assert update.positions is not None and update.values is not None
+        apply_patch(view, header, update.positions, update.values)
+    return True
+
+
+def update_line_bytes(header: DeltaHeader) -> int:
+    """What a tensor's header line took on the wire (its newline included)."""
+    return len(json.dumps(header.to_json(), separators=(",", ":"))) + 1
+
+
+def close_mapping(mapping: mmap.mmap | None) -> None:
+    """Flush and close a file's mapping written through views of it."""
+    if mapping is not None:
+        mapping.flush()
+        with contextlib.suppress(BufferError):  # views may still be alive: closed when they go
+            mapping.close()
+
+
+def copy_range(src: int, dst: int, src_offset: int, dst_offset: int, count: int) -> None:
+    """``count`` bytes from ``src`` at ``src_offset`` to ``dst`` at ``dst_offset``: in the
+    kernel (a reflink where the file system shares blocks), else through a buffer."""
+    done = 0
+    while done < count:
+        try:
+            n = os.copy_file_range(
+                src, dst, min(_COPY_BLOCK, count - done), src_offset + done, dst_offset + done
+            )
+        except OSError as e:
+            if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            break
+        if n == 0:
+            break
+        done += n
+    while done < count:
+        block = os.pread(src, min(_COPY_BLOCK, count - done), src_offset + done)
+        if not block:
+            raise OSError(errno.EIO, f"the local file ended {count - done} bytes early")
+        os.pwrite(dst, block, dst_offset + done)
+        done += len(block)

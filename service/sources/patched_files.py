@@ -1,0 +1,209 @@
+"""A node cache's changed safetensors files built from its copy of the base revision and the
+upstream's delta stream, so an upstream weightserve sends patches, not files: the held file
+copied in the kernel, the new header written, each tensor's update applied at its offset, the
+result checked against the upstream's ETag before the fill puts it in place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from weightserve.client._update import TensorUpdate
+from weightserve.client.errors import WeightserveError
+from weightserve.client.wire.file_patch import (
+    SAFETENSORS_SUFFIX,
+    SafetensorsLayout,
+    apply_update,
+    close_mapping,
+    copy_range,
+    header_length,
+    local_layout,
+    parse_safetensors_header,
+    patchable,
+    update_line_bytes,
+)
+from weightserve.service.sources.origins import Origin, OriginFile, UpstreamOrigin
+from weightserve.service.sources.past_revisions import model_file_name
+from weightserve.service.sources.revisions import COMMIT_CHARS, content_revision, hash_file
+from weightserve.service.sources.stamps import file_stamp
+
+log = logging.getLogger("weightserve.node_cache")
+
+PATCH_BYTES = "patch"  # the kind the upstream's bytes for this are counted under
+
+
+@dataclass
+class _Building:
+    """One file being built: its new version, the held copy, where it is built, both layouts."""
+
+    file: OriginFile
+    held: Path
+    partial: Path
+    local: SafetensorsLayout
+    remote: SafetensorsLayout
+    mapping: mmap.mmap | None = None
+    applied: set[str] = field(default_factory=set)
+
+
+def commit_of(model_id: str, files: Iterable[tuple[str, int, str]]) -> str:
+    """The commit of a model's files given as (origin name, size, version): the upstream's
+    name for that revision (service/sources/revisions.py content_revision)."""
+    named = ((model_file_name(model_id, name), size, version) for name, size, version in files)
+    return content_revision(named)[:COMMIT_CHARS]
+
+
+def build_from_patches(
+    origin: Origin,
+    model_id: str,
+    held: list[tuple[str, int, str]],
+    files: list[OriginFile],
+    stale: list[OriginFile],
+    data_dir: Path,
+    partial_for: Callable[[OriginFile], Path],
+) -> dict[str, tuple[Path, str]]:
+    """Build each of ``stale`` that can be: a safetensors file of the model held (``held``: the
+    whole copy's files as (name, size, version)) whose tensor layout the new version keeps.
+    Returns, by name, the built file (``partial_for(file)``, not yet in place) and its
+    xxh3-128, which is its listed version; any other file is left to be fetched whole."""
+    if not isinstance(origin, UpstreamOrigin):
+        return {}  # only a weightserve upstream serves the delta stream
+    versions = {name: version for name, _, version in held}
+    candidates = [
+        f
+        for f in stale
+        if f.name.endswith(SAFETENSORS_SUFFIX) and versions.get(f.name, f.version) != f.version
+    ]
+    if not candidates:
+        return {}
+    building: list[_Building] = []
+    try:
+        for file in candidates:
+            found = _buildable(origin, file, data_dir / file.name, partial_for(file))
+            if found is not None:
+                building.append(found)
+        if not building:
+            return {}
+        since, target = commit_of(model_id, held), commit_of(model_id, _named(files))
+        return _build(origin, model_id, building, since, target)
+    except WeightserveError as e:
+        log.warning(
+            "building %r from the upstream's patches failed (%s); fetching whole", model_id, e
+        )
+        _discard(building)
+        return {}
+    except OSError as e:
+        log.warning("building %r from patches failed (%s); fetching whole", model_id, e)
+        _discard(building)
+        return {}
+
+
+def _named(files: Iterable[OriginFile]) -> Iterator[tuple[str, int, str]]:
+    return ((f.name, f.size, f.version) for f in files)
+
+
+def _buildable(
+    origin: UpstreamOrigin, file: OriginFile, held: Path, partial: Path
+) -> _Building | None:
+    """The file to build, when the held copy is a safetensors file with the new one's layout."""
+    local = local_layout(held)
+    if local is None or file.size < 8:
+        return None
+    prefix = origin.read_range(file, 0, 8)
+    origin.requests.received(PATCH_BYTES, len(prefix))
+    length = header_length(prefix, file.size)
+    if length is None:
+        return None
+    rest = origin.read_range(file, 8, length)
+    origin.requests.received(PATCH_BYTES, len(rest))
+    remote = parse_safetensors_header(prefix + rest)
+    if remote is None or not patchable(local, held.stat().st_size, remote, file.size):
+        return None
+    return _Building(file, held, partial, local, remote)
+
+
+def _build(
+    origin: UpstreamOrigin, model_id: str, building: list[_Building], since: str, target: str
+) -> dict[str, tuple[Path, str]]:
+    update, updates = origin.open_delta(building[0].file, since, target)
+    if not update.base or not update.commit.startswith(target):
+        # The upstream no longer holds the base, or moved on: the files come whole.
+        with contextlib.suppress(WeightserveError):
+            updates.close()
+        _discard(building)
+        return {}
+    try:
+        places = _open_copies(building)
+        try:
+            _apply(origin, updates, places)
+        except WeightserveError as e:  # the stream was cut: what it did not reach comes whole
+            log.warning("the update of %r stopped (%s); fetching the rest whole", model_id, e)
+        finally:
+            updates.close()
+            places.clear()  # no view of a mapping outlives it
+        built: dict[str, tuple[Path, str]] = {}
+        for b in building:
+            _close(b)
+            digest = hash_file(b.partial, file_stamp(b.partial.stat()))
+            if b.applied >= set(b.remote.tensors) and digest == b.file.version:
+                built[b.file.name] = (b.partial, digest)
+                continue
+            log.warning(
+                "%s built from the held copy and the upstream's patch is %s, not the listed %s "
+                "(the held copy was not the base); fetching it whole",
+                b.file.name, digest, b.file.version,
+            )  # fmt: skip
+            b.partial.unlink(missing_ok=True)
+        return built
+    except BaseException:
+        _discard(building)
+        raise
+
+
+def _open_copies(building: list[_Building]) -> dict[str, list[tuple[_Building, np.ndarray]]]:
+    """Each file's copy: the new header, then the held data copied without reading it
+    through this process; the tensors' places in them by name."""
+    places: dict[str, list[tuple[_Building, np.ndarray]]] = {}
+    for b in building:
+        size = b.file.size
+        with open(b.held, "rb") as src, open(b.partial, "w+b") as dst:
+            dst.truncate(size)
+            dst.write(b.remote.header)
+            dst.flush()
+            count = size - b.remote.data_start
+            copy_range(src.fileno(), dst.fileno(), b.local.data_start, b.remote.data_start, count)
+            b.mapping = mmap.mmap(dst.fileno(), size)
+        data = np.frombuffer(b.mapping, dtype=np.uint8)
+        for name, (_, _, begin, end) in b.remote.tensors.items():
+            view = data[b.remote.data_start + begin : b.remote.data_start + end]
+            places.setdefault(name, []).append((b, view))
+    return places
+
+
+def _apply(
+    origin: UpstreamOrigin,
+    updates: Iterator[TensorUpdate],
+    places: dict[str, list[tuple[_Building, np.ndarray]]],
+) -> None:
+    for update in updates:
+        origin.requests.received(PATCH_BYTES, update_line_bytes(update.header) + update.wire_bytes)
+        for b, view in places.get(update.name, ()):
+            if apply_update(view, update):
+                b.applied.add(update.name)
+
+
+def _close(b: _Building) -> None:
+    close_mapping(b.mapping)
+    b.mapping = None
+
+
+def _discard(building: list[_Building]) -> None:
+    for b in building:
+        _close(b)
+        b.partial.unlink(missing_ok=True)

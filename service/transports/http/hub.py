@@ -190,13 +190,18 @@ class HubRepos:
 
         if revision in ("", DEFAULT_REVISION):
             return main()
-        if metadata and not _COMMIT_LIKE.fullmatch(revision):
-            # A ref (not a commit) may name main: main is described first. A commit goes
-            # straight to the revision it names: over object storage describing main would
-            # fill it, and a node holding room for one copy would trade it for R's, forever.
-            current = main()  # a node cache's model, described before its fill
-            if revision in (current.revision, current.commit):
-                return current
+        if metadata:
+            if _COMMIT_LIKE.fullmatch(revision):
+                # A commit is compared with main only where main's commit is known before a
+                # fill (an upstream's listing): over object storage describing main would fill
+                # it, and a node with room for one copy would trade it for R's, forever.
+                listed = state.readable_metadata(caller, repo_id)  # no file: never a fill
+                if listed.commit and revision in (listed.revision, listed.commit):
+                    return main()
+            else:
+                current = main()  # a node cache's model, described before its fill
+                if revision in (current.revision, current.commit):
+                    return current
         if any(c in revision for c in _NOT_IN_IDS):  # refs/pr/1: reachable by commit only
             current = main()  # an unknown repo: RepoNotFound first
             raise RevisionNotFound(

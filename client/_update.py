@@ -24,11 +24,11 @@ from weightserve.client.wire.delta import (
     SAME,
     WHOLE,
     DeltaHeader,
-    apply_patch,
     patch_positions,
     patch_values,
 )
 from weightserve.client.wire.dtypes import from_numpy_dtype, numpy_dtype
+from weightserve.client.wire.file_patch import apply_update
 from weightserve.client.wire.routes import MAIN_REVISION, http_model_path
 
 
@@ -123,12 +123,7 @@ def apply_updates(
             else:
                 wrong.append(update.name)
             continue
-        if update.kind == WHOLE:
-            assert update.data is not None
-            target[:] = np.frombuffer(update.data, dtype=np.uint8)
-        elif update.kind == PATCH:
-            assert update.positions is not None and update.values is not None
-            apply_patch(target, header, update.positions, update.values)
+        apply_update(target, update)  # same size: _bytes_of checked dtype and shape
         if xxhash.xxh3_128_hexdigest(memoryview(target.data)) != header.digest:
             wrong.append(update.name)
     if wrong:

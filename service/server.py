@@ -269,14 +269,13 @@ class WeightServer:
         self.state = ServiceState(self.catalog, config.limits, tokens, config.protect_metrics)
         self.state.allow_publish = config.allow_publish
         if isinstance(self.catalog, Catalog):  # revisions are published into a local root
-            revisions = self.state.metrics.revisions
             self.state.publisher = Publisher(
                 self.catalog,
                 DirectoryStore(self.catalog.root),
                 config.max_upload_bytes,
                 config.keep_revisions,
                 on_published=self._published,
-                on_removed=lambda model, commit: revisions.labels("removed").inc(),
+                on_removed=lambda model, commit: self._count_revision("removed"),
             )
             self.state.revision_log = self.state.publisher
         # A node cache announces a model's revision once it holds it, and follows an
@@ -316,7 +315,7 @@ class WeightServer:
 
     def _published(self, model_id: str, record: dict) -> None:
         """A new revision is main: counted, and every watcher of the model told."""
-        self.state.metrics.revisions.labels("published").inc()
+        self._count_revision("published")
         self.state.feed.announce(model_id, record)
 
     # The ports bound (0: not listening, or not yet).

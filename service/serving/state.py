@@ -20,6 +20,7 @@ from weightserve.service.serving.metrics import Metrics, NodeCacheCollector
 from weightserve.service.sources.base import ModelSource, RevisionLog
 from weightserve.service.sources.model import Model
 from weightserve.service.sources.published import Publisher
+from weightserve.service.sources.revision_stores import revision_record
 
 
 @dataclass
@@ -156,14 +157,7 @@ class ServiceState:
             return self.publisher.revisions(model_id)
         current = self.readable_model(access, model_id)
         return [
-            {
-                "commit": current.commit,
-                "parent": None,
-                "created": 0.0,
-                "bytes": sum(f.size for f in current.repo_files.values()),
-                "message": "",
-                "metadata": {},
-            }
+            revision_record(current.commit, size=sum(f.size for f in current.repo_files.values()))
         ]
 
     def wait_for_streams(self, timeout: float) -> bool:

@@ -64,6 +64,7 @@ from weightserve.service.sources.past_revisions import (
     revision_of,
 )
 from weightserve.service.sources.pinning import pick_revision
+from weightserve.service.sources.revision_stores import revision_record
 from weightserve.service.sources.revisions import (
     COMMIT_CHARS,
     REVISION_CHARS,
@@ -828,10 +829,7 @@ class OriginCatalog:
         """A revision record: the upstream's (parent, message, metadata) where it announced
         this commit, else one with just what the node knows."""
         upstream = self._upstream_records.get((model_id, commit))
-        record: dict[str, Any] = {
-            "commit": commit, "parent": None, "created": 0.0, "bytes": size,
-            "message": "", "metadata": {},
-        }  # fmt: skip
+        record = revision_record(commit, size=size)
         if upstream is not None:
             record.update({k: upstream[k] for k in record if k in upstream and k != "bytes"})
         return record

@@ -42,7 +42,11 @@ from weightserve.service.sources.layout import INDEX_NAME, is_served_name, valid
 from weightserve.service.sources.local import Catalog
 from weightserve.service.sources.model import Model
 from weightserve.service.sources.patched_tensors import apply_patch_file, copy_range
-from weightserve.service.sources.revision_stores import INCOMING_PREFIX, RevisionStore
+from weightserve.service.sources.revision_stores import (
+    INCOMING_PREFIX,
+    RevisionStore,
+    revision_record,
+)
 from weightserve.service.sources.revisions import DigestStore
 
 log = logging.getLogger("weightserve.publish")
@@ -254,14 +258,14 @@ class Publisher:
         parent = self.store.main(upload.folder)
         if upload.base is not None:
             parent = upload.base.commit
-        record = {
-            "commit": commit,
-            "parent": parent,
-            "created": time.time(),
-            "bytes": sum(f.size for f in model.repo_files.values()),
-            "message": upload.message,
-            "metadata": upload.metadata,
-        }
+        record = revision_record(
+            commit,
+            parent=parent,
+            created=time.time(),
+            size=sum(f.size for f in model.repo_files.values()),
+            message=upload.message,
+            metadata=upload.metadata,
+        )
         if self.store.holds(upload.folder, commit):  # the same content again: main moves to it
             record = self.store.record(upload.folder, commit) or record
         else:
@@ -289,6 +293,14 @@ class Publisher:
                 f"the publish of {upload.model_id!r} is refused: {problem.reason}",
             )
         model = checked.models.get(MODEL_PART)
+        if model is None and any(m.startswith(MODEL_PART + "/") for m in checked.models):
+            # Each .gguf in a model's folder is served as a model of its own (ORG/NAME/F.gguf),
+            # so a publish of ORG/NAME cannot consist of GGUF files.
+            raise InvalidRequest(
+                f"the publish of {upload.model_id!r} holds only GGUF files, and a GGUF file is "
+                "served as a model of its own (ORG/NAME/FILE.gguf), not as ORG/NAME: publish "
+                "safetensors or PyTorch weights, or tensors"
+            )
         if model is None:
             raise InvalidRequest(
                 f"the publish of {upload.model_id!r} holds no weights (a safetensors, GGUF or "
@@ -378,14 +390,11 @@ class Publisher:
         if not found:
             model = self.catalog.get(plain)
             return [
-                {
-                    "commit": model.commit,
-                    "parent": None,
-                    "created": max((s.mtime_ns for s in model.stamps.values()), default=0) / 1e9,
-                    "bytes": sum(f.size for f in model.repo_files.values()),
-                    "message": "",
-                    "metadata": {},
-                }
+                revision_record(
+                    model.commit,
+                    created=max((s.mtime_ns for s in model.stamps.values()), default=0) / 1e9,
+                    size=sum(f.size for f in model.repo_files.values()),
+                )
             ]
         main = self.store.main(folder) if folder is not None else None
         found.sort(key=lambda r: (r["commit"] == main, r.get("created", 0)), reverse=True)

@@ -96,8 +96,7 @@ class DirectoryStore:
             return found if isinstance(found, dict) else None
         with contextlib.suppress(OSError):  # a snapshot without a record: what is known
             created = (self.root / folder / "snapshots" / commit).stat().st_mtime
-            return {"commit": commit, "parent": None, "created": created, "bytes": 0,
-                    "message": "", "metadata": {}}  # fmt: skip
+            return revision_record(commit, created=created)
         return None
 
     def remove(self, folder: str, commit: str) -> None:
@@ -174,6 +173,27 @@ class BucketStore:
             self.fs.delete_dir(self._key(folder, "snapshots", commit))
         with contextlib.suppress(OSError):
             self.fs.delete_file(self._key(folder, RECORDS_DIR, f"{commit}.json"))
+
+
+def revision_record(
+    commit: str,
+    *,
+    parent: str | None = None,
+    created: float = 0.0,
+    size: int = 0,
+    message: str = "",
+    metadata: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A revision's record, as ``.revisions/COMMIT.json`` holds it and the revisions routes and
+    watches list it: what is not known stays at its empty value."""
+    return {
+        "commit": commit,
+        "parent": parent,
+        "created": created,
+        "bytes": size,
+        "message": message,
+        "metadata": {} if metadata is None else metadata,
+    }
 
 
 def write_atomically(path: Path, text: str) -> None:

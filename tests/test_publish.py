@@ -24,9 +24,15 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from tests.support._util import http_request
+from tests.support.fixtures_gguf import write_mixed
 from weightserve.client import _cli
 from weightserve.client._client import Client
-from weightserve.client.errors import CheckpointError, PermissionDenied, RevisionNotFound
+from weightserve.client.errors import (
+    CheckpointError,
+    InvalidRequest,
+    PermissionDenied,
+    RevisionNotFound,
+)
 from weightserve.service.server import ServerConfig, WeightServer
 
 PLANES = ("http", "grpc", "handoff")
@@ -133,6 +139,18 @@ def test_a_malformed_publish_is_refused_and_main_stays(server, root: Path) -> No
             c.publish("team/policy", weights(2), base="0" * 40)
         assert c.model("team/policy").commit == good.commit
         assert [r.commit for r in c.revisions("team/policy")] == [good.commit]
+    assert leftovers(root) == []
+
+
+def test_a_publish_of_gguf_files_alone_says_a_gguf_file_is_a_model_of_its_own(
+    server, root: Path, tmp_path: Path
+) -> None:
+    write_mixed(tmp_path / "model.gguf")
+    with (
+        Client(server.http_url) as c,
+        pytest.raises(InvalidRequest, match="served as a model of its own"),
+    ):
+        c.publish("team/quant", files={"model.gguf": tmp_path / "model.gguf"})
     assert leftovers(root) == []
 
 

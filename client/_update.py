@@ -24,31 +24,13 @@ from weightserve.client.wire.delta import (
     SAME,
     WHOLE,
     DeltaHeader,
+    TensorUpdate,
     patch_positions,
     patch_values,
 )
 from weightserve.client.wire.dtypes import from_numpy_dtype, numpy_dtype
 from weightserve.client.wire.file_patch import apply_update
 from weightserve.client.wire.routes import MAIN_REVISION, http_model_path
-
-
-@dataclass(frozen=True)
-class TensorUpdate:
-    """One tensor's part of an update: ``kind`` ``same`` (nothing to do), ``patch``
-    (``positions``: the changed elements' indices, ``values``: their new bits as unsigned
-    integers of the element's size) or ``whole`` (``data``: every byte)."""
-
-    name: str
-    kind: str
-    header: DeltaHeader
-    positions: np.ndarray | None = None
-    values: np.ndarray | None = None
-    data: bytes | None = None
-
-    @property
-    def wire_bytes(self) -> int:
-        """What this tensor's update cost on the wire, its header line aside."""
-        return self.header.payload_bytes
 
 
 @dataclass(frozen=True)

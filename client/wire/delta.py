@@ -54,6 +54,25 @@ class DeltaHeader:
         return cls(**{k: v for k, v in body.items() if k in known})
 
 
+@dataclass(frozen=True)
+class TensorUpdate:
+    """One tensor's part of an update: ``kind`` ``same`` (nothing to do), ``patch``
+    (``positions``: the changed elements' indices, ``values``: their new bits as unsigned
+    integers of the element's size) or ``whole`` (``data``: every byte)."""
+
+    name: str
+    kind: str
+    header: DeltaHeader
+    positions: np.ndarray | None = None
+    values: np.ndarray | None = None
+    data: bytes | None = None
+
+    @property
+    def wire_bytes(self) -> int:
+        """What this tensor's update cost on the wire, its header line aside."""
+        return self.header.payload_bytes
+
+
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 

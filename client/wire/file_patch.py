@@ -12,11 +12,10 @@ import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 
-from weightserve.client.wire.delta import PATCH, WHOLE, DeltaHeader, apply_patch
+from weightserve.client.wire.delta import PATCH, WHOLE, DeltaHeader, TensorUpdate, apply_patch
 
 SAFETENSORS_SUFFIX = ".safetensors"
 # A header larger than this is no header a writer makes: the file is fetched whole instead.
@@ -37,21 +36,6 @@ class SafetensorsLayout:
     @property
     def data_start(self) -> int:
         return len(self.header)
-
-
-class TensorBytesUpdate(Protocol):
-    """One tensor's update as the delta stream gives it (client/_update.py TensorUpdate)."""
-
-    @property
-    def kind(self) -> str: ...
-    @property
-    def header(self) -> DeltaHeader: ...
-    @property
-    def positions(self) -> np.ndarray | None: ...
-    @property
-    def values(self) -> np.ndarray | None: ...
-    @property
-    def data(self) -> bytes | None: ...
 
 
 def parse_safetensors_header(raw: bytes) -> SafetensorsLayout | None:
@@ -109,7 +93,7 @@ def patchable(
     )
 
 
-def apply_update(view: np.ndarray, update: TensorBytesUpdate) -> bool:
+def apply_update(view: np.ndarray, update: TensorUpdate) -> bool:
     """Write one tensor's update into ``view``, its bytes in the file (writable uint8); False
     when the update is not of this tensor's size (the file's digest then says so)."""
     header = update.header
@@ -137,6 +121,10 @@ def close_mapping(mapping: mmap.mmap | None) -> None:
             mapping.close()
 
 
+class SourceEnded(OSError):
+    """The source of a copy ended before the range it was to give."""
+
+
 def copy_range(src: int, dst: int, src_offset: int, dst_offset: int, count: int) -> None:
     """``count`` bytes from ``src`` at ``src_offset`` to ``dst`` at ``dst_offset``: in the
     kernel (a reflink where the file system shares blocks), else through a buffer."""
@@ -156,6 +144,6 @@ def copy_range(src: int, dst: int, src_offset: int, dst_offset: int, count: int)
     while done < count:
         block = os.pread(src, min(_COPY_BLOCK, count - done), src_offset + done)
         if not block:
-            raise OSError(errno.EIO, f"the local file ended {count - done} bytes early")
+            raise SourceEnded(errno.EIO, f"the source file ended {count - done} bytes early")
         os.pwrite(dst, block, dst_offset + done)
         done += len(block)

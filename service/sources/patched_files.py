@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from weightserve.client._update import TensorUpdate
 from weightserve.client.errors import WeightserveError
+from weightserve.client.wire.delta import TensorUpdate
 from weightserve.client.wire.file_patch import (
     SAFETENSORS_SUFFIX,
     SafetensorsLayout,

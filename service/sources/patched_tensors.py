@@ -29,11 +29,12 @@ from weightserve.client.wire.delta import (
     patch_positions,
     patch_values,
 )
+from weightserve.client.wire.file_patch import SourceEnded
+from weightserve.client.wire.file_patch import copy_range as copy_file_range
 from weightserve.client.wire.safetensors_layout import LayoutEntry, safetensors_header
 from weightserve.service.readers.base import TensorEntry
 from weightserve.service.sources.model import Model
 
-COPY_BLOCK = 64 << 20
 MAX_HEADER_LINE = 1 << 20  # one tensor's JSON line; longer is not a delta stream
 CODECS = ("", "zstd")
 ELEMENT_SIZES = (1, 2, 4, 8)
@@ -217,10 +218,12 @@ def _decode(source: BinaryIO, part: PatchPart) -> tuple[np.ndarray, np.ndarray]:
 
 
 def copy_range(source: int, target: int, offset: int, length: int, name: str) -> None:
-    """``length`` bytes of ``source`` from ``offset`` appended to ``target``, in the kernel."""
-    done = 0
-    while done < length:
-        n = os.copy_file_range(source, target, min(COPY_BLOCK, length - done), offset + done)
-        if n == 0:
-            raise CheckpointError(name, "a tensor's bytes end before the file says they do")
-        done += n
+    """``length`` bytes of ``source`` from ``offset`` appended to ``target`` at its position
+    (moved past them), in the kernel where it can; a source that ends early is a checkpoint
+    error naming ``name``."""
+    at = os.lseek(target, 0, os.SEEK_CUR)
+    try:
+        copy_file_range(source, target, offset, at, length)
+    except SourceEnded:
+        raise CheckpointError(name, "a tensor's bytes end before the file says they do") from None
+    os.lseek(target, at + length, os.SEEK_SET)

@@ -18,6 +18,10 @@ from weightserve.client.wire.dtypes import wire_dtype
 
 CODEC = "zstd"
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+# Elements compared at a time: the chunk's flags stay in the CPU's cache, where finding the few
+# set ones is cheap (docs/performance.md, "Delta updates on a trained model").
+COMPARE_CHUNK = 1 << 18
+_GAP_TYPES = (np.uint8, np.uint16, np.uint32, np.uint64)
 
 
 @dataclass(frozen=True)
@@ -54,20 +58,17 @@ def plan_delta(
     whole = DeltaEntry(DeltaHeader(kind=WHOLE, **common), (new,))
     if old is None or old.nbytes != new.nbytes:
         return whole
-    if xxhash.xxh3_128_hexdigest(old) == digest:
-        return DeltaEntry(DeltaHeader(kind=SAME, **common), ())
     element = np.dtype(_UNSIGNED[element_size])
     usable = new.nbytes - new.nbytes % element.itemsize
-    a = np.frombuffer(old, dtype=np.uint8)[:usable].view(element)
-    b = np.frombuffer(new, dtype=np.uint8)[:usable].view(element)
-    changed = np.flatnonzero(a != b)
     tail = new.nbytes - usable  # a packed tensor's last partial element: bytes
     if tail and bytes(old[usable:]) != bytes(new[usable:]):
         return whole
-    gaps = np.diff(changed, prepend=0)
-    gap_type = np.uint32 if gaps.size == 0 or int(gaps.max()) < 1 << 32 else np.uint64
-    positions = pa.compress(gaps.astype(gap_type).tobytes(), codec=CODEC, asbytes=True)
-    raw_values = b[changed].tobytes()
+    b = np.frombuffer(new, dtype=np.uint8)[:usable].view(element)
+    gaps, changed = changed_elements(np.frombuffer(old, dtype=np.uint8)[:usable].view(element), b)
+    if changed.size == 0:
+        return DeltaEntry(DeltaHeader(kind=SAME, **common), ())
+    positions = pa.compress(gaps.tobytes(), codec=CODEC, asbytes=True)
+    raw_values = changed.tobytes()
     packed = pa.compress(raw_values, codec=CODEC, asbytes=True)
     values, values_codec = (packed, CODEC) if len(packed) < len(raw_values) else (raw_values, "")
     if len(positions) + len(values) >= new.nbytes:
@@ -76,7 +77,7 @@ def plan_delta(
         kind=PATCH,
         count=int(changed.size),
         element_bytes=element.itemsize,
-        gap_bytes=np.dtype(gap_type).itemsize,
+        gap_bytes=gaps.itemsize,
         positions_bytes=len(positions),
         values_bytes=len(values),
         values_raw_bytes=len(raw_values),
@@ -84,3 +85,32 @@ def plan_delta(
         **common,
     )
     return DeltaEntry(header, (positions, values))
+
+
+def changed_elements(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where ``new`` differs from ``old`` (arrays of one shape) as gaps between the changed
+    elements (the first gap is the first index), in the narrowest unsigned integer that holds
+    them, and the changed elements of ``new``. Chunk by chunk, never an index per element of
+    the whole tensor at once."""
+    flags = np.empty(min(COMPARE_CHUNK, new.size), dtype=bool)
+    every = np.arange(flags.size, dtype=np.int64)
+    gaps: list[np.ndarray] = []
+    values: list[np.ndarray] = []
+    last = widest = 0  # the last changed index so far; the widest gap
+    for start in range(0, new.size, COMPARE_CHUNK):
+        stop = min(start + COMPARE_CHUNK, new.size)
+        chunk = flags[: stop - start]
+        np.not_equal(old[start:stop], new[start:stop], out=chunk)
+        count = int(np.count_nonzero(chunk))
+        if not count:
+            continue
+        indices = every[: chunk.size] if count == chunk.size else np.flatnonzero(chunk)
+        chunk_gaps = np.diff(indices, prepend=last - start)
+        widest = max(widest, int(chunk_gaps.max()))
+        gaps.append(chunk_gaps.astype(np.uint64 if widest >> 32 else np.uint32))
+        values.append(new[start:stop] if count == chunk.size else new[start:stop][indices])
+        last = start + int(indices[-1])
+    gap_type = next(t for t in _GAP_TYPES if widest <= np.iinfo(t).max)
+    if not gaps:
+        return np.empty(0, dtype=gap_type), new[:0]
+    return np.concatenate(gaps, dtype=gap_type, casting="unsafe"), np.concatenate(values)

@@ -3,17 +3,22 @@ cheapest of nothing (same bytes), an element patch (positions and new values) or
 tensor; computed once per (A, B) pair and kept for every worker that asks.
 
 An element is the dtype's item (2 bytes for bfloat16, 1 for int8 and for quantized GGUF
-blocks, which are patched as bytes). Positions are gaps between changed elements (uint32,
-uint64 where a gap does not fit), compressed with zstd; values are the changed elements'
+blocks, which are patched as bytes). Positions are gaps between changed elements (the
+narrowest unsigned integer that holds them), compressed with zstd; values are the changed elements'
 new bytes, compressed where that pays. Each entry carries the target tensor's xxh3-128, which
 the client checks after applying it. The wire format is docs/protocol.md, "Delta updates".
+Patches are kept in memory (least recently used dropped first) and, between revisions
+published under a local root, on disk beside them (``KeptDeltas``): a restart diffs nothing
+again.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 
@@ -21,9 +26,16 @@ from weightserve.client.wire.delta import WHOLE
 from weightserve.client.wire.delta_plan import DeltaEntry, element_bytes, header_line, plan_delta
 from weightserve.client.wire.dtypes import wire_dtype
 from weightserve.service.readers.base import TensorEntry
+from weightserve.service.serving.metrics import Metrics
 from weightserve.service.sources.model import Model
+from weightserve.service.sources.revision_stores import KeptDeltas, KeptDeltaWriter
+
+log = logging.getLogger("weightserve.delta")
 
 CACHE_BYTES = 1 << 30  # patches kept in memory, least recently used dropped first
+LOADED_PAIRS = 8  # kept pair files held mapped and checked, least recently used dropped first
+# Where a served entry came from (weightserve_delta_served_total's ``source``).
+FROM_MEMORY, FROM_DISK, COMPUTED = "memory", "disk", "computed"
 
 
 def tensor_bytes(model: Model, entry: TensorEntry) -> memoryview:
@@ -59,35 +71,72 @@ def plan_entry(name: str, target: Model, base: Model | None) -> DeltaEntry:
 
 class DeltaCache:
     """Patches by (base commit, target commit, tensor), computed once for every worker;
-    whole tensors are not kept (they are read from the mapping again)."""
+    whole tensors are not kept (they are read from the mapping again). With ``kept`` (a local
+    root's ``KeptDeltas``), a pair of published revisions streamed to its end is written beside
+    them, and read from there once it is no longer in memory."""
 
-    def __init__(self, limit_bytes: int = CACHE_BYTES) -> None:
+    def __init__(
+        self,
+        limit_bytes: int = CACHE_BYTES,
+        kept: KeptDeltas | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
         self.limit_bytes = limit_bytes
+        self.kept = kept
+        self.metrics = metrics
         self._entries: OrderedDict[tuple[str, str, str], DeltaEntry] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
         self._computing: dict[tuple[str, str, str], threading.Lock] = {}
+        # Kept pair files read and checked, by path: (the file's identity, its entries).
+        self._loaded: OrderedDict[Path, tuple[tuple[int, int], dict[str, DeltaEntry]]] = (
+            OrderedDict()
+        )
+        self._writing: set[Path] = set()  # pairs one stream is writing to disk now
         self.computed = 0  # entries computed (not found kept): one per (base, target, tensor)
 
-    def entry(self, name: str, target: Model, base: Model | None) -> DeltaEntry:
+    def entry(
+        self,
+        name: str,
+        target: Model,
+        base: Model | None,
+        kept: dict[str, DeltaEntry] | None = None,
+    ) -> DeltaEntry:
+        """Tensor ``name``'s entry: from memory, else from the pair's kept file (``kept``),
+        else computed (once, however many workers ask at the same time)."""
         key = (base.commit if base is not None else "", target.commit, name)
         with self._lock:
             found = self._entries.get(key)
             if found is not None:
                 self._entries.move_to_end(key)
+                self._count(FROM_MEMORY)
                 return found
+        on_disk = kept.get(name) if kept is not None else None
+        if on_disk is not None and on_disk.header.nbytes == target.tensors[name].nbytes:
+            self._count(FROM_DISK)
+            return on_disk
+        with self._lock:
             computing = self._computing.setdefault(key, threading.Lock())
+        source = FROM_MEMORY
         with computing:  # concurrent workers asking for one patch compute it once
             with self._lock:
                 found = self._entries.get(key)
             if found is None:
                 found = plan_entry(name, target, base)
                 self._keep(key, found)
+                source = COMPUTED
                 with self._lock:
                     self.computed += 1
         with self._lock:
             self._computing.pop(key, None)
+        self._count(source)
         return found
+
+    def _count(self, source: str) -> None:
+        if self.metrics is not None:
+            self.metrics.delta_served.labels(source).inc()
+            if source == COMPUTED:
+                self.metrics.delta_computed.inc()
 
     def _keep(self, key: tuple[str, str, str], entry: DeltaEntry) -> None:
         if entry.header.kind == WHOLE:
@@ -103,10 +152,82 @@ class DeltaCache:
 
     def stream(self, target: Model, base: Model | None) -> Iterator[bytes | memoryview]:
         """The delta stream: per tensor of ``target``, one header line and its payload."""
-        for name, entry in target.tensors.items():
-            found = self.entry(name, target, base)
-            yield header_line(found.header)
-            if found.header.kind == WHOLE:
-                yield tensor_bytes(target, entry)
-            else:
-                yield from found.payload
+        path = self.kept.pair(base, target) if self.kept is not None and base is not None else None
+        kept = self._load(path) if path is not None else None
+        writer = self._claim(path) if path is not None and kept is None else None
+        claimed = writer is not None
+        try:
+            for name, entry in target.tensors.items():
+                found = self.entry(name, target, base, kept)
+                if writer is not None:
+                    writer = self._write(writer, found)
+                yield header_line(found.header)
+                if found.header.kind == WHOLE:
+                    yield tensor_bytes(target, entry)
+                else:
+                    yield from found.payload
+            if writer is not None:
+                self._finish(writer, target)
+                writer = None
+        finally:
+            if writer is not None:  # the stream was cut: nothing half written is kept
+                writer.discard()
+            if claimed:
+                with self._lock:
+                    self._writing.discard(path)
+
+    def _load(self, path: Path) -> dict[str, DeltaEntry] | None:
+        """The pair's kept entries, read and checked once while the file stays the same."""
+        assert self.kept is not None
+        with self._lock:
+            loaded = self._loaded.get(path)
+        if loaded is not None:
+            try:
+                stat = path.stat()
+            except OSError:
+                stat = None
+            if stat is not None and (stat.st_ino, stat.st_size) == loaded[0]:
+                with self._lock:
+                    self._loaded.move_to_end(path)
+                return loaded[1]
+        found = self.kept.load(path)
+        with self._lock:
+            self._loaded.pop(path, None)
+            if found is not None:
+                self._loaded[path] = found
+                while len(self._loaded) > LOADED_PAIRS:
+                    self._loaded.popitem(last=False)
+        return found[1] if found is not None else None
+
+    def _claim(self, path: Path) -> KeptDeltaWriter | None:
+        """A writer of the pair's file, for the one stream that writes it."""
+        assert self.kept is not None
+        with self._lock:
+            if path in self._writing:
+                return None
+            self._writing.add(path)
+        try:
+            return self.kept.writer(path)
+        except OSError as e:
+            log.warning("the delta %s cannot be kept on disk: %s", path.name, e)
+            with self._lock:
+                self._writing.discard(path)
+            return None
+
+    @staticmethod
+    def _write(writer: KeptDeltaWriter, entry: DeltaEntry) -> KeptDeltaWriter | None:
+        try:
+            writer.add(entry)
+            return writer
+        except OSError as e:  # a full disk costs the copy on disk, never the stream
+            log.warning("the delta %s is not kept on disk: %s", writer.path.name, e)
+            writer.discard()
+            return None
+
+    def _finish(self, writer: KeptDeltaWriter, target: Model) -> None:
+        assert self.kept is not None
+        try:
+            self.kept.keep(writer, sum(f.size for f in target.repo_files.values()))
+        except OSError as e:
+            log.warning("the delta %s is not kept on disk: %s", writer.path.name, e)
+            writer.discard()

@@ -269,14 +269,16 @@ class WeightServer:
         self.state = ServiceState(self.catalog, config.limits, tokens, config.protect_metrics)
         self.state.allow_publish = config.allow_publish
         if isinstance(self.catalog, Catalog):  # revisions are published into a local root
+            store = DirectoryStore(self.catalog.root)
             self.state.publisher = Publisher(
                 self.catalog,
-                DirectoryStore(self.catalog.root),
+                store,
                 config.max_upload_bytes,
                 config.keep_revisions,
                 on_published=self._published,
                 on_removed=lambda model, commit: self._count_revision("removed"),
             )
+            self.state.deltas.kept = store.deltas  # patches between them kept beside them
             self.state.revision_log = self.state.publisher
         # A node cache announces a model's revision once it holds it, and follows an
         # upstream weightserve by watching it (service/sources/follow.py).

@@ -98,6 +98,18 @@ class Metrics:
             ["event"],
             registry=self.registry,
         )
+        self.delta_computed = Counter(
+            "weightserve_delta_computed_total",
+            "Delta entries computed (one per base, target and tensor: a diff)",
+            registry=self.registry,
+        )
+        self.delta_served = Counter(
+            "weightserve_delta_served_total",
+            "Delta entries served, by source: memory (kept in memory), disk (kept beside the "
+            "revisions), computed (diffed for this request or one it waited on)",
+            ["source"],
+            registry=self.registry,
+        )
         # One recorder per transport: a request resolves no label there (see CallRecorder).
         self.http = CallRecorder(self, "http")
         self.grpc = CallRecorder(self, "grpc")

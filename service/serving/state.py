@@ -55,11 +55,13 @@ class ServiceState:
         self.publisher: Publisher | None = None  # set by the server for a local root
         self.allow_publish = False  # publishes without a token file (--allow-publish)
         self.feed = RevisionFeed()  # watchers of published revisions
-        self.deltas = DeltaCache()  # patches between revisions, computed once for all
         # What the watch routes announce: the publisher, or a node cache's catalog.
         self.revision_log: RevisionLog | None = None
         self._per_client: dict[str, int] = {}
         self.metrics = Metrics()
+        # Patches between revisions, computed once for all (kept on disk: the server sets
+        # ``deltas.kept`` for a local root it publishes into).
+        self.deltas = DeltaCache(metrics=self.metrics)
         self.draining = False
         self.warming = False  # content revisions of the models found at start being computed
         self.flight_port = 0  # set when the Flight endpoint runs; GetServerInfo reports it

@@ -6,23 +6,39 @@ A repository folder (``models--ORG--NAME``) holds ``snapshots/COMMIT/`` (the rev
 files), ``.revisions/COMMIT.json`` (its record) and ``refs/main`` (the commit that is main).
 Writes go in that order, ``refs/main`` last and whole (a rename on a disk; one PUT in a
 bucket, which S3 applies atomically), so a reader never sees main name an incomplete revision.
+Under a local root, ``.revisions/deltas/BASE..TARGET.delta`` keeps the delta stream's patches
+between two revisions (``KeptDeltas``), computed once and bounded by the revisions they join.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import mmap
 import os
 import shutil
+import struct
 import uuid
 from pathlib import Path
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 import pyarrow.fs as pafs
+import xxhash
+
+from weightserve.client.wire.delta import PATCH, DeltaHeader
+from weightserve.client.wire.delta_plan import DeltaEntry, header_line
+from weightserve.service.sources.model import Model
+
+log = logging.getLogger("weightserve.publish")
 
 INCOMING_PREFIX = ".incoming-"
 RECORDS_DIR = ".revisions"
 COPY_BLOCK = 8 << 20
+DELTAS_DIR = "deltas"  # under RECORDS_DIR: BASE..TARGET.delta, one file per pair
+DELTA_SUFFIX = ".delta"
+DELTA_FORMAT = "weightserve-kept-delta/1"
+FOOTER_SIZE = "<Q"  # the file ends with its last line's length, so it is found from the end
 
 
 class RevisionStore(Protocol):
@@ -62,6 +78,7 @@ class DirectoryStore:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.description = str(root)
+        self.deltas = KeptDeltas(root)
 
     def staging(self, folder: str) -> Path:
         return self.root / folder / "snapshots" / f"{INCOMING_PREFIX}{uuid.uuid4().hex}"
@@ -103,6 +120,7 @@ class DirectoryStore:
         shutil.rmtree(self.root / folder / "snapshots" / commit, ignore_errors=True)
         with contextlib.suppress(FileNotFoundError):
             (self.root / folder / RECORDS_DIR / f"{commit}.json").unlink()
+        self.deltas.remove(self.root / folder, commit)
 
 
 class BucketStore:
@@ -175,6 +193,207 @@ class BucketStore:
             self.fs.delete_file(self._key(folder, RECORDS_DIR, f"{commit}.json"))
 
 
+class KeptDeltas:
+    """The delta stream's patches between two published revisions of a local root, kept beside
+    them so that a restarted server serves them without diffing again.
+
+    One file per (base, target) pair, ``REPO/.revisions/deltas/BASE..TARGET.delta``: a first
+    line naming the format and the pair, then per tensor of the target its delta header line
+    and, for a patch, its positions and values (a whole tensor's bytes are the target's own
+    file: its header only), then a last line with the tensor count, the bytes before it and
+    their xxh3-128, and that line's length (8 bytes, little-endian). Written aside and renamed
+    whole; one that does not check out is removed (and computed again). The files into one
+    revision together take at most that revision's bytes (the least recently used dropped
+    first), and a revision's retention removes the files from and to it: deltas never take
+    more disk than the revisions they join.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._remove_leftovers()
+
+    def pair(self, base: Model, target: Model) -> Path | None:
+        """Where the pair's file is kept: None unless both are published revisions of one
+        repository under the root (a plain model's patches are kept in memory only)."""
+        snapshots = target.path.parent
+        if (
+            snapshots.name != "snapshots"
+            or base.path.parent != snapshots
+            or snapshots.parent.parent != self.root
+            or target.path.name != target.commit
+            or base.path.name != base.commit
+            or base.commit == target.commit
+        ):
+            return None
+        records = snapshots.parent / RECORDS_DIR
+        if not all((records / f"{c}.json").is_file() for c in (base.commit, target.commit)):
+            return None
+        return records / DELTAS_DIR / f"{base.commit}..{target.commit}{DELTA_SUFFIX}"
+
+    def load(self, path: Path) -> tuple[tuple[int, int], dict[str, DeltaEntry]] | None:
+        """The pair's entries by tensor name, their payloads views of the file's mapping, with
+        the file's identity (inode, size); None when it is not kept. A file that does not
+        check out (cut short, changed, another pair's) is removed: the pair is computed again."""
+        try:
+            with open(path, "rb") as f:
+                stat = os.fstat(f.fileno())
+                mapping = (
+                    mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if stat.st_size else None
+                )
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            log.warning("kept delta %s cannot be read (%s): computed again", path.name, e)
+            return None
+        try:
+            if mapping is None:
+                raise ValueError("the file is empty")
+            entries = _parse_kept(mapping, path.name.removesuffix(DELTA_SUFFIX).split(".."))
+        except (ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
+            log.warning("kept delta %s removed, computed again: %s", path.name, e)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(path)  # used now: the bound drops the least recently used first
+        return (stat.st_ino, stat.st_size), entries
+
+    def writer(self, path: Path) -> KeptDeltaWriter:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return KeptDeltaWriter(path)
+
+    def keep(self, writer: KeptDeltaWriter, limit_bytes: int) -> None:
+        """Finish the pair's file and put it in place; then hold the files into its target to
+        ``limit_bytes``. A file whose revisions went meanwhile (retention) goes too."""
+        path = writer.finish()
+        base, target = path.name.removesuffix(DELTA_SUFFIX).split("..")
+        snapshots = path.parent.parent.parent / "snapshots"
+        if not ((snapshots / base).is_dir() and (snapshots / target).is_dir()):
+            path.unlink(missing_ok=True)
+            return
+        kept = []
+        for other in path.parent.glob(f"*..{target}{DELTA_SUFFIX}"):
+            with contextlib.suppress(OSError):
+                stat = other.stat()
+                kept.append((stat.st_mtime_ns, stat.st_size, other))
+        total = sum(size for _, size, _ in kept)
+        for _, size, other in sorted(kept, key=lambda k: (k[0], k[2] == path)):
+            if total <= limit_bytes:
+                break
+            other.unlink(missing_ok=True)
+            total -= size
+            log.info("kept delta %s dropped: the deltas into %s are held to its %d bytes",
+                     other.name, target[:16], limit_bytes)  # fmt: skip
+
+    def remove(self, repository: Path, commit: str) -> None:
+        """The files from and to ``commit`` (retention removed it)."""
+        deltas = repository / RECORDS_DIR / DELTAS_DIR
+        for pattern in (f"{commit}..*{DELTA_SUFFIX}", f"*..{commit}{DELTA_SUFFIX}"):
+            for path in deltas.glob(pattern):
+                path.unlink(missing_ok=True)
+
+    def _remove_leftovers(self) -> None:
+        """Files a killed process was writing, and pairs whose revisions are gone."""
+        for deltas in self.root.glob(f"models--*/{RECORDS_DIR}/{DELTAS_DIR}"):
+            snapshots = deltas.parent.parent / "snapshots"
+            for path in deltas.iterdir():
+                pair = path.name.removesuffix(DELTA_SUFFIX).split("..")
+                if path.name.startswith(".") or not all((snapshots / c).is_dir() for c in pair):
+                    path.unlink(missing_ok=True)
+
+
+class KeptDeltaWriter:
+    """One pair's file being written, entry by entry as the delta stream serves them, aside
+    (a hidden name beside it) until ``finish`` renames it into place."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+        # Open across the stream's tensors: closed by finish or discard.
+        self._file: IO[bytes] = open(self.temporary, "wb")  # noqa: SIM115
+        self._digest = xxhash.xxh3_128()
+        self._written = 0
+        self._tensors = 0
+        base, target = path.name.removesuffix(DELTA_SUFFIX).split("..")
+        self._write(_json_line({"format": DELTA_FORMAT, "base": base, "target": target}))
+
+    def _write(self, data: bytes | memoryview) -> None:
+        self._file.write(data)
+        self._digest.update(data)
+        self._written += len(data)
+
+    def add(self, entry: DeltaEntry) -> None:
+        self._write(header_line(entry.header))
+        if entry.header.kind == PATCH:
+            for part in entry.payload:
+                self._write(part)
+        self._tensors += 1
+
+    def finish(self) -> Path:
+        footer = {"tensors": self._tensors, "bytes": self._written}
+        line = _json_line({**footer, "xxh3": self._digest.hexdigest()})
+        self._file.write(line + struct.pack(FOOTER_SIZE, len(line)))
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self.temporary, self.path)
+        _sync_directory(self.path.parent)
+        return self.path
+
+    def discard(self) -> None:
+        self._file.close()
+        self.temporary.unlink(missing_ok=True)
+
+
+def _json_line(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, separators=(",", ":")).encode() + b"\n"
+
+
+def _parse_kept(mapping: mmap.mmap, pair: list[str]) -> dict[str, DeltaEntry]:
+    """A kept pair's entries, checked: its digest, its pair, every payload inside the file."""
+    footer_at = len(mapping) - struct.calcsize(FOOTER_SIZE)
+    if footer_at < 0:
+        raise ValueError("cut short")
+    (footer_size,) = struct.unpack_from(FOOTER_SIZE, mapping, footer_at)
+    body_end = footer_at - footer_size
+    if body_end < 0:
+        raise ValueError("cut short")
+    footer = json.loads(mapping[body_end:footer_at])
+    view = memoryview(mapping)
+    if footer["bytes"] != body_end or xxhash.xxh3_128_hexdigest(view[:body_end]) != footer["xxh3"]:
+        raise ValueError("its bytes do not match its digest")
+    position = mapping.find(b"\n") + 1
+    first = json.loads(mapping[:position])
+    if first.get("format") != DELTA_FORMAT or [first["base"], first["target"]] != pair:
+        raise ValueError(f"not a {DELTA_FORMAT} file of this pair")
+    entries: dict[str, DeltaEntry] = {}
+    while position < body_end:
+        line_end = mapping.find(b"\n", position, body_end) + 1
+        if line_end <= 0:
+            raise ValueError("an entry is cut short")
+        header = DeltaHeader.from_json(json.loads(mapping[position:line_end]))
+        position = line_end
+        payload: tuple[memoryview, ...] = ()
+        if header.kind == PATCH:
+            values_at = position + header.positions_bytes
+            position = values_at + header.values_bytes
+            payload = (view[line_end:values_at], view[values_at:position])
+        if position > body_end:
+            raise ValueError(f"the patch of {header.name!r} runs past the file")
+        entries[header.name] = DeltaEntry(header, payload)
+    if len(entries) != footer["tensors"]:
+        raise ValueError(f"{len(entries)} entries where {footer['tensors']} were written")
+    return entries
+
+
+def _sync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def revision_record(
     commit: str,
     *,
@@ -205,8 +424,4 @@ def write_atomically(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(temporary, path)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+    _sync_directory(path.parent)

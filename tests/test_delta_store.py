@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
+import signal
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support._util import http_request
+from tests.test_cli import clean_env, start_server
 from tests.test_delta import first_weights
 from weightserve.client._client import Client
 from weightserve.service.server import ServerConfig, WeightServer
@@ -51,18 +53,18 @@ def step(weights: dict[str, np.ndarray], density: float, seed: int) -> dict[str,
     return nxt
 
 
-def delta_body(server: WeightServer, since: str, revision: str = "main") -> bytes:
-    reply = http_request(
-        server.http_port, f"/v1/models/{MODEL}/-/delta?since={since}&revision={revision}"
-    )
+def delta_body(server: WeightServer | int, since: str, revision: str = "main") -> bytes:
+    port = server if isinstance(server, int) else server.http_port
+    reply = http_request(port, f"/v1/models/{MODEL}/-/delta?since={since}&revision={revision}")
     assert reply.status == 200, reply.body[:300]
     return reply.body
 
 
-def served(server: WeightServer) -> Counter[str]:
+def served(server: WeightServer | int) -> Counter[str]:
     """``weightserve_delta_served_total`` by source, with ``computed_total`` as "diffs"."""
     counts: Counter[str] = Counter()
-    text = http_request(server.http_port, "/metrics").body.decode()
+    port = server if isinstance(server, int) else server.http_port
+    text = http_request(port, "/metrics").body.decode()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "weightserve_delta_served_total":
@@ -113,6 +115,32 @@ def test_a_restarted_server_serves_a_kept_delta_without_diffing(tmp_path: Path) 
             assert model.last_update["patch"] >= 1 and model.last_update["refetched"] == 0
             r2_weights = step(first_weights(), 0.01, 1)
             assert all(state[n].tobytes() == a.tobytes() for n, a in r2_weights.items())
+
+
+def test_a_killed_server_process_restarted_serves_the_kept_delta(tmp_path: Path) -> None:
+    """``weightserve serve`` as a process: SIGKILLed after serving a pair, started again on
+    the same root, it serves the same bytes from disk."""
+    root = tmp_path / "root"
+    root.mkdir()
+    args = [str(root), "--http-port", "0", "--grpc-port", "0", "--allow-publish", "--no-watch"]
+    process = start_server(args, clean_env(), tmp_path)
+    try:
+        port = int(process.http.rsplit(":", 1)[1])
+        with Client(process.http) as c:
+            r1 = c.publish(MODEL, first_weights()).commit
+            c.publish(MODEL, step(first_weights(), 0.01, 1), base=r1)
+        body = delta_body(port, r1)
+        assert served(port)["computed"] == 4
+    finally:
+        process.proc.send_signal(signal.SIGKILL)
+        process.proc.wait(timeout=10)
+    process = start_server(args, clean_env(), tmp_path)
+    try:
+        port = int(process.http.rsplit(":", 1)[1])
+        assert delta_body(port, r1) == body
+        assert served(port) == Counter(disk=4)
+    finally:
+        process.stop()
 
 
 @pytest.mark.parametrize("damage", ["cut short", "a byte changed", "empty"])

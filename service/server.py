@@ -30,7 +30,12 @@ from weightserve.service.sources.node_cache import NodeCache
 from weightserve.service.sources.origin import OriginCatalog
 from weightserve.service.sources.origins import FileSystemOrigin, OriginFile, open_origin
 from weightserve.service.sources.published import Publisher
-from weightserve.service.sources.revision_stores import BucketStore, DirectoryStore
+from weightserve.service.sources.revision_stores import (
+    DELTAS_DIR,
+    RECORDS_DIR,
+    BucketStore,
+    DirectoryStore,
+)
 from weightserve.service.sources.revisions import DigestStore
 from weightserve.service.transports.flight import FlightListener
 from weightserve.service.transports.grpc import GrpcListener
@@ -532,9 +537,17 @@ class WeightServer:
             import watchfiles
         except ImportError:  # pragma: no cover - a server dependency
             return
+        default_filter = watchfiles.DefaultFilter()
+        kept_deltas = f"/{RECORDS_DIR}/{DELTAS_DIR}/"
+
+        def _catalog_changes(change: watchfiles.Change, path: str) -> bool:
+            # A delta the server keeps beside its revisions changes no model: no rescan.
+            return kept_deltas not in path and default_filter(change, path)
+
         try:
             for _changes in watchfiles.watch(
                 self.catalog.root,
+                watch_filter=_catalog_changes,
                 stop_event=self._stop_rescan,
                 debounce=500,  # a copy in progress is many events: scan once it settles
                 rust_timeout=1000,

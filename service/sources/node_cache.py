@@ -54,7 +54,7 @@ from weightserve.client.errors import (
 from weightserve.service.sources.layout import hub_repo_file, split_gguf_model
 from weightserve.service.sources.patched_files import build_from_patches
 from weightserve.service.sources.revisions import DigestStore, FileChanged, hash_file
-from weightserve.service.sources.stamps import FileStamp, file_stamp
+from weightserve.service.sources.stamps import FileStamp, file_stamp, sync_path
 
 if TYPE_CHECKING:
     from weightserve.service.sources.origins import Origin, OriginFile
@@ -916,7 +916,7 @@ class NodeCache:
                 )
             if digest is None:  # the origin did not hash what it wrote: the record needs it
                 digest = hash_file(partial, file_stamp(partial.stat()))
-            _fsync(partial)
+            sync_path(partial)
             with self._lock:
                 state = self._states[model_id]
                 # Forget the old version before its bytes are replaced: a crash in between
@@ -1292,14 +1292,6 @@ def _lock_directory(directory: Path) -> BinaryIO:
 def _disk_reserve(file_system_bytes: int) -> int:
     """The bytes of a file system never counted as the cache's room."""
     return min(DISK_RESERVE_MAX_BYTES, int(file_system_bytes * DISK_RESERVE_FRACTION))
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _bytes(n: int) -> str:

@@ -29,6 +29,7 @@ import xxhash
 from weightserve.client.wire.delta import PATCH, DeltaHeader
 from weightserve.client.wire.delta_plan import DeltaEntry, header_line
 from weightserve.service.sources.model import Model
+from weightserve.service.sources.stamps import sync_path
 
 log = logging.getLogger("weightserve.publish")
 
@@ -337,7 +338,7 @@ class KeptDeltaWriter:
         os.fsync(self._file.fileno())
         self._file.close()
         os.replace(self.temporary, self.path)
-        _sync_directory(self.path.parent)
+        sync_path(self.path.parent)
         return self.path
 
     def discard(self) -> None:
@@ -386,14 +387,6 @@ def _parse_kept(mapping: mmap.mmap, pair: list[str]) -> dict[str, DeltaEntry]:
     return entries
 
 
-def _sync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def revision_record(
     commit: str,
     *,
@@ -424,4 +417,4 @@ def write_atomically(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(temporary, path)
-    _sync_directory(path.parent)
+    sync_path(path.parent)

@@ -1,5 +1,6 @@
 """A file version's identity: what tells the file a model was indexed from apart from one
-written over it, renamed over it or truncated since."""
+written over it, renamed over it or truncated since; and ``sync_path``, which makes a written
+file or a rename in a directory durable."""
 
 from __future__ import annotations
 
@@ -30,3 +31,12 @@ def file_stamp(st: os.stat_result) -> FileStamp:
 
 def current_stamps(files: Iterable[Path]) -> dict[Path, FileStamp]:
     return {f: file_stamp(f.stat()) for f in files}
+
+
+def sync_path(path: Path) -> None:
+    """fsync a file or a directory by its path (a directory: the renames in it are durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

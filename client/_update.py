@@ -10,7 +10,7 @@ import http.client
 import json
 from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlencode
 
 import numpy as np
@@ -42,11 +42,36 @@ class UpdateTarget:
     base: str  # the commit the server diffed against; "" when it no longer holds ``since``
 
 
+class UpdateStream(Protocol):
+    """What the delta stream is read from: an HTTP response, or its body kept in memory."""
+
+    def readline(self) -> bytes: ...
+    def read(self, n: int) -> bytes: ...
+
+
 def iter_updates(
     transport: Transport, model_id: str, since: str, revision: str | None = None
 ) -> tuple[UpdateTarget, Iterator[TensorUpdate]]:
     """The server's per-tensor answer for a worker holding ``since`` that wants ``revision``
     (default ``main``): the target, and the updates in the model's order."""
+    target, conn, resp = open_updates(transport, model_id, since, revision)
+
+    def updates() -> Iterator[TensorUpdate]:
+        try:
+            yield from read_updates(resp)
+        except (OSError, http.client.HTTPException) as e:
+            raise ServerUnreachable(f"the update of {model_id!r} was cut off: {e!r}") from e
+        finally:
+            conn.close()
+
+    return target, updates()
+
+
+def open_updates(
+    transport: Transport, model_id: str, since: str, revision: str | None = None
+) -> tuple[UpdateTarget, http.client.HTTPConnection, http.client.HTTPResponse]:
+    """The delta stream's response (on a connection of its own, which the caller closes)
+    and the target it leads to."""
     if not isinstance(transport, HttpTransport):
         raise InvalidRequest("updates are fetched over HTTP: use the server's http(s):// URL")
     query = urlencode({"since": since, "revision": revision or MAIN_REVISION})
@@ -56,32 +81,29 @@ def iter_updates(
         revision=resp.getheader("x-weightserve-revision") or "",
         base=resp.getheader("x-weightserve-delta-base") or "",
     )
+    return target, conn, resp
 
-    def updates() -> Iterator[TensorUpdate]:
-        try:
-            while line := resp.readline():
-                header = DeltaHeader.from_json(_json(line))
-                payload = _read_exactly(resp, header.payload_bytes)
-                if header.kind == PATCH:
-                    positions_raw = payload[: header.positions_bytes]
-                    values_raw = payload[header.positions_bytes :]
-                    yield TensorUpdate(
-                        header.name,
-                        PATCH,
-                        header,
-                        positions=patch_positions(header, positions_raw),
-                        values=patch_values(header, values_raw),
-                    )
-                elif header.kind == WHOLE:
-                    yield TensorUpdate(header.name, WHOLE, header, data=payload)
-                else:
-                    yield TensorUpdate(header.name, SAME, header)
-        except (OSError, http.client.HTTPException) as e:
-            raise ServerUnreachable(f"the update of {model_id!r} was cut off: {e!r}") from e
-        finally:
-            conn.close()
 
-    return target, updates()
+def read_updates(stream: UpdateStream) -> Iterator[TensorUpdate]:
+    """The delta stream's tensors, decoded one by one as they are read."""
+    while line := stream.readline():
+        header = DeltaHeader.from_json(_json(line))
+        payload = _read_exactly(stream, header.payload_bytes)
+        if header.kind == PATCH:
+            raw = memoryview(payload)  # sliced without copies
+            positions_raw = raw[: header.positions_bytes]
+            values_raw = raw[header.positions_bytes :]
+            yield TensorUpdate(
+                header.name,
+                PATCH,
+                header,
+                positions=patch_positions(header, positions_raw),
+                values=patch_values(header, values_raw),
+            )
+        elif header.kind == WHOLE:
+            yield TensorUpdate(header.name, WHOLE, header, data=payload)
+        else:
+            yield TensorUpdate(header.name, SAME, header)
 
 
 def apply_updates(
@@ -162,8 +184,8 @@ def _new_array(header: DeltaHeader, data: bytes) -> np.ndarray:
     return np.frombuffer(bytearray(data), dtype=numpy_dtype(header.dtype)).reshape(header.shape)
 
 
-def _read_exactly(resp: http.client.HTTPResponse, n: int) -> bytes:
-    data = resp.read(n) if n else b""
+def _read_exactly(stream: UpdateStream, n: int) -> bytes:
+    data = stream.read(n) if n else b""
     if len(data) != n:
         raise http.client.IncompleteRead(data, n - len(data))
     return data

@@ -1,6 +1,7 @@
 """Element patches of tensors larger than one compare chunk (client/wire/delta_plan.py): an
 update through a real server lands bit for bit where the changes skip whole chunks, fill
-whole chunks, sit on chunk boundaries, or move the last element, with gaps of every width."""
+whole chunks, sit on chunk boundaries, or move the last element, with gaps of every width;
+large tensors planned for the worker's CPU (values raw where many changed, whole where most)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from weightserve.client._client import Client
-from weightserve.client.wire.delta_plan import COMPARE_CHUNK
+from weightserve.client.wire.delta_plan import COMPARE_CHUNK, CPU_BOUND_BYTES
 from weightserve.service.server import ServerConfig, WeightServer
 
 MODEL = "team/chunks"
@@ -60,3 +61,32 @@ def test_patches_across_compare_chunks_land_bit_for_bit(server: WeightServer) ->
         done = model.last_update
         assert (done["patch"], done["whole"], done["refetched"]) == (3, 0, 0)
         assert done["wire_bytes"] < sum(a.nbytes for a in second.values()) // 2
+
+
+def test_large_tensors_are_planned_for_the_workers_cpu(server: WeightServer) -> None:
+    rng = np.random.default_rng(4)
+    size = CPU_BOUND_BYTES // 2  # bfloat16 elements: exactly CPU_BOUND_BYTES
+    first = {
+        name: rng.standard_normal(size).astype(ml_dtypes.bfloat16)
+        for name in ("sparse", "moderate", "dense", "small")
+    }
+    first["small"] = first["small"][:512]
+    second = {name: array.copy() for name, array in first.items()}
+    for name, share in (("sparse", 0.01), ("moderate", 0.2), ("dense", 0.6), ("small", 1.0)):
+        flat = second[name].view(np.uint16)
+        flat[rng.random(flat.size) < share] ^= 1
+    with Client(server.http_url) as c:
+        r1 = c.publish(MODEL, first)
+        c.publish(MODEL, second, base=r1.commit)
+        model = c.model(MODEL)
+        updates = {u.name: u for u in model.iter_updates(since=r1.commit)}
+        state = {name: array.copy() for name, array in first.items()}
+        model.update(state, since=r1.commit)
+        for name, array in second.items():
+            assert state[name].tobytes() == array.tobytes(), name
+    # Few changes: values compressed; a fifth: values raw (zstd decodes them slower than a
+    # worker applies); most: whole; a small tensor takes the fewest bytes, a patch.
+    assert (updates["sparse"].kind, updates["sparse"].header.values_codec) == ("patch", "zstd")
+    assert (updates["moderate"].kind, updates["moderate"].header.values_codec) == ("patch", "")
+    assert updates["dense"].kind == "whole"
+    assert updates["small"].kind == "patch"

@@ -22,6 +22,13 @@ _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 # set ones is cheap (docs/performance.md, "Delta updates on a trained model").
 COMPARE_CHUNK = 1 << 18
 _GAP_TYPES = (np.uint8, np.uint16, np.uint32, np.uint64)
+# From this size on a tensor's patch is planned for the worker's CPU as well as the wire: more
+# than half its elements changed goes whole (scattering them costs more than the bytes saved),
+# and values are compressed only while they are at most VALUES_COMPRESSED_SHARE of it (zstd
+# decodes float bits far slower than a worker applies; docs/performance.md, "Delta updates on
+# a trained model"). Smaller tensors take whichever is fewer bytes.
+CPU_BOUND_BYTES = 64 << 10
+VALUES_COMPRESSED_SHARE = 1 / 16
 
 
 @dataclass(frozen=True)
@@ -50,7 +57,8 @@ def plan_delta(
     element_size: int,
 ) -> DeltaEntry:
     """The cheapest way from ``old`` (None: not held, or another dtype or shape) to ``new``,
-    the tensor's bytes, patched as elements of ``element_size`` bytes."""
+    the tensor's bytes, patched as elements of ``element_size`` bytes (from CPU_BOUND_BYTES
+    on, cheap for the worker's CPU too)."""
     digest = xxhash.xxh3_128_hexdigest(new)
     common = {
         "name": name, "dtype": dtype, "shape": list(shape), "nbytes": new.nbytes, "digest": digest,
@@ -64,13 +72,22 @@ def plan_delta(
     if tail and bytes(old[usable:]) != bytes(new[usable:]):
         return whole
     b = np.frombuffer(new, dtype=np.uint8)[:usable].view(element)
-    gaps, changed = changed_elements(np.frombuffer(old, dtype=np.uint8)[:usable].view(element), b)
+    large = new.nbytes >= CPU_BOUND_BYTES
+    found = changed_elements(
+        np.frombuffer(old, dtype=np.uint8)[:usable].view(element), b, b.size // 2 if large else None
+    )
+    if found is None:
+        return whole
+    gaps, changed = found
     if changed.size == 0:
         return DeltaEntry(DeltaHeader(kind=SAME, **common), ())
     positions = pa.compress(gaps.tobytes(), codec=CODEC, asbytes=True)
     raw_values = changed.tobytes()
-    packed = pa.compress(raw_values, codec=CODEC, asbytes=True)
-    values, values_codec = (packed, CODEC) if len(packed) < len(raw_values) else (raw_values, "")
+    values, values_codec = raw_values, ""
+    if not large or len(raw_values) <= new.nbytes * VALUES_COMPRESSED_SHARE:
+        packed = pa.compress(raw_values, codec=CODEC, asbytes=True)
+        if len(packed) < len(raw_values):
+            values, values_codec = packed, CODEC
     if len(positions) + len(values) >= new.nbytes:
         return whole
     header = DeltaHeader(
@@ -87,30 +104,70 @@ def plan_delta(
     return DeltaEntry(header, (positions, values))
 
 
-def changed_elements(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+@dataclass
+class _Chunk:
+    """One compare chunk's changes: ``gaps[0]``, the gap from the chunk before, is set last."""
+
+    start: int
+    first: int  # the first and last changed index in the tensor
+    last: int
+    gaps: np.ndarray
+    values: np.ndarray
+    widest: int  # the widest gap inside the chunk
+
+
+def changed_elements(
+    old: np.ndarray, new: np.ndarray, limit: int | None = None
+) -> tuple[np.ndarray, np.ndarray] | None:
     """Where ``new`` differs from ``old`` (arrays of one shape) as gaps between the changed
     elements (the first gap is the first index), in the narrowest unsigned integer that holds
-    them, and the changed elements of ``new``. Chunk by chunk, never an index per element of
-    the whole tensor at once."""
+    them, and the changed elements of ``new``; None when more than ``limit`` differ. Chunk by
+    chunk, never an index per element of the whole tensor at once."""
     flags = np.empty(min(COMPARE_CHUNK, new.size), dtype=bool)
-    every = np.arange(flags.size, dtype=np.int64)
-    gaps: list[np.ndarray] = []
-    values: list[np.ndarray] = []
-    last = widest = 0  # the last changed index so far; the widest gap
+    chunks: list[_Chunk] = []
+    dense: list[int] = []  # mostly changed: indexed once ``limit`` is known not to be passed
+    total = 0
     for start in range(0, new.size, COMPARE_CHUNK):
         stop = min(start + COMPARE_CHUNK, new.size)
         chunk = flags[: stop - start]
         np.not_equal(old[start:stop], new[start:stop], out=chunk)
         count = int(np.count_nonzero(chunk))
-        if not count:
-            continue
-        indices = every[: chunk.size] if count == chunk.size else np.flatnonzero(chunk)
-        chunk_gaps = np.diff(indices, prepend=last - start)
-        widest = max(widest, int(chunk_gaps.max()))
-        gaps.append(chunk_gaps.astype(np.uint64 if widest >> 32 else np.uint32))
-        values.append(new[start:stop] if count == chunk.size else new[start:stop][indices])
-        last = start + int(indices[-1])
+        total += count
+        if limit is not None and total > limit:
+            return None
+        if limit is not None and chunk.size > count > chunk.size // 2:
+            dense.append(start)
+        elif count:
+            chunks.append(_changes(chunk, count, start, new))
+    for start in dense:
+        stop = min(start + COMPARE_CHUNK, new.size)
+        chunk = flags[: stop - start]
+        np.not_equal(old[start:stop], new[start:stop], out=chunk)
+        chunks.append(_changes(chunk, int(np.count_nonzero(chunk)), start, new))
+    if dense:
+        chunks.sort(key=lambda c: c.start)
+    last = widest = 0
+    for c in chunks:
+        c.gaps[0] = c.first - last
+        widest = max(widest, c.widest, c.first - last)
+        last = c.last
     gap_type = next(t for t in _GAP_TYPES if widest <= np.iinfo(t).max)
-    if not gaps:
+    if not chunks:
         return np.empty(0, dtype=gap_type), new[:0]
-    return np.concatenate(gaps, dtype=gap_type, casting="unsafe"), np.concatenate(values)
+    gaps = np.concatenate([c.gaps for c in chunks], dtype=gap_type, casting="unsafe")
+    return gaps, np.concatenate([c.values for c in chunks])
+
+
+def _changes(flags: np.ndarray, count: int, start: int, new: np.ndarray) -> _Chunk:
+    """The changes ``flags`` (one chunk's, ``count`` set) mark in ``new`` from ``start``."""
+    stop = start + flags.size
+    # Gaps inside a chunk are below COMPARE_CHUNK; the first one below the tensor's size.
+    gaps = np.empty(count, dtype=np.uint64 if new.size >> 32 else np.uint32)
+    if count == flags.size:  # every element: no index to find
+        gaps.fill(1)
+        return _Chunk(start, start, stop - 1, gaps, new[start:stop], 1)
+    indices = np.flatnonzero(flags)
+    np.subtract(indices[1:], indices[:-1], out=gaps[1:], casting="unsafe")
+    widest = int(gaps[1:].max()) if count > 1 else 0
+    values = new[start:stop][indices]
+    return _Chunk(start, start + int(indices[0]), start + int(indices[-1]), gaps, values, widest)

@@ -139,6 +139,9 @@ def contenders(
             base=base, model_id=MODEL_ID, names=names, requests=args.small_requests_conc)  # fmt: skip
     add("ws_grpc_small_latency_streamtensors", "small", "bench.weightserve_loads:small_requests",
         base=grpc, model_id=MODEL_ID, names=names, requests=args.small_requests, flight=False)  # fmt: skip
+    # The floor: the same GETs from a raw socket, no client library (the server and loopback).
+    add("ws_http_small_latency_rawsocket", "small", "bench.weightserve_loads:small_requests_raw_socket",
+        base=http, model_id=MODEL_ID, names=names, requests=args.small_requests)  # fmt: skip
     if args.only:
         keep = set(args.only.split(","))
         out = [c for c in out if c.key in keep or c.group in keep]

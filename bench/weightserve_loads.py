@@ -8,7 +8,8 @@
   a prefix, or a tensor-parallel shard), default ``FetchOptions`` (2 parallel streams).
   ``flight=False`` keeps a gRPC client on ``StreamTensors`` instead of the Flight endpoint.
 - ``small_requests``: sequential single-tensor fetches of the norm vectors, per-request
-  latency recorded (p50/p99), or just a count for the 8-client throughput run.
+  latency recorded (p50/p99), or just a count for the 8-client throughput run;
+  ``small_requests_raw_socket``: the same GETs from a raw socket, the floor under them.
 
 Every timed load includes building the client and fetching the model index, as a real load
 does. The server runs in its own process (``bench.server``).
@@ -198,14 +199,68 @@ def small_requests(
             latencies[i] = time.perf_counter() - t
             total += next(iter(arrays.values())).nbytes
         client.close()
-        ms = latencies * 1e3
-        return {
-            "bytes": total,
-            "requests": requests,
-            "p50_ms": float(np.percentile(ms, 50)),
-            "p99_ms": float(np.percentile(ms, 99)),
-            "mean_ms": float(ms.mean()),
-        }, None
+        return latency_result(latencies, total), None
+
+    return run
+
+
+def latency_result(latencies: np.ndarray, total: int) -> dict:
+    """A sequential small-request run's figures from each request's seconds."""
+    ms = latencies * 1e3
+    return {
+        "bytes": total,
+        "requests": len(latencies),
+        "p50_ms": float(np.percentile(ms, 50)),
+        "p99_ms": float(np.percentile(ms, 99)),
+        "mean_ms": float(ms.mean()),
+    }
+
+
+def small_requests_raw_socket(base: str, model_id: str, names: list[str], requests: int):
+    """The floor under ``small_requests``: the same GETs (TensorLane's route) prebuilt and
+    written on one kept-alive socket, each answer read by its Content-Length and dropped; no
+    client library, no Arrow, no digest. What the server and the loopback cost alone."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from weightserve.client.wire.routes import http_model_path
+
+    where = urlsplit(base)
+    host, port = where.hostname or "127.0.0.1", where.port or 80
+    gets = [
+        f"GET {http_model_path(model_id, 'tensors', n)} HTTP/1.1\r\nHost: {host}\r\n"
+        "Accept: application/vnd.apache.arrow.stream\r\n\r\n".encode()
+        for n in names
+    ]
+    sock = socket.create_connection((host, port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = bytearray(1 << 20)
+    view = memoryview(buf)
+
+    def one(get: bytes) -> int:
+        sock.sendall(get)
+        have = sock.recv_into(view)
+        while (end := buf.find(b"\r\n\r\n", 0, have)) < 0:
+            have += sock.recv_into(view[have:])
+        head = bytes(buf[:end]).lower()
+        at = head.index(b"content-length:") + 15
+        stop = head.find(b"\r\n", at)
+        size = int(head[at : stop if stop >= 0 else len(head)])
+        while have < end + 4 + size:
+            have += sock.recv_into(view[have:])
+        return size
+
+    one(gets[0])  # warm, as small_requests does
+
+    def run():
+        latencies = np.empty(requests)
+        total = 0
+        for i in range(requests):
+            t = time.perf_counter()
+            total += one(gets[i % len(gets)])
+            latencies[i] = time.perf_counter() - t
+        sock.close()
+        return latency_result(latencies, total), None
 
     return run
 

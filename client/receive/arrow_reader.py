@@ -67,6 +67,10 @@ _MAX_BODY_BEFORE_DATA = 16 << 20
 _SKIP_CHUNK = 64 << 10
 # The metadata of the last schema message that passed read_schema's checks.
 _schema_seen: bytes | None = None
+# Record-batch metadata already parsed and checked -> (its batch, where ``data`` starts):
+# a stream's batches share a few layouts, and a tensor asked for again has the very same.
+_layouts: dict[bytes, tuple[_Batch, int]] = {}
+_MAX_LAYOUTS = 4096
 
 
 class _Malformed(Exception):
@@ -362,18 +366,30 @@ class ArrowChunkReader:
                 self._done = True
                 return None
             try:
-                htype, table, body_length = _parse_message(message[1])
-                if htype != _HEADER_RECORD_BATCH:
-                    raise _Malformed(
-                        f"a {_HEADER_NAMES.get(htype, htype)} message where a RecordBatch belongs"
-                    )
-                batch = _parse_batch(message[1], table, body_length)
-                if batch.length == 0:  # an empty batch carries no chunk; legal, skip it
-                    self._skip(body_length)
-                    continue
-                if batch.length != 1:
-                    raise _Malformed(f"a record batch of {batch.length} rows (need 1 per batch)")
-                data_at = _check_layout(batch)
+                key = bytes(message[1])
+                known = _layouts.get(key)
+                if known is None:
+                    htype, table, body_length = _parse_message(message[1])
+                    if htype != _HEADER_RECORD_BATCH:
+                        raise _Malformed(
+                            f"a {_HEADER_NAMES.get(htype, htype)} message where a RecordBatch "
+                            "belongs"
+                        )
+                    batch = _parse_batch(message[1], table, body_length)
+                    if batch.length == 0:  # an empty batch carries no chunk; legal, skip it
+                        self._skip(body_length)
+                        continue
+                    if batch.length != 1:
+                        raise _Malformed(
+                            f"a record batch of {batch.length} rows (need 1 per batch)"
+                        )
+                    data_at = _check_layout(batch)
+                    if len(_layouts) >= _MAX_LAYOUTS:
+                        _layouts.clear()
+                    _layouts[key] = (batch, data_at)
+                else:
+                    batch, data_at = known
+                    body_length = batch.body_length
                 body = self._read(data_at)
                 header, start = _decode_header(body, batch)
             except (_Malformed, struct.error) as exc:

@@ -1,5 +1,6 @@
-"""The HTTP transport: plain http.client, whose responses ``readinto`` straight from the
-socket, over TCP, TLS or the server's Unix socket, with a small kept-alive pool."""
+"""The HTTP transport over TCP, TLS or the server's Unix socket, with small kept-alive pools:
+tensor streams on plain sockets through the lean ``Http1Connection`` (client/transports/http1.py),
+everything else (and TLS) through http.client; both ``readinto`` straight from the socket."""
 
 from __future__ import annotations
 
@@ -31,14 +32,18 @@ from weightserve.client.transports.base import (
     TLSOptions,
     bearer_token,
 )
+from weightserve.client.transports.http1 import Http1Connection, Http1Response
 from weightserve.client.wire.errors import WireError, retry_after_seconds
 from weightserve.client.wire.routes import ServerAddress, http_model_path
 
-IDLE_CONNECTIONS = 8  # kept-alive HTTP connections per transport
+IDLE_CONNECTIONS = 8  # kept-alive HTTP connections per transport (and as many lean ones)
+ACCEPT = "application/json, application/vnd.apache.arrow.stream"
+PREBUILT_REQUESTS = 4096  # one-tensor GETs kept built per transport (then built anew)
 
 
 class HttpTransport:
-    """Plain http.client: its responses ``readinto`` straight from the socket."""
+    """http.client, and ``Http1Connection`` for tensor streams on plain sockets: responses
+    ``readinto`` straight from the socket."""
 
     def __init__(
         self,
@@ -54,7 +59,17 @@ class HttpTransport:
         # Connections kept alive between requests: a small request then costs no TCP (and
         # no TLS) handshake. Taken by one request at a time; closed on any error.
         self._idle: list[http.client.HTTPConnection] = []
+        self._lean_idle: list[Http1Connection] = []  # the same for tensor streams
         self._pool_lock = threading.Lock()
+        host = "localhost" if address.socket_path is not None else address.host
+        host = f"[{host}]" if ":" in host else host
+        # Every lean request's headers after its request line, encoded once.
+        fixed = f"Host: {host}:{address.port}\r\n" if address.port else f"Host: {host}\r\n"
+        fixed += f"Accept: {ACCEPT}\r\nAccept-Encoding: identity\r\n"
+        if self.token:
+            fixed += f"Authorization: Bearer {self.token}\r\n"
+        self._lean_headers = fixed.encode("latin-1")
+        self._tensor_gets: dict[tuple[str, str, str | None], tuple[str, bytes]] = {}
         if address.tls:
             tls = tls or TLSOptions()
             self._ssl = ssl.create_default_context(cafile=tls.ca_file)
@@ -72,6 +87,11 @@ class HttpTransport:
             self.address.host, self.address.port, timeout=self.timeout
         )
 
+    def _lean_connect(self) -> Http1Connection:
+        if self.address.socket_path is not None:
+            return Http1Connection.unix(self.address.socket_path, self.timeout)
+        return Http1Connection.tcp(self.address.host, self.address.port, self.timeout)
+
     def _take(self) -> tuple[http.client.HTTPConnection, bool]:
         """A kept-alive connection if one is idle (True), else a new one (False)."""
         with self._pool_lock:
@@ -79,14 +99,76 @@ class HttpTransport:
                 return self._idle.pop(), True
         return self._connect(), False
 
-    def release(self, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse) -> None:
+    def release(
+        self,
+        conn: http.client.HTTPConnection | Http1Connection,
+        resp: http.client.HTTPResponse | Http1Response,
+    ) -> None:
         """Keep the connection for the next request if its response was read to the end."""
         if resp.isclosed() and not resp.will_close:
-            with self._pool_lock:
-                if len(self._idle) < IDLE_CONNECTIONS:
-                    self._idle.append(conn)
-                    return
+            if isinstance(conn, Http1Connection):
+                if conn.idle:  # nothing came after the answer
+                    with self._pool_lock:
+                        if len(self._lean_idle) < IDLE_CONNECTIONS:
+                            self._lean_idle.append(conn)
+                            return
+            else:
+                with self._pool_lock:
+                    if len(self._idle) < IDLE_CONNECTIONS:
+                        self._idle.append(conn)
+                        return
         conn.close()
+
+    def _lean_head(self, method: str, path: str) -> bytes:
+        """A lean request's line and headers, less the blank line that ends them."""
+        return f"{method} {path} HTTP/1.1\r\n".encode("ascii") + self._lean_headers
+
+    def _tensor_get(self, model: str, name: str, revision: str | None) -> tuple[str, bytes]:
+        """(path, whole request) of one tensor's GET, built once per tensor and revision:
+        a small request is asked again and again."""
+        key = (model, name, revision)
+        known = self._tensor_gets.get(key)
+        if known is None:
+            path = http_model_path(model, "tensors", name)
+            if revision:
+                path += "?" + urlencode({"revision": revision})
+            if len(self._tensor_gets) >= PREBUILT_REQUESTS:
+                self._tensor_gets.clear()
+            known = self._tensor_gets[key] = (path, self._lean_head("GET", path) + b"\r\n")
+        return known
+
+    def _lean_request(
+        self, method: str, path: str, request: bytes
+    ) -> tuple[Http1Connection, Http1Response]:
+        """``_request`` for a tensor stream on a plain socket: ``request`` (whole) written in
+        one send on an ``Http1Connection`` from its own kept-alive pool."""
+        while True:
+            reused = False
+            with self._pool_lock:
+                if self._lean_idle:
+                    conn: Http1Connection | None = self._lean_idle.pop()
+                    reused = True
+                else:
+                    conn = None
+            try:
+                if conn is None:
+                    conn = self._lean_connect()
+                conn.send(request)
+                resp = conn.response(method)
+                break
+            except (OSError, http.client.HTTPException) as e:
+                if conn is not None:
+                    conn.close()
+                self._exchange_failed(e, reused)
+        if resp.status != 200:
+            try:
+                raw = resp.read()
+            except (OSError, http.client.HTTPException):
+                raw = b""  # cut short: the status says enough
+            # Read to its end, an error answer leaves the connection fit for the next request.
+            self.release(conn, resp)
+            raise self._answer_error(method, path, resp, raw)
+        return conn, resp
 
     def _request(
         self,
@@ -96,7 +178,7 @@ class HttpTransport:
         extra_headers: dict[str, str] | None = None,
         ok: tuple[int, ...] = (200,),
     ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-        headers = {"accept": "application/json, application/vnd.apache.arrow.stream"}
+        headers = {"accept": ACCEPT}
         headers.update(extra_headers or {})
         if self.token:
             headers["authorization"] = f"Bearer {self.token}"
@@ -116,61 +198,66 @@ class HttpTransport:
                 conn.request(method, path, body=data, headers=headers)
                 resp = conn.getresponse()
                 break
-            except ssl.SSLError as e:  # an OSError, but no outage: waiting will not fix it
+            except (OSError, http.client.HTTPException) as e:
                 conn.close()
-                raise TransportError(
-                    f"TLS with weightserve at {self.address.url} failed: {e}; check the CA it "
-                    "is verified with (TLSOptions.ca_file) and the client certificate"
-                ) from e
-            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as e:
-                conn.close()
-                if reused:
-                    continue  # the server closed an idle kept-alive connection: use a new one
-                if (
-                    isinstance(e, http.client.RemoteDisconnected)
-                    and self._ssl is None
-                    and self.address.socket_path is None
-                    and _speaks_tls(self.address.host, self.address.port, self.timeout)
-                ):
-                    # Not an outage: a TLS port spoken to in plain text closes without an
-                    # answer every time.
-                    raise TransportError(
-                        f"weightserve at {self.address.url} closed the connection without "
-                        "answering and its port speaks TLS: use https://"
-                    ) from e
-                if (
-                    isinstance(e, http.client.RemoteDisconnected)
-                    and self._ssl is not None
-                    and self._refuses_this_client()
-                ):
-                    raise TransportError(
-                        f"weightserve at {self.address.url} completed TLS and closed the "
-                        "connection without answering, again: does it require a client "
-                        "certificate it accepts (TLSOptions.cert_file)?"
-                    ) from e
-                # A server killed or restarting while the request waited: retried.
-                raise ServerUnreachable(
-                    f"weightserve at {self.address.url} closed the connection without "
-                    f"answering (stopped or restarting?): {e!r}"
-                ) from e
-            except (ConnectionRefusedError, TimeoutError, OSError) as e:
-                conn.close()
-                raise ServerUnreachable(
-                    f"cannot reach weightserve at {self.address.url}: {e}"
-                ) from e
-            except http.client.HTTPException as e:
-                conn.close()
-                raise _broken_exchange(self.address, e) from e
+                self._exchange_failed(e, reused)
         if resp.status not in ok:
             raw = resp.read()
             conn.close()
-            raise _http_error(
-                resp.status,
-                raw,
-                f"{method} {self.address.url}{path}",
-                resp.getheader("retry-after"),
-            )
+            raise self._answer_error(method, path, resp, raw)
         return conn, resp
+
+    def _answer_error(
+        self,
+        method: str,
+        path: str,
+        resp: http.client.HTTPResponse | Http1Response,
+        raw: bytes,
+    ) -> WeightserveError:
+        what = f"{method} {self.address.url}{path}"
+        return _http_error(resp.status, raw, what, resp.getheader("retry-after"))
+
+    def _exchange_failed(self, e: OSError | http.client.HTTPException, reused: bool) -> None:
+        """What a request that got no answer (its connection closed) means: returns when it
+        is worth sending again on a new connection, else raises the error it is."""
+        if isinstance(e, ssl.SSLError):  # an OSError, but no outage: waiting will not fix it
+            raise TransportError(
+                f"TLS with weightserve at {self.address.url} failed: {e}; check the CA it "
+                "is verified with (TLSOptions.ca_file) and the client certificate"
+            ) from e
+        if isinstance(e, (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)):
+            if reused:
+                return  # the server closed an idle kept-alive connection: use a new one
+            if (
+                isinstance(e, http.client.RemoteDisconnected)
+                and self._ssl is None
+                and self.address.socket_path is None
+                and _speaks_tls(self.address.host, self.address.port, self.timeout)
+            ):
+                # Not an outage: a TLS port spoken to in plain text closes without an
+                # answer every time.
+                raise TransportError(
+                    f"weightserve at {self.address.url} closed the connection without "
+                    "answering and its port speaks TLS: use https://"
+                ) from e
+            if (
+                isinstance(e, http.client.RemoteDisconnected)
+                and self._ssl is not None
+                and self._refuses_this_client()
+            ):
+                raise TransportError(
+                    f"weightserve at {self.address.url} completed TLS and closed the "
+                    "connection without answering, again: does it require a client "
+                    "certificate it accepts (TLSOptions.cert_file)?"
+                ) from e
+            # A server killed or restarting while the request waited: retried.
+            raise ServerUnreachable(
+                f"weightserve at {self.address.url} closed the connection without "
+                f"answering (stopped or restarting?): {e!r}"
+            ) from e
+        if isinstance(e, OSError):
+            raise ServerUnreachable(f"cannot reach weightserve at {self.address.url}: {e}") from e
+        raise _broken_exchange(self.address, e) from e
 
     def _refuses_this_client(self) -> bool:
         """Whether a second TLS connection, made as this transport makes them, is closed
@@ -282,6 +369,9 @@ class HttpTransport:
             # One whole tensor: its own GET route, which the server answers on its fastest
             # path (TensorLane, service/transports/http/middleware.py); a stream request is a
             # JSON POST.
+            if self._ssl is None:
+                path, request = self._tensor_get(model, params.names[0], params.revision)
+                return _HttpSource(self, *self._lean_request("GET", path, request))
             path = http_model_path(model, "tensors", params.names[0])
             if params.revision:
                 path += "?" + urlencode({"revision": params.revision})
@@ -299,7 +389,16 @@ class HttpTransport:
             body["shard"] = f"{params.shard[0]}/{params.shard[1]}"
         if params.chunk_bytes:
             body["chunk_bytes"] = params.chunk_bytes
-        conn, resp = self._request("POST", http_model_path(model, "stream"), body)
+        path = http_model_path(model, "stream")
+        if self._ssl is None:
+            data = json.dumps(body).encode()
+            request = b"%scontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
+                self._lean_head("POST", path),
+                len(data),
+                data,
+            )
+            return _HttpSource(self, *self._lean_request("POST", path, request))
+        conn, resp = self._request("POST", path, body)
         return _HttpSource(self, conn, resp)
 
     def open_chunks(self, model: str, params: StreamParams) -> ChunkReader:
@@ -360,8 +459,11 @@ class HttpTransport:
     def close(self) -> None:
         with self._pool_lock:
             idle, self._idle = self._idle, []
+            lean, self._lean_idle = self._lean_idle, []
         for conn in idle:
             conn.close()
+        for connection in lean:
+            connection.close()
 
 
 class _UnixHTTPConnection(http.client.HTTPConnection):
@@ -386,8 +488,8 @@ class _HttpSource:
     def __init__(
         self,
         transport: HttpTransport,
-        conn: http.client.HTTPConnection,
-        resp: http.client.HTTPResponse,
+        conn: http.client.HTTPConnection | Http1Connection,
+        resp: http.client.HTTPResponse | Http1Response,
     ) -> None:
         self.transport, self.conn, self.resp = transport, conn, resp
         self.where = transport.address.url

@@ -1,0 +1,290 @@
+"""A lean HTTP/1.1 client connection for the data routes on plain sockets (TCP or a Unix
+socket): a request written in one send, the answer's head parsed from one preallocated
+buffer, its body read by Content-Length, chunks or to the close, straight into the caller's
+memory once the buffered bytes are out. http.client's per-response objects and email header
+parser were most of a small request's client time (docs/performance.md, "Small requests").
+
+Failures raise http.client's exceptions (``RemoteDisconnected``, ``BadStatusLine``,
+``IncompleteRead``, ``LineTooLong``...), so callers handle both connections alike.
+"""
+
+from __future__ import annotations
+
+import http.client
+import socket
+
+BUFFER_BYTES = 64 << 10  # holds any head we accept, and a small answer whole
+MAX_HEAD_BYTES = BUFFER_BYTES
+MAX_HEADERS = 100  # http.client's limit too
+_NO_BODY_STATUSES = frozenset({204, 304})
+
+
+class Http1Connection:
+    """One kept-alive HTTP/1.1 connection: ``send`` a request, ``response`` reads its answer
+    (one at a time: the previous answer's body must be read, or the connection closed)."""
+
+    __slots__ = ("sock", "_buf", "_view", "_start", "_end")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock: socket.socket | None = sock
+        self._buf = bytearray(BUFFER_BYTES)
+        self._view = memoryview(self._buf)
+        self._start = self._end = 0  # unread received bytes: _buf[_start:_end]
+
+    @classmethod
+    def tcp(cls, host: str, port: int, timeout: float) -> Http1Connection:
+        sock = socket.create_connection((host, port), timeout=timeout)
+        # A request is one write, but a small answer must not wait for a delayed ACK.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return cls(sock)
+
+    @classmethod
+    def unix(cls, path: str, timeout: float) -> Http1Connection:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(path)
+        except OSError:
+            sock.close()
+            raise
+        return cls(sock)
+
+    def close(self) -> None:
+        sock, self.sock = self.sock, None
+        if sock is not None:
+            sock.close()
+
+    @property
+    def idle(self) -> bool:
+        """Open, with nothing received beyond the last answer: fit for the next request."""
+        return self.sock is not None and self._start == self._end
+
+    def send(self, request: bytes | bytearray) -> None:
+        if self.sock is None:
+            raise http.client.NotConnected("the connection is closed")
+        self._start = self._end = 0
+        self.sock.sendall(request)
+
+    def response(self, method: str = "GET") -> Http1Response:
+        """The answer to the request just sent (informational 1xx answers skipped)."""
+        while True:
+            status, version, reason, headers = self._read_head()
+            if status >= 200 or status == 101:
+                return Http1Response(self, method, status, version, reason, headers)
+
+    # -- receiving ----------------------------------------------------------------------
+
+    def _receive(self) -> int:
+        """Receive more into the buffer after what it holds; 0 when the peer closed."""
+        if self.sock is None:
+            raise http.client.NotConnected("the connection is closed")
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._end == len(self._buf):  # full: move what is unread to the front
+            kept = self._end - self._start
+            if kept == len(self._buf):
+                raise http.client.LineTooLong(f"a line or head over {len(self._buf)} bytes")
+            self._buf[:kept] = self._buf[self._start : self._end]
+            self._start, self._end = 0, kept
+        n = self.sock.recv_into(self._view[self._end :])
+        self._end += n
+        return n
+
+    def _read_head(self) -> tuple[int, int, str, dict[str, str]]:
+        buf = self._buf
+        while True:
+            end = buf.find(b"\r\n\r\n", self._start, self._end)
+            if end >= 0:
+                break
+            have = self._end - self._start
+            if have >= 5 and buf[self._start : self._start + 5] != b"HTTP/":
+                # Not HTTP/1.x at all (e.g. an HTTP/2 server's first frame): say so now.
+                raise http.client.BadStatusLine(
+                    bytes(buf[self._start : self._end]).decode("latin-1")
+                )
+            if have >= MAX_HEAD_BYTES:
+                raise http.client.LineTooLong(f"an answer head over {MAX_HEAD_BYTES} bytes")
+            if not self._receive():
+                if self._end == self._start:
+                    raise http.client.RemoteDisconnected(
+                        "Remote end closed connection without response"
+                    )
+                raise http.client.BadStatusLine(
+                    bytes(buf[self._start : self._end]).decode("latin-1")
+                )
+        head = bytes(buf[self._start : end]).decode("latin-1")
+        self._start = end + 4
+        lines = head.split("\r\n")
+        status_line = lines[0]
+        version_text, _, rest = status_line.partition(" ")
+        code, _, reason = rest.partition(" ")
+        if version_text not in ("HTTP/1.1", "HTTP/1.0") or len(code) != 3 or not code.isdigit():
+            raise http.client.BadStatusLine(status_line)
+        if len(lines) > MAX_HEADERS + 1:
+            raise http.client.HTTPException(f"got more than {MAX_HEADERS} headers")
+        headers: dict[str, str] = {}
+        last = ""
+        for line in lines[1:]:
+            if line[:1] in (" ", "\t"):  # obsolete folding: continues the previous value
+                if not last:
+                    raise http.client.HTTPException(f"a header line without a name: {line!r}")
+                headers[last] += " " + line.strip()
+                continue
+            name, colon, value = line.partition(":")
+            if not colon or not name or name != name.strip():
+                raise http.client.HTTPException(f"malformed header line: {line!r}")
+            last = name.lower()
+            value = value.strip()
+            headers[last] = f"{headers[last]}, {value}" if last in headers else value
+        return int(code), 11 if version_text == "HTTP/1.1" else 10, reason.strip(), headers
+
+    def _readinto(self, view: memoryview) -> int:
+        """Up to ``len(view)`` body bytes: buffered ones first, else one receive straight
+        into ``view``; 0 when the peer closed."""
+        buffered = self._end - self._start
+        if buffered:
+            n = min(buffered, len(view))
+            view[:n] = self._view[self._start : self._start + n]
+            self._start += n
+            return n
+        if self.sock is None:
+            raise http.client.NotConnected("the connection is closed")
+        return self.sock.recv_into(view)
+
+    def _readline(self) -> bytes:
+        """One line (without its CRLF) of a chunked body's framing."""
+        while True:
+            at = self._buf.find(b"\n", self._start, self._end)
+            if at >= 0:
+                line = bytes(self._buf[self._start : at])
+                self._start = at + 1
+                return line.rstrip(b"\r")
+            if not self._receive():
+                raise http.client.IncompleteRead(b"")
+
+
+class Http1Response:
+    """An answer's status and headers, and its body through ``readinto`` / ``read``.
+
+    The parts of ``http.client.HTTPResponse`` the transport uses: ``status``, ``reason``,
+    ``getheader``, ``will_close``, ``isclosed`` (the body was read to its end), ``close``."""
+
+    __slots__ = (
+        "conn", "status", "version", "reason", "headers", "will_close", "_left", "_chunked",
+        "_chunk_left", "_to_close", "_done",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        conn: Http1Connection,
+        method: str,
+        status: int,
+        version: int,
+        reason: str,
+        headers: dict[str, str],
+    ) -> None:
+        self.conn: Http1Connection | None = conn
+        self.status, self.version, self.reason, self.headers = status, version, reason, headers
+        tokens = {t.strip().lower() for t in headers.get("connection", "").split(",")}
+        self.will_close = "close" in tokens or (version == 10 and "keep-alive" not in tokens)
+        self._left = 0  # Content-Length bytes still to read
+        self._chunked = False
+        self._chunk_left = 0  # bytes left of the current chunk; -1 before its size line
+        self._to_close = False  # the body runs until the server closes
+        codings = headers.get("transfer-encoding", "")
+        if method == "HEAD" or status in _NO_BODY_STATUSES or 100 <= status < 200:
+            self._done = True
+        elif codings:
+            if codings.rsplit(",", 1)[-1].strip().lower() != "chunked":
+                raise http.client.HTTPException(f"unsupported transfer coding {codings!r}")
+            self._chunked, self._chunk_left, self._done = True, -1, False
+        elif "content-length" in headers:
+            length = headers["content-length"]
+            if not length.isdigit():
+                raise http.client.HTTPException(f"bad Content-Length {length!r}")
+            self._left = int(length)
+            self._done = self._left == 0
+        else:
+            self._to_close, self.will_close, self._done = True, True, False
+
+    def getheader(self, name: str, default: str | None = None) -> str | None:
+        return self.headers.get(name.lower(), default)
+
+    def isclosed(self) -> bool:
+        return self._done
+
+    def close(self) -> None:
+        """Leave the rest of the body unread: the connection cannot serve another request."""
+        if not self._done:
+            self._done = True
+            self.will_close = True
+            if self.conn is not None:
+                self.conn.close()
+
+    def readinto(self, view: memoryview | bytearray) -> int:
+        """Body bytes into ``view``: fewer than asked for whenever the socket has fewer
+        ready; 0 only at the body's end."""
+        if self._done:
+            return 0
+        conn = self.conn
+        assert conn is not None
+        if not isinstance(view, memoryview):
+            view = memoryview(view)
+        if self._chunked:
+            try:
+                return self._read_chunked(conn, view)
+            except http.client.HTTPException:
+                self._done, self.will_close = True, True  # lost its framing: unusable
+                conn.close()
+                raise
+        if self._to_close:
+            n = conn._readinto(view)
+            if not n:
+                self._done = True
+                conn.close()
+            return n
+        if len(view) > self._left:
+            view = view[: self._left]
+        n = conn._readinto(view)
+        if not n:
+            left, self._left, self._done = self._left, 0, True
+            conn.close()
+            raise http.client.IncompleteRead(b"", left)
+        self._left -= n
+        if not self._left:
+            self._done = True
+        return n
+
+    def _read_chunked(self, conn: Http1Connection, view: memoryview) -> int:
+        if self._chunk_left <= 0:
+            if self._chunk_left == 0 and conn._readline():  # the CRLF after a chunk's data
+                raise http.client.HTTPException("a chunk's data overran its size")
+            size_text = conn._readline().split(b";", 1)[0].strip()
+            try:
+                size = int(size_text, 16)
+            except ValueError:
+                raise http.client.IncompleteRead(b"") from None
+            if size < 0:
+                raise http.client.HTTPException(f"negative chunk size {size_text!r}")
+            if size == 0:
+                while conn._readline():  # trailers, up to the empty line
+                    pass
+                self._done = True
+                return 0
+            self._chunk_left = size
+        n = conn._readinto(view[: self._chunk_left] if len(view) > self._chunk_left else view)
+        if not n:
+            self._done = True
+            conn.close()
+            raise http.client.IncompleteRead(b"", self._chunk_left)
+        self._chunk_left -= n
+        return n
+
+    def read(self) -> bytes:
+        """The rest of the body."""
+        out = bytearray()
+        scratch = bytearray(BUFFER_BYTES)
+        view = memoryview(scratch)
+        while n := self.readinto(view):
+            out += view[:n]
+        return bytes(out)

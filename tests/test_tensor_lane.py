@@ -4,6 +4,8 @@ request (a shard, HEAD, an unknown query key) goes to the route as before."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from urllib.parse import quote
 
 from tests.support._util import http_request
@@ -61,7 +63,20 @@ def test_lane_requests_are_counted_as_streams(server) -> None:
     def streams() -> float:
         return metrics.requests.labels("http", "stream", "200")._value.get()
 
-    before = streams()
+    before = _settled(streams)
     reply, lane = lane_answers(server, "/v1/models/mixed/-/tensors/float32")
     assert (reply.status, lane) == (200, 1)
-    assert streams() == before + 1
+    assert _settled(streams) == before + 1
+
+
+def _settled(read: Callable[[], float]) -> float:
+    """A counter once it stopped moving: the server counts a request just after its last
+    byte went out, so a client that read the answer may look before it is counted."""
+    value = read()
+    for _ in range(40):
+        time.sleep(0.05)
+        again = read()
+        if again == value:
+            break
+        value = again
+    return value

@@ -28,6 +28,7 @@ from weightserve.client.errors import ModelUnavailable, WeightserveError
 from weightserve.client.wire.schema import ARROW_STREAM_MEDIA_TYPE
 from weightserve.service.serving.lease import StreamLease
 from weightserve.service.transports.http.common import ERROR_KEY
+from weightserve.service.transports.http.one_write import one_write
 
 log = logging.getLogger("weightserve.http")
 
@@ -159,8 +160,8 @@ class ArrowStreamResponse(Response):
         )
 
     async def _send_whole(self, scope: Any, send: Any) -> None:
-        """A small stream as one body after its headers, corked into one TCP segment where
-        the connection allows: a segment costs more server CPU than the whole small
+        """A small stream as one body after its headers, both in one socket write where the
+        connection allows (``one_write``): a segment costs more than the whole small
         request's framing and digests (docs/performance.md, "Small requests")."""
         lease = self.lease
         idle: _TaskIdleCut | None = None
@@ -177,7 +178,7 @@ class ArrowStreamResponse(Response):
             # has them, so a slow reader holds neither.
             lease.release()
             idle = _TaskIdleCut(lease)  # a client that reads nothing
-            with _corked(scope):
+            with one_write(scope.get(CYCLE_KEY)):
                 start = {"type": "http.response.start", "status": self.status_code}
                 await send({**start, "headers": self.raw_headers})
                 await send({"type": "http.response.body", "body": bytes(body), "more_body": False})
@@ -210,29 +211,6 @@ class _TaskIdleCut:
         uncancel = getattr(self.task, "uncancel", None)  # Python 3.11+
         if uncancel is not None:
             uncancel()
-
-
-@contextlib.contextmanager
-def _corked(scope: Any) -> Iterator[None]:
-    """TCP_CORK on uvicorn's TCP connection inside: what is written goes out as full
-    segments, the rest when it ends (Linux). Elsewhere nothing happens."""
-    cycle = scope.get(CYCLE_KEY)
-    transport = getattr(cycle, "transport", None)
-    sock = transport.get_extra_info("socket") if transport is not None else None
-    cork = getattr(socket, "TCP_CORK", None)
-    if sock is None or cork is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
-        yield
-        return
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, cork, 1)
-    except OSError:  # the connection is gone: nothing to cork
-        yield
-        return
-    try:
-        yield
-    finally:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.IPPROTO_TCP, cork, 0)
 
 
 # Bodies this long go out through _SocketWriter where it can engage; shorter ones (a small

@@ -35,6 +35,10 @@ from weightserve.service.transports.http.streaming import ArrowStreamResponse
 # a worker thread, as is any request whose model must be checked, loaded or hashed first.
 INLINE_MAX_NAMES = 16
 
+# The small-tensor lane's requests kept decoded, by (name, revision): a small tensor is asked
+# for again and again (then decoded anew once this many are kept).
+LANE_REQUESTS = 4096
+
 # Every route that answers with an Arrow stream. status_code is given because
 # ArrowStreamResponse.__init__ has none for OpenAPI to read.
 ARROW_ROUTE: dict[str, Any] = {
@@ -102,6 +106,9 @@ class TensorStreams:
     def __init__(self, state: ServiceState, access: AccessCheck) -> None:
         self.state = state
         self.access = access
+        # Per request these were a Prometheus label look-up and a request's validation.
+        self._served: dict[str, Any] = {}  # model id -> its tensors_served counter (HTTP)
+        self._lane_requests: dict[tuple[str, str | None], TensorRequest] = {}
 
     def start(self, http: Request, model_id: str, request: TensorRequest) -> Response:
         state = self.state
@@ -125,7 +132,10 @@ class TensorStreams:
                 # rule.
                 headers["content-length"] = str(length)
                 return Response(headers=headers, media_type=ARROW_STREAM_MEDIA_TYPE)
-            tensors = state.metrics.tensors_served.labels("http", model.id)
+            tensors = self._served.get(model.id)
+            if tensors is None:
+                tensors = state.metrics.tensors_served.labels("http", model.id)
+                self._served[model.id] = tensors
             messages = stream_messages(model, planned, request.chunk_bytes, tensors.inc)
             return ArrowStreamResponse(lease.handed_over(), messages, length, headers)
 
@@ -145,7 +155,12 @@ class TensorStreams:
         """The small-tensor lane's answer (``TensorLane``): one tensor, as its route gives it."""
         http = Request(scope, receive)
         try:
-            request = requests.from_http([name], revision=revision)
+            request = self._lane_requests.get((name, revision))
+            if request is None:
+                request = requests.from_http([name], revision=revision)
+                if len(self._lane_requests) >= LANE_REQUESTS:
+                    self._lane_requests.clear()
+                self._lane_requests[name, revision] = request
             response = await self.respond(http, model, request)
         except WeightserveError as e:
             response = error_response(scope, e)

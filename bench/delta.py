@@ -169,7 +169,9 @@ def measure_step(
     model_bytes = sum(v.nbytes for v in current.values())
     elements = sum(v.size for v in current.values())
     revision = client.publish(MODEL, current, base=base, base_tensors=previous)
+    cpu0 = time.process_time()
     diff_s = diff_seconds(previous, current)
+    diff_cpu_s = time.process_time() - cpu0
     model = client.model(MODEL)
     # A first worker: waits for the server's diff (then kept for every other worker).
     t0 = time.perf_counter()
@@ -188,9 +190,9 @@ def measure_step(
     def fetch_whole(names: list[str]) -> dict[str, np.ndarray]:
         raise AssertionError(f"the update did not land on {names}")
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     counts = apply_updates(workers[1], read_updates(io.BytesIO(body)), fetch_whole)
-    apply_s = time.perf_counter() - t0
+    apply_s, apply_cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
     t0 = time.perf_counter()
     model.fetch()
     reload_s = time.perf_counter() - t0
@@ -205,8 +207,10 @@ def measure_step(
         "bytes_over_changed": len(body) / changed_tensor_bytes if changed_tensor_bytes else None,
         "diff_s": diff_s,
         "diff_gibps": gib / diff_s,
+        "diff_cpu_gibps": gib / diff_cpu_s,  # per CPU-second: what a busy machine cannot hide
         "apply_s": apply_s,
         "apply_gibps": gib / apply_s,
+        "apply_cpu_gibps": gib / apply_cpu_s,
         "wait_s": wait_s,
         "update_s": update_s,
         "reload_s": reload_s,
@@ -260,8 +264,8 @@ def main(argv: list[str] | None = None) -> int:
             steps.append({"step": number, **found})
             print(step_line(found, number), flush=True)
             previous = current
-    keys = ("changed_share", "bytes_ratio", "bytes_over_changed", "diff_gibps", "apply_gibps",
-            "wait_s", "update_s", "reload_s", "load_1m")  # fmt: skip
+    keys = ("changed_share", "bytes_ratio", "bytes_over_changed", "diff_gibps", "diff_cpu_gibps",
+            "apply_gibps", "apply_cpu_gibps", "wait_s", "update_s", "reload_s", "load_1m")  # fmt: skip
     summary = {k: spread(steps, k) for k in keys}
     results = RESULTS_DIR / result_name(args.scenario, args.size_gib, args.lr)
     write_json(
@@ -290,7 +294,7 @@ def result_name(scenario: str, size_gib: float | None, lr: float) -> str:
     if size_gib:
         name += f"-{size_gib:g}gib"
     elif scenario == "rl" and lr != 1e-5:
-        name += f"-lr{lr:g}"
+        name += "-lr" + f"{lr:.0e}".replace("e-0", "e-")
     return name + ".json"
 
 
@@ -300,7 +304,8 @@ def step_line(s: dict[str, Any], number: int) -> str:
         f"step {number}: {100 * s['changed_share']:.2f} % of elements changed; stream "
         f"{s['wire_bytes'] / 2**20:.2f} MiB = {s['bytes_ratio']:.4f} x the model"
         + (f", {over:.4f} x the changed tensors" if over is not None else "")
-        + f"; diff {s['diff_gibps']:.2f} GiB/s, apply {s['apply_gibps']:.2f} GiB/s; update "
+        + f"; diff {s['diff_gibps']:.2f} GiB/s ({s['diff_cpu_gibps']:.2f} per CPU-s), apply "
+        f"{s['apply_gibps']:.2f} GiB/s ({s['apply_cpu_gibps']:.2f}); update "
         f"{s['update_s']:.3f} s, reload {s['reload_s']:.3f} s; load {s['load_1m']:.1f}"
     )
 
@@ -317,8 +322,10 @@ def summary_line(summary: dict[str, Any], model_name: str, scenario: str) -> str
         f"{med('changed_share', lambda v: f'{100 * v:.2f} %')} changed; stream "
         f"{med('bytes_ratio', lambda v: f'{v:.4f}')} x the model, "
         f"{med('bytes_over_changed', lambda v: f'{v:.4f}')} x the changed tensors; diff "
-        f"{med('diff_gibps', lambda v: f'{v:.2f}')} GiB/s; apply "
-        f"{med('apply_gibps', lambda v: f'{v:.2f}')} GiB/s; update "
+        f"{med('diff_gibps', lambda v: f'{v:.2f}')} GiB/s "
+        f"[{med('diff_cpu_gibps', lambda v: f'{v:.2f}')} per CPU-s]; apply "
+        f"{med('apply_gibps', lambda v: f'{v:.2f}')} GiB/s "
+        f"[{med('apply_cpu_gibps', lambda v: f'{v:.2f}')} per CPU-s]; update "
         f"{med('update_s', lambda v: f'{v:.3f}')} s; reload {med('reload_s', lambda v: f'{v:.3f}')} s"
     )
 

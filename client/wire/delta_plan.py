@@ -21,7 +21,7 @@ _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 # Elements compared at a time: the chunk's flags stay in the CPU's cache, where finding the few
 # set ones is cheap (docs/performance.md, "Delta updates on a trained model").
 COMPARE_CHUNK = 1 << 18
-_GAP_TYPES = (np.uint8, np.uint16, np.uint32, np.uint64)
+_GAP_TYPES = tuple((t, int(np.iinfo(t).max)) for t in (np.uint8, np.uint16, np.uint32, np.uint64))
 # From this size on a tensor's patch is planned for the worker's CPU as well as the wire: more
 # than half its elements changed goes whole (scattering them costs more than the bytes saved),
 # and values are compressed only while they are at most VALUES_COMPRESSED_SHARE of it (zstd
@@ -151,7 +151,7 @@ def changed_elements(
         c.gaps[0] = c.first - last
         widest = max(widest, c.widest, c.first - last)
         last = c.last
-    gap_type = next(t for t in _GAP_TYPES if widest <= np.iinfo(t).max)
+    gap_type = next(t for t, most in _GAP_TYPES if widest <= most)
     if not chunks:
         return np.empty(0, dtype=gap_type), new[:0]
     gaps = np.concatenate([c.gaps for c in chunks], dtype=gap_type, casting="unsafe")

@@ -1,6 +1,7 @@
 """Planning one tensor's delta, the same on both sides: the server's delta stream to workers and
 a publisher's patch against its base both send, per tensor, the cheapest of nothing, an element
-patch or the whole tensor, in the form of client/wire/delta.py.
+patch or the whole tensor (cheapest for the worker's CPU too where a tensor is large), in the
+form of client/wire/delta.py.
 """
 
 from __future__ import annotations

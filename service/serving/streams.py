@@ -28,6 +28,7 @@ from weightserve.client.wire.schema import ChunkHeader
 from weightserve.service.readers.base import TensorEntry
 from weightserve.service.serving.arrow_writer import END_OF_STREAM, chunk_message, schema_message
 from weightserve.service.serving.request import Shard, TensorRequest
+from weightserve.service.sources.mapped import MappedFile
 from weightserve.service.sources.model import Model
 from weightserve.service.sources.pinning import names_content
 
@@ -38,6 +39,23 @@ try:
     _BLOCKS = {t.name: GGML_QUANT_SIZES[t] for t in GGMLQuantizationType if t in GGML_QUANT_SIZES}
 except ImportError:  # pragma: no cover - gguf is a server dependency
     _BLOCKS = {}
+
+
+class FileMessage(tuple[bytes | memoryview, ...]):
+    """A stream message (its parts, as any message) whose data part, ``message[1]``, is the
+    bytes of ``mapped`` from ``file_offset`` on: a transport may send them from the file
+    itself (``sendfile``) rather than from the mapping. Holding it keeps the file open."""
+
+    mapped: MappedFile
+    file_offset: int
+
+    def __new__(
+        cls, parts: tuple[bytes | memoryview, ...], mapped: MappedFile, file_offset: int
+    ) -> FileMessage:
+        message = super().__new__(cls, parts)
+        message.mapped = mapped
+        message.file_offset = file_offset
+        return message
 
 
 @dataclass(frozen=True)
@@ -262,11 +280,25 @@ def stream_messages(
 ) -> Iterator[tuple[bytes | memoryview, ...]]:
     """The whole Arrow IPC stream, one IPC message at a time, each as its parts.
 
-    Tensor data parts are views of the mmap. HTTP writes the parts one by one; gRPC joins a
-    message's parts into one protobuf message.
+    Tensor data parts are views of the mmap; a message whose data lies in a file as it is
+    is a ``FileMessage``, which says where (HTTP may send those bytes with ``sendfile``).
+    HTTP writes the parts one by one; gRPC joins a message's parts into one protobuf message.
     """
+    # Where each contiguous tensor's bytes lie: its file, that file's mapping, the offset.
+    in_files = {
+        p.entry.name: (mapped, mapped.view().obj, p.byte_offset)
+        for p in planned
+        if p.byte_offset is not None and p.nbytes
+        for mapped in (model.mapped(p.entry.file),)
+    }
     yield (schema_message(),)
     for header, data in stream_chunks(model, planned, chunk_bytes, on_tensor):
         prefix, suffix = chunk_message(header)
-        yield (prefix, data, suffix) if suffix else (prefix, data)
+        parts = (prefix, data, suffix) if suffix else (prefix, data)
+        found = in_files.get(header.name)
+        # Only a view of the mapping itself says where its bytes lie in the file.
+        if found is None or not data or data.obj is not found[1]:
+            yield parts
+        else:
+            yield FileMessage(parts, found[0], found[2] + header.offset)
     yield (END_OF_STREAM,)

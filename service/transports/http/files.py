@@ -7,6 +7,7 @@ add their own headers to the same answer.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -17,6 +18,7 @@ from weightserve.service.serving import files
 from weightserve.service.serving.auth import Access
 from weightserve.service.serving.lease import StreamLease
 from weightserve.service.serving.state import ServiceState
+from weightserve.service.serving.streams import FileMessage
 from weightserve.service.sources.model import Model, RepoFile
 from weightserve.service.transports.http.common import OPERATION_KEY, AccessCheck, error_response
 from weightserve.service.transports.http.routes import get_and_head
@@ -69,7 +71,7 @@ def file_response(
     client = caller.client_key(http.client.host if http.client else "")
     with StreamLease(state, "http", FILE_OPERATION, counted=False) as lease:
         lease.admit(model, {file.path}, client)
-        messages = ((b"", chunk) for chunk in files.file_chunks(model, file, byte_range))
+        messages = _file_messages(model, file, byte_range)
         return ArrowStreamResponse(
             lease.handed_over(),
             messages,
@@ -78,6 +80,23 @@ def file_response(
             status_code=status,
             media_type=OCTET_STREAM,
         )
+
+
+def _file_messages(
+    model: Model, file: RepoFile, byte_range: files.ByteRange
+) -> Iterator[tuple[bytes | memoryview, ...]]:
+    """The range's bytes as messages ``(b"", data)``, each saying where in the file its data
+    lies (``FileMessage``), so a direct write sends it from the file with ``sendfile``."""
+    mapped = model.mapped(file.path)
+    at = byte_range.start
+    for chunk in files.file_chunks(model, file, byte_range):
+        # The mapping the chunk is a view of, not one a reload put in its place since.
+        yield (
+            FileMessage((b"", chunk), mapped, at)
+            if chunk.obj is mapped.view().obj
+            else (b"", chunk)
+        )
+        at += len(chunk)
 
 
 def add_file_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -> None:

@@ -2,14 +2,16 @@
 exact Content-Length (no chunked-encoding copy) and cut when the client goes away or stalls.
 
 On plain TCP or a Unix socket under uvicorn the body goes out through ``_SocketWriter``:
-``writev`` from the mapped file, no user-space copy. ``WeightserveApp`` is the outermost ASGI
-layer, which notes uvicorn's connection where the writer finds it.
+tensor and file bytes with ``sendfile`` from the checkpoint file, the framing around them with
+``writev``, no user-space copy. ``WeightserveApp`` is the outermost ASGI layer, which notes
+uvicorn's connection where the writer finds it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import importlib
 import logging
 import mmap
@@ -27,6 +29,7 @@ from fastapi.responses import Response
 from weightserve.client.errors import ModelUnavailable, WeightserveError
 from weightserve.client.wire.schema import ARROW_STREAM_MEDIA_TYPE
 from weightserve.service.serving.lease import StreamLease
+from weightserve.service.serving.streams import FileMessage
 from weightserve.service.transports.http.common import ERROR_KEY
 from weightserve.service.transports.http.one_write import one_write
 
@@ -35,6 +38,10 @@ log = logging.getLogger("weightserve.http")
 
 # An ASGI stream gives the event loop a turn after this many tensor bytes (see below).
 PAUSE_EVERY_BYTES = 8 << 20
+# A direct write's batch on its worker thread: a hop to the thread and back costs the event
+# loop more than the batch's own Python, and a client gone fails the write itself, so the
+# batch is large (docs/performance.md, "Where the time goes").
+DIRECT_BATCH_BYTES = 64 << 20
 
 
 class ArrowStreamResponse(Response):
@@ -142,6 +149,7 @@ class ArrowStreamResponse(Response):
                 app = scope.get("app")
                 if isinstance(app, WeightserveApp):
                     app.direct_bytes += writer.written
+                    app.sendfile_bytes += writer.sent_from_files
             gone.cancel()
             lease.close()
 
@@ -237,27 +245,40 @@ _CYCLE_TYPES = _uvicorn_cycle_types()
 
 
 class _SocketWriter:
-    """Writes stream messages straight to the connection's socket with ``writev``.
+    """Writes stream messages straight to the connection's socket: a ``FileMessage``'s data
+    with ``sendfile`` from its file, everything else with ``writev``.
 
     asyncio (before 3.12) copies whatever a socket doesn't take at once into its own buffer,
-    which was most of the HTTP server's time; here the kernel copies tensor bytes from the
-    mapping to the socket and nothing else does. The writes run on a worker thread (the GIL
-    is released in writev and poll), so several streams proceed in parallel. A page that a
-    truncation removed makes the kernel fail the write (EFAULT) instead of raising SIGBUS.
+    which was most of the HTTP server's time; here nothing in user space copies tensor bytes,
+    and ``sendfile`` hands the kernel the file's page-cache pages, which TCP sends without
+    copying them either (docs/performance.md, "Where the time goes"). On TCP each batch is
+    corked, so framing and data share full segments. The writes run on a worker thread (the
+    GIL is released in writev, sendfile and poll), so several streams proceed in parallel. A
+    truncated file ends ``sendfile`` short and a page it removed fails ``writev`` (EFAULT):
+    the stream is cut, never a SIGBUS.
 
     Only for uvicorn's plain HTTP/1.1 connections (TCP or a Unix socket), found through the
     cycle ``WeightserveApp`` puts in the scope: the server's Content-Length accounting is
     adjusted here (httptools counts down ``expected_content_length``, h11 its writer's
-    length). TLS, other servers and anything unrecognised use ASGI sends.
+    length). TLS, other servers and anything unrecognised use ASGI sends: Python's ``ssl``
+    cannot hand its keys to kernel TLS, so a TLS connection has no socket to write to.
     """
 
     def __init__(self, account: Callable[[int], None], fd: int, idle_timeout: float) -> None:
         self.account = account
         self.written = 0  # body bytes, framing included
+        self.sent_from_files = 0  # of which sent with sendfile
         # Our own descriptor: if asyncio closes its socket (client gone), this number can't
         # be reused by another connection while a write is still in flight.
-        self.fd = os.dup(fd)
+        self.sock = socket.socket(fileno=os.dup(fd))
+        self.fd = self.sock.fileno()
         self.idle_ms = int(idle_timeout * 1000)
+        self.poller = select.poll()
+        self.poller.register(self.fd, select.POLLOUT)
+        self.cork = getattr(socket, "TCP_CORK", None)
+        if self.sock.family not in (socket.AF_INET, socket.AF_INET6):
+            self.cork = None
+        self.use_sendfile = hasattr(os, "sendfile")
 
     @classmethod
     async def attach(cls, scope: Any, idle_timeout: float) -> _SocketWriter | None:
@@ -286,33 +307,36 @@ class _SocketWriter:
         return cls(account, sock.fileno(), idle_timeout)
 
     def write_some(self, messages: Iterator[tuple]) -> tuple[int, bool]:
-        """Take and write messages until ``PAUSE_EVERY_BYTES`` tensor bytes went out or the
+        """Take and write messages until ``DIRECT_BATCH_BYTES`` tensor bytes went out or the
         stream ended: (tensor bytes written, whether the stream ended)."""
         written = 0
-        for message in messages:
-            data = message[1] if len(message) > 1 else None
-            if isinstance(data, memoryview) and isinstance(data.obj, mmap.mmap):
-                _ensure_still_mapped(data.obj)
-            self.write_all(message)
-            if data is not None:
-                written += len(data)
-                if written >= PAUSE_EVERY_BYTES:
-                    return written, False
+        with self._corked():
+            for message in messages:
+                data = message[1] if len(message) > 1 else None
+                if type(message) is FileMessage and self.use_sendfile:
+                    if message[0]:
+                        self.write_all(message[:1])
+                    self.send_file(message, len(message[1]))
+                    if len(message) > 2:
+                        self.write_all(message[2:])
+                else:
+                    if isinstance(data, memoryview) and isinstance(data.obj, mmap.mmap):
+                        _ensure_still_mapped(data.obj)
+                    self.write_all(message)
+                if data is not None:
+                    written += len(data)
+                    if written >= DIRECT_BATCH_BYTES:
+                        return written, False
         return written, True
 
     def write_all(self, parts: tuple) -> None:
         views = [memoryview(p).cast("B") for p in parts if len(p)]
         total = sum(len(v) for v in views)
-        poller = select.poll()
-        poller.register(self.fd, select.POLLOUT)
         while views:
             try:
                 n = os.writev(self.fd, views)
             except BlockingIOError:
-                if not poller.poll(self.idle_ms):
-                    raise TimeoutError(
-                        f"the client read nothing for {self.idle_ms / 1000:.1f} s"
-                    ) from None
+                self._wait_writable()
                 continue
             while views and n >= len(views[0]):
                 n -= len(views.pop(0))
@@ -321,8 +345,57 @@ class _SocketWriter:
         self.account(total)
         self.written += total
 
+    def send_file(self, message: FileMessage, count: int) -> None:
+        """``count`` bytes of ``message``'s file from its offset, with ``sendfile``; where
+        the file system can't, from the mapping with ``writev`` (and no sendfile again)."""
+        file_fd = message.mapped.fileno()
+        at, end = message.file_offset, message.file_offset + count
+        while at < end:
+            try:
+                n = os.sendfile(self.fd, file_fd, at, end - at)
+            except BlockingIOError:
+                self._wait_writable()
+                continue
+            except OSError as e:
+                if at > message.file_offset or e.errno not in _NO_SENDFILE:
+                    raise
+                self.use_sendfile = False
+                self.write_all(message[1:2])
+                return
+            if n == 0:  # the end of the file came first: truncated since it was mapped
+                raise ModelUnavailable(
+                    f"{message.mapped.path.name} was truncated while being served; the "
+                    "model reloads on its next request"
+                )
+            at += n
+            self.account(n)
+            self.written += n
+            self.sent_from_files += n
+
+    def _wait_writable(self) -> None:
+        if not self.poller.poll(self.idle_ms):
+            raise TimeoutError(f"the client read nothing for {self.idle_ms / 1000:.1f} s")
+
+    @contextlib.contextmanager
+    def _corked(self) -> Iterator[None]:
+        """TCP_CORK while a batch is written: framing and data go out in full segments,
+        the rest when the batch ends (so nothing waits while the event loop runs)."""
+        if self.cork is None:
+            yield
+            return
+        self.sock.setsockopt(socket.IPPROTO_TCP, self.cork, 1)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError):  # the client left: nothing to flush
+                self.sock.setsockopt(socket.IPPROTO_TCP, self.cork, 0)
+
     def close(self) -> None:
-        os.close(self.fd)
+        self.sock.close()
+
+
+# sendfile's errors that mean "not from this file to this socket" rather than a failed write.
+_NO_SENDFILE = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP})
 
 
 def _content_length_account(cycle: Any) -> Callable[[int], None] | None:
@@ -365,9 +438,11 @@ class WeightserveApp(FastAPI):
     ``send`` it notes the server's own request-response cycle in the scope (``CYCLE_KEY``),
     where a stream's ``_SocketWriter`` finds it."""
 
-    # Streams and body bytes written with _SocketWriter (tests check that the path engages).
+    # Streams and body bytes written with _SocketWriter, and how many of those bytes went
+    # with sendfile (tests check that each path engages).
     direct_streams = 0
     direct_bytes = 0
+    sendfile_bytes = 0
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope.get("http_version") == "1.1":

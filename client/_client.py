@@ -311,14 +311,16 @@ class RemoteModel:
     def update(
         self, state: MutableMapping[str, Any], *, since: str, revision: str | None = None
     ) -> Revision:
-        """Bring ``state`` (names to writable arrays holding revision ``since``: NumPy arrays,
-        or torch tensors such as a module's ``state_dict()``) to ``revision`` (default
+        """Bring ``state`` (names to arrays holding revision ``since``: NumPy arrays, or torch
+        tensors such as a module's ``state_dict()``, on any device) to ``revision`` (default
         ``main``) in place: per tensor the server sends nothing, an element patch or the
-        whole tensor, whichever is smallest (computed once for every worker). Every tensor is
-        then checked against the revision's digest; one that does not match (a wrong base)
-        is fetched whole, never left wrong. A tensor whose dtype or shape changed, or that is
-        new, gets a new array in ``state`` (not in place). ``last_update`` counts what was
-        done and what travelled."""
+        whole tensor, whichever costs least (computed once for every worker; docs/protocol.md,
+        "Delta updates"). Every tensor is then checked against the revision's digest; one that
+        does not match (a wrong base) is fetched whole, never left wrong. A torch tensor off
+        the CPU or not contiguous is patched in a host copy and copied back into it; a
+        read-only NumPy array (a same-node load's pages) is replaced by its patched copy. A
+        tensor whose dtype or shape changed, or that is new, gets a new array in ``state``.
+        ``last_update`` counts what was done and what travelled."""
         plain = split_revision(self.id)[0]
         target, updates = iter_updates(self.client.transport, plain, since, revision)
 

@@ -112,61 +112,84 @@ def apply_updates(
     fetch_whole: Callable[[list[str]], dict[str, np.ndarray]],
 ) -> dict[str, int]:
     """Apply ``updates`` to ``state`` in place; check every tensor against its digest and fetch
-    whole (``fetch_whole(names)``) those that do not match. Counts by outcome."""
+    whole (``fetch_whole(names)``) those that do not match. Counts by outcome.
+
+    A tensor whose own memory cannot be written where it is (a torch tensor on a GPU or not
+    contiguous: patched in a host copy, then copied back into it; a read-only NumPy array,
+    such as a same-node load's shared pages: replaced by its patched copy) still takes the
+    patch: what travels does not depend on where the worker keeps its weights."""
     counts = {SAME: 0, PATCH: 0, WHOLE: 0, "refetched": 0, "wire_bytes": 0}
     wrong: list[str] = []
     for update in updates:
         counts[update.kind] += 1
         counts["wire_bytes"] += update.wire_bytes
         header = update.header
-        target = _bytes_of(state.get(update.name), header)
-        if target is None:  # missing, or another dtype or shape: a new array, not in place
+        value = state.get(update.name)
+        if not _is_tensor(value, header):  # missing, or another dtype or shape: a new array
             if update.kind == WHOLE:
                 assert update.data is not None
                 state[update.name] = _new_array(header, update.data)
             else:
                 wrong.append(update.name)
             continue
-        apply_update(target, update)  # same size: _bytes_of checked dtype and shape
+        target = _writable_bytes(value)
+        if target is None and update.kind == SAME:
+            readable = _host_bytes(value, copy=False)
+            if xxhash.xxh3_128_hexdigest(memoryview(readable.data)) != header.digest:
+                wrong.append(update.name)
+            continue
+        staged = target is None
+        if target is None:
+            target = _host_bytes(value, copy=True)
+        apply_update(target, update)  # same size: _is_tensor checked dtype and shape
         if xxhash.xxh3_128_hexdigest(memoryview(target.data)) != header.digest:
             wrong.append(update.name)
+        elif staged:
+            _put_back(state, update.name, value, target)
     if wrong:
         counts["refetched"] = len(wrong)
         for name, array in fetch_whole(wrong).items():
-            header_bytes = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+            fetched = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
             found = state.get(name)
-            target = None
-            if found is not None:
-                target = _writable_bytes(found)
-            if target is not None and target.size == header_bytes.size:
-                target[:] = header_bytes
+            target = _writable_bytes(found) if found is not None else None
+            if target is not None and target.size == fetched.size:
+                target[:] = fetched
+            elif found is not None and _is_tensor(found, _shape_of(array, name)):
+                _put_back(state, name, found, fetched)
             else:
                 state[name] = np.array(array)
     return counts
 
 
-def _bytes_of(value: Any, header: DeltaHeader) -> np.ndarray | None:
-    """``value``'s memory as writable bytes when it is the tensor ``header`` describes (its
-    dtype and shape), else None."""
+def _is_torch(value: Any) -> bool:
+    return type(value).__module__.startswith("torch")
+
+
+def _is_tensor(value: Any, header: DeltaHeader) -> bool:
+    """Whether ``value`` is the tensor ``header`` describes: its dtype and shape."""
     if value is None:
-        return None
-    if type(value).__module__.startswith("torch"):
+        return False
+    if _is_torch(value):
         dtype = str(value.dtype).removeprefix("torch.")
     else:
-        array = np.asarray(value)
         try:
-            dtype = from_numpy_dtype(array.dtype)
+            dtype = from_numpy_dtype(np.asarray(value).dtype)
         except ValueError:
-            return None
-    if dtype != header.dtype or list(value.shape) != list(header.shape):
-        return None
-    return _writable_bytes(value)
+            return False
+    return dtype == header.dtype and list(value.shape) == list(header.shape)
+
+
+def _shape_of(array: np.ndarray, name: str) -> DeltaHeader:
+    """A header naming a fetched array's dtype and shape (to match it against the state's)."""
+    return DeltaHeader(
+        kind=WHOLE, name=name, dtype=from_numpy_dtype(array.dtype), shape=list(array.shape)
+    )
 
 
 def _writable_bytes(value: Any) -> np.ndarray | None:
     """The array's own memory as a flat writable uint8 array (None where it has none of its
     own to give: not contiguous, read-only, not on the CPU)."""
-    if type(value).__module__.startswith("torch"):
+    if _is_torch(value):
         import torch  # only for torch tensors: torch is optional
 
         t = value.detach()
@@ -178,6 +201,32 @@ def _writable_bytes(value: Any) -> np.ndarray | None:
     if not value.flags.writeable:
         return None
     return value.reshape(-1).view(np.uint8)
+
+
+def _host_bytes(value: Any, *, copy: bool) -> np.ndarray:
+    """The tensor's bytes in host memory, C order, as flat uint8: a private writable copy with
+    ``copy``, else possibly a read-only view of its own memory."""
+    if _is_torch(value):
+        import torch
+
+        host = value.detach().to("cpu", copy=copy).contiguous()
+        return host.reshape(-1).view(torch.uint8).numpy()
+    array = np.asarray(value)
+    flat = np.array(array, order="C", copy=True) if copy else np.ascontiguousarray(array)
+    return flat.reshape(-1).view(np.uint8)
+
+
+def _put_back(state: MutableMapping[str, Any], name: str, value: Any, data: np.ndarray) -> None:
+    """Bring a tensor that was patched in a host copy up to ``data`` (its new bytes): a torch
+    tensor in place (``copy_`` to its device and layout), a NumPy array replaced."""
+    if _is_torch(value):
+        import torch
+
+        host = torch.from_numpy(data).view(value.dtype).reshape(value.shape)
+        value.detach().copy_(host)
+        return
+    array = np.asarray(value)
+    state[name] = data.view(array.dtype).reshape(array.shape)
 
 
 def _new_array(header: DeltaHeader, data: bytes) -> np.ndarray:

@@ -137,6 +137,52 @@ def test_a_torch_module_is_updated_in_place(server: WeightServer) -> None:
     assert out.shape == (1, 128)
 
 
+def test_read_only_arrays_still_take_patches(server: WeightServer) -> None:
+    # A same-node load hands out read-only pages: the update patches copies, never refetches.
+    r1_weights = first_weights()
+    r2_weights = step(r1_weights, density=0.01, seed=4)
+    with Client(server.http_url) as c:
+        r1 = c.publish(MODEL, r1_weights)
+        c.publish(MODEL, r2_weights, base=r1.commit)
+        state = {name: array.copy() for name, array in r1_weights.items()}
+        for array in state.values():
+            array.flags.writeable = False
+        unchanged = state["embed.q"]
+        model = c.model(MODEL)
+        model.update(state, since=r1.commit)
+    done = model.last_update
+    assert (done["same"], done["patch"], done["whole"], done["refetched"]) == (1, 2, 1, 0)
+    assert state["embed.q"] is unchanged  # same digest: left as it is, not copied
+    assert all(same_bytes(state[n], a) for n, a in r2_weights.items())
+
+
+def test_a_torch_tensor_not_writable_where_it_is_is_patched_and_copied_back(
+    server: WeightServer,
+) -> None:
+    # The path a GPU tensor takes (patched in a host copy, then copy_ into it), here with a
+    # tensor that is not contiguous, whose memory cannot be written as flat bytes either.
+    torch = pytest.importorskip("torch")
+    r1_weights = first_weights()
+    r2_weights = step(r1_weights, density=0.01, seed=5)
+    with Client(server.http_url) as c:
+        r1 = c.publish(MODEL, r1_weights)
+        c.publish(MODEL, r2_weights, base=r1.commit)
+        w1 = torch.from_numpy(r1_weights["layers.0.w"].view(np.int16).copy()).view(torch.bfloat16)
+        weight = w1.T.contiguous().T  # the same values, laid out column by column
+        storage = weight.data_ptr()
+        state = {name: torch.from_numpy(array.copy()) for name, array in r1_weights.items()
+                 if name != "layers.0.w"}  # fmt: skip
+        state["layers.0.w"] = weight
+        model = c.model(MODEL)
+        model.update(state, since=r1.commit)
+    assert not weight.is_contiguous()
+    assert state["layers.0.w"] is weight and weight.data_ptr() == storage
+    expected = torch.from_numpy(r2_weights["layers.0.w"].view(np.int16).copy())
+    assert torch.equal(weight.view(torch.int16), expected)
+    done = model.last_update
+    assert (done["patch"], done["refetched"]) == (2, 0)
+
+
 def test_the_wire_form_is_readable_without_the_client(server: WeightServer) -> None:
     """Headers and payload sizes as docs/protocol.md states them, read with http.client."""
     r1_weights = first_weights()

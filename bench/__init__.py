@@ -14,6 +14,10 @@ orchestration), ``profile`` (py-spy profiles of the whole-model loads).
 ``python -m bench --against REF`` (``ab``, servers from ``ab_server``) runs the HTTP loads
 against this tree's server and REF's alternately and prints the ratios this/REF.
 
+``python -m bench.scaling`` (``scaling``) measures how the one-process server's bulk path
+grows with concurrent clients and cores against raw streams, and the share of its CPU that
+holds the GIL (perf), at 1, 2, 4, 8 clients (``bench/results/scaling.json``).
+
 ``python -m bench.fill`` measures cold fills of the node cache from a loopback S3 server
 (``s3``: SeaweedFS) against ``pyarrow.fs.copy_files`` of the same objects
 (``bench/results/fill-latest.json``).

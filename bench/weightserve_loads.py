@@ -265,18 +265,20 @@ def small_requests_raw_socket(base: str, model_id: str, names: list[str], reques
     return run
 
 
-def drain(base: str, model_id: str):
+def drain(base: str, model_id: str, chunk_bytes: int | None = None):
     """Diagnostic: the whole-model stream (one stream, prefix "") read into a reused 16 MiB
     scratch buffer and discarded: no parsing, no digests, no allocation. What the server
-    (and, for gRPC, grpcio's receive path) delivers to the cheapest possible consumer."""
+    (and, for gRPC, grpcio's receive path) delivers to the cheapest possible consumer.
+    ``chunk_bytes``: the stream's chunk size (None: the server's default)."""
     from weightserve.client._client import Client
     from weightserve.client.transports.base import StreamParams
 
     client = Client(base)
     scratch = memoryview(bytearray(16 << 20))
+    params = StreamParams(prefix="", chunk_bytes=chunk_bytes)
 
     def run():
-        source = client.transport.open_stream(model_id, StreamParams(prefix=""))
+        source = client.transport.open_stream(model_id, params)
         total = 0
         while n := source.readinto(scratch):
             total += n

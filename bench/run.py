@@ -360,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
             "small_requests_conc_per_client": args.small_requests_conc,
             "static_server": web_kind,
             "max_path": "RemoteWeights" if have_max else "RemoteModel.fetch (RemoteWeights absent)",
-            "http_client_connection": "kept-alive connections, a pool of 8 (http.client)",
+            "http_client_connection": "kept-alive connections, pools of 8 (tensor streams: "
+            "Http1Connection; TLS and JSON routes: http.client)",
             "grpc_bulk_data": "Arrow Flight endpoint (GetServerInfo); *_streamtensors: grpcio",
             "server": "separate process (bench.server): no GIL shared with any client",
             "wall_seconds": round(time.time() - started, 1),

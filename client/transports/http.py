@@ -492,14 +492,14 @@ class _HttpSource:
         resp: http.client.HTTPResponse | Http1Response,
     ) -> None:
         self.transport, self.conn, self.resp = transport, conn, resp
-        self.where = transport.address.url
         self.closed = False
 
     def readinto(self, view: memoryview) -> int:
         try:
             return self.resp.readinto(view)
         except (OSError, http.client.HTTPException) as e:
-            raise TransportError(f"stream from {self.where} broke: {e!r}") from e
+            where = self.transport.address.url
+            raise TransportError(f"stream from {where} broke: {e!r}") from e
 
     def close(self) -> None:
         if self.closed:  # a second close must not pool the connection twice

@@ -185,7 +185,8 @@ class Http1Response:
     ) -> None:
         self.conn: Http1Connection | None = conn
         self.status, self.version, self.reason, self.headers = status, version, reason, headers
-        tokens = {t.strip().lower() for t in headers.get("connection", "").split(",")}
+        connection = headers.get("connection")
+        tokens = {t.strip().lower() for t in connection.split(",")} if connection else ()
         self.will_close = "close" in tokens or (version == 10 and "keep-alive" not in tokens)
         self._left = 0  # Content-Length bytes still to read
         self._chunked = False

@@ -348,7 +348,10 @@ def main(argv: list[str] | None = None) -> int:
         for pid in pids.values():
             pin(pid, every_cpu)
         results["pinned"] = pinned
-        results["server_tree"] = ws.info["service_dir"]
+        # Which package the server imported: REF's export or this repository's (no paths).
+        results["server_imported"] = "REF's export" if tree else "this repository"
+        if tree and not ws.info["service_dir"].startswith(tree[0]):
+            raise RuntimeError(f"the server imported {ws.info['service_dir']}, not REF's tree")
     results["config"] = {
         "command": "python -m bench.scaling "
         + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -60,28 +61,41 @@ def plan_delta(
     """The cheapest way from ``old`` (None: not held, or another dtype or shape) to ``new``,
     the tensor's bytes, patched as elements of ``element_size`` bytes (from CPU_BOUND_BYTES
     on, cheap for the worker's CPU too)."""
-    digest = xxhash.xxh3_128_hexdigest(new)
-    common = {
-        "name": name, "dtype": dtype, "shape": list(shape), "nbytes": new.nbytes, "digest": digest,
-    }  # fmt: skip
-    whole = DeltaEntry(DeltaHeader(kind=WHOLE, **common), (new,))
+
+    def entry(kind: str, digest: str, **fields: Any) -> DeltaHeader:
+        return DeltaHeader(
+            kind=kind, name=name, dtype=dtype, shape=list(shape), nbytes=new.nbytes,
+            digest=digest, **fields,
+        )  # fmt: skip
+
+    def whole() -> DeltaEntry:
+        return DeltaEntry(entry(WHOLE, xxhash.xxh3_128_hexdigest(new)), (new,))
+
     if old is None or old.nbytes != new.nbytes:
-        return whole
+        return whole()
     element = np.dtype(_UNSIGNED[element_size])
     usable = new.nbytes - new.nbytes % element.itemsize
     tail = new.nbytes - usable  # a packed tensor's last partial element: bytes
     if tail and bytes(old[usable:]) != bytes(new[usable:]):
-        return whole
+        return whole()
     b = np.frombuffer(new, dtype=np.uint8)[:usable].view(element)
     large = new.nbytes >= CPU_BOUND_BYTES
+    # The digest is taken chunk by chunk as the compare reads them (from cache: one pass over
+    # the tensor's memory instead of two).
+    hasher = xxhash.xxh3_128()
     found = changed_elements(
-        np.frombuffer(old, dtype=np.uint8)[:usable].view(element), b, b.size // 2 if large else None
+        np.frombuffer(old, dtype=np.uint8)[:usable].view(element),
+        b,
+        b.size // 2 if large else None,
+        hasher,
     )
     if found is None:
-        return whole
+        return whole()
+    hasher.update(new[usable:])
+    digest = hasher.hexdigest()
     gaps, changed = found
     if changed.size == 0:
-        return DeltaEntry(DeltaHeader(kind=SAME, **common), ())
+        return DeltaEntry(entry(SAME, digest), ())
     positions = pa.compress(gaps.tobytes(), codec=CODEC, asbytes=True)
     raw_values = changed.tobytes()
     values, values_codec = raw_values, ""
@@ -90,9 +104,10 @@ def plan_delta(
         if len(packed) < len(raw_values):
             values, values_codec = packed, CODEC
     if len(positions) + len(values) >= new.nbytes:
-        return whole
-    header = DeltaHeader(
-        kind=PATCH,
+        return DeltaEntry(entry(WHOLE, digest), (new,))
+    header = entry(
+        PATCH,
+        digest,
         count=int(changed.size),
         element_bytes=element.itemsize,
         gap_bytes=gaps.itemsize,
@@ -100,7 +115,6 @@ def plan_delta(
         values_bytes=len(values),
         values_raw_bytes=len(raw_values),
         values_codec=values_codec,
-        **common,
     )
     return DeltaEntry(header, (positions, values))
 
@@ -118,12 +132,13 @@ class _Chunk:
 
 
 def changed_elements(
-    old: np.ndarray, new: np.ndarray, limit: int | None = None
+    old: np.ndarray, new: np.ndarray, limit: int | None = None, hasher: Any = None
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """Where ``new`` differs from ``old`` (arrays of one shape) as gaps between the changed
     elements (the first gap is the first index), in the narrowest unsigned integer that holds
     them, and the changed elements of ``new``; None when more than ``limit`` differ. Chunk by
-    chunk, never an index per element of the whole tensor at once."""
+    chunk, never an index per element of the whole tensor at once; ``hasher`` (an xxhash
+    object) is given each chunk of ``new`` in order when the whole tensor is compared."""
     flags = np.empty(min(COMPARE_CHUNK, new.size), dtype=bool)
     chunks: list[_Chunk] = []
     dense: list[int] = []  # mostly changed: indexed once ``limit`` is known not to be passed
@@ -132,6 +147,8 @@ def changed_elements(
         stop = min(start + COMPARE_CHUNK, new.size)
         chunk = flags[: stop - start]
         np.not_equal(old[start:stop], new[start:stop], out=chunk)
+        if hasher is not None:
+            hasher.update(new[start:stop])
         count = int(np.count_nonzero(chunk))
         total += count
         if limit is not None and total > limit:

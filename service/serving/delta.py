@@ -14,10 +14,14 @@ again.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import os
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterator
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -33,9 +37,26 @@ from weightserve.service.sources.revision_stores import KeptDeltas, KeptDeltaWri
 log = logging.getLogger("weightserve.delta")
 
 CACHE_BYTES = 1 << 30  # patches kept in memory, least recently used dropped first
+# Threads every delta stream diffs on (one per core), and how many tensors of one stream are
+# diffed ahead of the one being sent.
+DIFF_THREADS = max(2, os.cpu_count() or 1)
+DIFF_AHEAD = DIFF_THREADS
 LOADED_PAIRS = 8  # kept pair files held mapped and checked, least recently used dropped first
 # Where a served entry came from (weightserve_delta_served_total's ``source``).
 FROM_MEMORY, FROM_DISK, COMPUTED = "memory", "disk", "computed"
+
+
+_DIFFS: ThreadPoolExecutor | None = None
+_DIFFS_LOCK = threading.Lock()
+
+
+def _diff_pool() -> ThreadPoolExecutor:
+    """The threads every delta stream diffs on: one per core, shared, started on first use."""
+    global _DIFFS
+    with _DIFFS_LOCK:
+        if _DIFFS is None:
+            _DIFFS = ThreadPoolExecutor(DIFF_THREADS, thread_name_prefix="weightserve-diff")
+        return _DIFFS
 
 
 def tensor_bytes(model: Model, entry: TensorEntry) -> memoryview:
@@ -156,9 +177,20 @@ class DeltaCache:
         kept = self._load(path) if path is not None else None
         writer = self._claim(path) if path is not None and kept is None else None
         claimed = writer is not None
+        names = iter(target.tensors)
+        ahead: deque[tuple[str, Future[DeltaEntry]]] = deque()
         try:
-            for name, entry in target.tensors.items():
-                found = self.entry(name, target, base, kept)
+            while True:
+                # The next tensors are diffed on other cores while this one is sent (NumPy
+                # compares without the GIL): a first worker waits for the pair's diff spread
+                # over the server's cores, not one.
+                for name in itertools.islice(names, DIFF_AHEAD - len(ahead)):
+                    ahead.append((name, _diff_pool().submit(self.entry, name, target, base, kept)))
+                if not ahead:
+                    break
+                name, pending = ahead.popleft()
+                entry = target.tensors[name]
+                found = pending.result()
                 if writer is not None:
                     writer = self._write(writer, found)
                 yield header_line(found.header)
@@ -170,6 +202,11 @@ class DeltaCache:
                 self._finish(writer, target)
                 writer = None
         finally:
+            for _, pending in ahead:  # the stream was cut: diffs not started are not needed
+                if not pending.cancel():
+                    # One running reads the revisions' mappings: done before the stream's
+                    # lease lets them go.
+                    futures.wait([pending])
             if writer is not None:  # the stream was cut: nothing half written is kept
                 writer.discard()
             if claimed:

@@ -14,21 +14,16 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from tests.test_publish import serve
 from weightserve.client._client import Client
-from weightserve.service.server import ServerConfig, WeightServer
+from weightserve.service.server import WeightServer
 
 MODEL = "team/policy"
 
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[WeightServer]:
-    root = tmp_path / "root"
-    root.mkdir()
-    config = ServerConfig(
-        str(root), http_port=0, grpc_port=0, flight_port=None, rescan_seconds=0,
-        watch=False, allow_publish=True, grace_seconds=1,
-    )  # fmt: skip
-    with WeightServer(config) as srv:
+    with serve(tmp_path, allow_publish=True, grace_seconds=1) as srv:
         yield srv
 
 

@@ -18,7 +18,9 @@ import mmap
 import os
 import select
 import socket
+import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anyio
@@ -92,8 +94,12 @@ class ArrowStreamResponse(Response):
                 idle.watch.close()  # the writer enforces the idle timeout itself
                 # Messages are taken (digests included) and written on a worker thread, a
                 # batch per hop; between batches the loop runs and a client gone is noticed.
+                pool = _writer_pool(scope, lease.state.limits.max_streams)
+                loop = asyncio.get_running_loop()
                 while not gone.done():
-                    written, finished = await asyncio.to_thread(writer.write_some, self.messages)
+                    written, finished = await loop.run_in_executor(
+                        pool, writer.write_some, self.messages
+                    )
                     lease.progress(written)
                     if finished:
                         break
@@ -433,6 +439,16 @@ def _ensure_still_mapped(mapping: mmap.mmap) -> None:
         )
 
 
+def _writer_pool(scope: Any, max_streams: int) -> ThreadPoolExecutor | None:
+    """The app's pool of writer threads (``WeightserveApp.writer_pool``); None (the loop's
+    default executor) outside one, where no writer attaches anyway."""
+    app = scope.get("app")
+    return app.writer_pool(max_streams) if isinstance(app, WeightserveApp) else None
+
+
+WRITER_THREAD_NAME = "weightserve-writer"
+
+
 class WeightserveApp(FastAPI):
     """The FastAPI app, and the outermost ASGI layer uvicorn calls: before Starlette wraps
     ``send`` it notes the server's own request-response cycle in the scope (``CYCLE_KEY``),
@@ -443,6 +459,21 @@ class WeightserveApp(FastAPI):
     direct_streams = 0
     direct_bytes = 0
     sendfile_bytes = 0
+    _writers: ThreadPoolExecutor | None = None
+    _writers_lock = threading.Lock()
+
+    def writer_pool(self, max_streams: int) -> ThreadPoolExecutor:
+        """The threads that write streams to their sockets, one per stream the server admits
+        (``Limits.max_streams``), made as needed: a client that stops reading holds its
+        writer in ``poll`` until the idle timeout, so a smaller pool shared with anything
+        else (asyncio's default executor has ``cores + 4`` threads) would let a few stalled
+        clients stop every other stream. Its idle threads end with the app."""
+        with self._writers_lock:
+            if self._writers is None:
+                self._writers = ThreadPoolExecutor(
+                    max_workers=max(1, max_streams), thread_name_prefix=WRITER_THREAD_NAME
+                )
+            return self._writers
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope.get("http_version") == "1.1":

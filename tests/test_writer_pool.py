@@ -1,0 +1,101 @@
+"""Clients that stop reading do not stall the others: HTTP streams are written on a pool of
+writer threads of the app's own, one per admitted stream, not on asyncio's default executor
+(``cores + 4`` threads), where each stalled client held a thread in ``poll`` until the idle
+timeout. The stalled streams are cut at that timeout and counted."""
+
+from __future__ import annotations
+
+import http.client
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from tests.test_http_writev import expected_body, fetch, serving
+from weightserve.service.serving.state import Limits, ServiceState
+from weightserve.service.sources.local import Catalog
+from weightserve.service.transports.http.streaming import WRITER_THREAD_NAME
+
+BIG = "big.weight"  # 16 MiB: more than a stalled client's socket buffers take
+IDLE_TIMEOUT = 4.0
+# More stalled clients than asyncio's default executor has threads on this machine.
+STALLED = max(8, min(32, (os.cpu_count() or 1) + 4) + 2)
+
+
+def eventually(check: Callable[[], bool], what: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def idle_cuts(state: ServiceState) -> float:
+    return sum(
+        sample.value
+        for metric in state.metrics.registry.collect()
+        for sample in metric.samples
+        if sample.name == "weightserve_errors_total"
+        and sample.labels["transport"] == "http"
+        and sample.labels["error"] == "IdleTimeout"
+    )
+
+
+def stall(port: int) -> socket.socket:
+    """A client that asks for the big tensor and never reads a byte of the answer."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills at once
+    sock.connect(("127.0.0.1", port))
+    request = f"GET /v1/models/m/-/stream?name={BIG} HTTP/1.1\r\nHost: x\r\n\r\n"
+    sock.sendall(request.encode())
+    return sock
+
+
+@pytest.mark.slow
+def test_stalled_clients_do_not_stop_a_reading_one(tmp_path: Path) -> None:
+    (tmp_path / "m").mkdir()
+    rng = np.random.default_rng(3)
+    weight = rng.standard_normal((4096, 1024), dtype=np.float32)
+    save_file({BIG: weight}, str(tmp_path / "m" / "model.safetensors"))
+    limits = Limits(
+        max_streams=STALLED + 2, max_streams_per_client=STALLED + 2, idle_timeout=IDLE_TIMEOUT
+    )
+    state = ServiceState(Catalog(tmp_path), limits)
+    chunk = limits.chunk_bytes
+    expected = expected_body(state, BIG, chunk)
+    with serving(state, "httptools") as (port, app):
+        stalled = [stall(port) for _ in range(STALLED)]
+        try:
+            # Every stalled stream has its writer, blocked on a full socket.
+            eventually(
+                lambda: app.direct_streams == STALLED, "the stalled streams did not start", 10
+            )
+            eventually(
+                lambda: (
+                    sum(t.name.startswith(WRITER_THREAD_NAME) for t in threading.enumerate())
+                    >= STALLED
+                ),
+                "the stalled streams have no writer threads",
+                10,
+            )
+            started = time.monotonic()
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            body = fetch(conn, BIG, chunk)
+            took = time.monotonic() - started
+            conn.close()
+            assert body == expected
+            assert took < IDLE_TIMEOUT / 2, f"a reading client waited {took:.1f} s"
+            assert state.open_streams == STALLED  # the stalled ones still hold their slots
+            # Each stalled stream is cut at the idle timeout, its slot given back and counted.
+            eventually(
+                lambda: state.open_streams == 0, "stalled streams were not cut", 3 * IDLE_TIMEOUT
+            )
+            eventually(lambda: idle_cuts(state) == STALLED, "idle cuts not counted", 5)
+        finally:
+            for sock in stalled:
+                sock.close()

@@ -207,6 +207,7 @@ def test_http_no_token_or_wrong_token_is_401(auth_server: WeightServer) -> None:
             ("POST", "/v1/models/team-a/x/stream", {"prefix": ""}),
             ("GET", "/v1/models/team-a/x/stream?prefix=", None),
             ("GET", "/v1/models/team-a/x/tensors/w", None),
+            ("GET", "/v1/models/team-a/x/-/tensors/w", None),  # the small-tensor lane
         ):
             status, data = raw(auth_server, method, path, headers=headers, body=body)
             assert status == 401, (headers, path)
@@ -300,6 +301,7 @@ def test_per_model_grant_http_statuses(auth_server: WeightServer) -> None:
         ("/v1/models/team-b/z/stream", "POST", {"names": ["w"]}),
         ("/v1/models/team-b/z/stream?name=w", "GET", None),
         ("/v1/models/team-b/z/tensors/w", "GET", None),
+        ("/v1/models/team-b/z/-/tensors/w", "GET", None),  # the small-tensor lane
         ("/v1/models/nope/nothing", "GET", None),
     ):
         status, data = raw(auth_server, method, path, headers=headers, body=body)

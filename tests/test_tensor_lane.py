@@ -80,3 +80,24 @@ def _settled(read: Callable[[], float]) -> float:
             break
         value = again
     return value
+
+
+def test_lane_reads_a_revision_that_needs_decoding_and_keeps_the_body_limit(server) -> None:
+    revision = http_request(server.http_port, "/v1/models/mixed").json()["revision"]
+    # Percent-encoded: not the lane's plain form, decoded as the route would.
+    encoded = "".join(f"%{ord(c):02X}" for c in revision)
+    reply, lane = lane_answers(server, f"/v1/models/mixed/-/tensors/float32?revision={encoded}")
+    assert (reply.status, lane) == (200, 1)
+    reply, lane = lane_answers(server, "/v1/models/mixed/-/tensors/float32?revision=a%2Fb")
+    assert (reply.status, lane) == (412, 1)
+    assert reply.error()[0] == "RevisionMismatch"
+    # A GET announcing a body over the limit is refused before the lane answers it.
+    limit = server.state.limits.max_request_bytes
+    before = TensorLane.answered
+    reply = http_request(
+        server.http_port,
+        "/v1/models/mixed/-/tensors/float32",
+        headers={"content-length": str(limit + 1)},
+    )
+    assert reply.status == 413 and reply.error()[0] == "ResourceExhausted"
+    assert TensorLane.answered - before == 1  # taken by the lane, refused inside it

@@ -20,7 +20,12 @@ from weightserve.service.transports.http.common import access_check, error_respo
 from weightserve.service.transports.http.docs import add_offline_docs
 from weightserve.service.transports.http.files import add_file_routes
 from weightserve.service.transports.http.hub import add_hub_routes
-from weightserve.service.transports.http.middleware import BodyLimit, CallMetrics, TensorLane
+from weightserve.service.transports.http.middleware import (
+    BodyLimit,
+    CallMetrics,
+    LaneFirst,
+    TensorLane,
+)
 from weightserve.service.transports.http.ops import add_model_info_route, add_operations_routes
 from weightserve.service.transports.http.publish import add_publish_routes
 from weightserve.service.transports.http.streaming import WeightserveApp
@@ -31,8 +36,13 @@ from weightserve.service.transports.http.tensors import (
 )
 
 
+class _App(WeightserveApp, LaneFirst):
+    """WeightserveApp, which uvicorn calls first (it notes the request's cycle), then the
+    small-tensor lane (``LaneFirst``), then FastAPI."""
+
+
 def create_app(state: ServiceState) -> FastAPI:
-    app = WeightserveApp(
+    app = _App(
         title="weightserve",
         description="Model weights as Apache Arrow streams. Tensor data: Arrow IPC stream, "
         "one row per chunk of a tensor (see docs/protocol.md). Every GET route answers "
@@ -45,7 +55,9 @@ def create_app(state: ServiceState) -> FastAPI:
     access = access_check(state)
     streams = TensorStreams(state, access)
 
-    app.add_middleware(TensorLane, answer=streams.lane)  # innermost of the three
+    # The lane answers one tensor's GET before FastAPI, inside metrics and body limit of its
+    # own; FastAPI's middleware does the same for every other request.
+    app.tensor_lane = TensorLane(state, streams.lane)
     app.add_middleware(BodyLimit, state=state)
     app.add_middleware(CallMetrics, state=state)  # added last: outermost, sees every answer
 

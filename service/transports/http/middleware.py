@@ -1,14 +1,16 @@
-"""The HTTP app's ASGI middleware: the call metrics (outermost), the request-body limit and
-the small-tensor lane (innermost), which answers one tensor's GET before FastAPI's routing."""
+"""The HTTP app's ASGI middleware: the call metrics (outermost), the request-body limit, and
+the small-tensor lane, which answers one tensor's GET inside those two but before FastAPI."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import parse_qsl
 
+from fastapi import FastAPI
 from starlette.routing import Match
 
 from weightserve.client.errors import ResourceExhausted
@@ -94,6 +96,13 @@ def route_operation(path: str) -> str:
 
 TENSOR_ROUTE_PART = "/-/tensors/"
 
+# ``revision=VALUE`` with nothing to decode (a commit, a branch name): the lane's commonest
+# query, read without ``parse_qsl``.
+_PLAIN_REVISION = re.compile(rb"revision=([A-Za-z0-9._~-]*)")
+
+# The scope key under which the lane keeps the (model, tensor, revision) it answers.
+LANE_TARGET_KEY = "weightserve.lane"
+
 
 def tensor_lane_target(scope: Any) -> tuple[str, str, str | None] | None:
     """(model, tensor name, revision) of a plain ``GET /v1/models/ID/-/tensors/NAME`` (at
@@ -110,6 +119,9 @@ def tensor_lane_target(scope: Any) -> tuple[str, str, str | None] | None:
     revision = None
     query: bytes = scope.get("query_string", b"")
     if query:
+        plain = _PLAIN_REVISION.fullmatch(query)
+        if plain is not None:
+            return model, name, plain[1].decode("ascii") or None
         pairs = parse_qsl(query.decode("latin-1"), keep_blank_values=True)
         if len(pairs) != 1 or pairs[0][0] != "revision":
             return None  # shard, axis, anything else: the route validates it
@@ -118,23 +130,44 @@ def tensor_lane_target(scope: Any) -> tuple[str, str, str | None] | None:
 
 
 class TensorLane:
-    """One small tensor, the commonest small request, answered without FastAPI's routing and
-    parameter validation, a large part of such a request's server time (docs/performance.md,
-    "Small requests"): the same stream as the route gives, inside the metrics and body-limit
-    middleware. Anything but a plain GET of one tensor goes on to the routes."""
+    """One small tensor, the commonest small request, answered before FastAPI sees it: no
+    routing or parameter validation, no FastAPI telemetry check, no Starlette error and
+    body-limit middleware, a large part of such a request's server time (docs/performance.md,
+    "Small requests"). The same stream as the route gives, counted by ``CallMetrics`` and
+    bounded by ``BodyLimit`` as every request is; an unhandled error is uvicorn's 500, as
+    Starlette's would be. ``LaneFirst`` hands it the requests it takes."""
 
     answered = 0  # requests this lane answered since start (tests check it engages)
 
-    def __init__(self, app: Any, answer: Callable[..., Awaitable[None]]) -> None:
-        self.app = app
+    def __init__(self, state: ServiceState, answer: Callable[..., Awaitable[None]]) -> None:
         self.answer = answer
+        self.app = CallMetrics(BodyLimit(self._answer, state), state)
+
+    async def __call__(
+        self, scope: Any, receive: Any, send: Any, target: tuple[str, str, str | None]
+    ) -> None:
+        TensorLane.answered += 1
+        scope[LANE_TARGET_KEY] = target
+        await self.app(scope, receive, send)
+
+    async def _answer(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.answer(scope, receive, send, *scope[LANE_TARGET_KEY])
+
+
+class LaneFirst(FastAPI):
+    """FastAPI whose ``tensor_lane`` takes its requests (``tensor_lane_target``) before
+    FastAPI's per-request work; every other request goes through FastAPI as before."""
+
+    tensor_lane: TensorLane | None = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        target = tensor_lane_target(scope)
-        if target is None:
-            return await self.app(scope, receive, send)
-        TensorLane.answered += 1
-        await self.answer(scope, receive, send, *target)
+        lane = self.tensor_lane
+        if lane is not None:
+            target = tensor_lane_target(scope)
+            if target is not None:
+                scope["app"] = self  # as Starlette sets it: the stream writers' pool
+                return await lane(scope, receive, send, target)
+        await super().__call__(scope, receive, send)
 
 
 class CallMetrics:

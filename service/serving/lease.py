@@ -117,7 +117,8 @@ class StreamLease:
             if self._idle is not None:
                 self._idle.close()
             if self.model_id is not None:
-                self.state.metrics.bytes_served.labels(self.transport, self.model_id).inc(self.sent)
+                metrics = self.state.metrics
+                metrics.child(metrics.bytes_served, self.transport, self.model_id).inc(self.sent)
             if self.calls is not None:
                 self.calls.ended(self.operation, self.started, error, self._finished, self.idle_cut)
 

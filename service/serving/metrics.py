@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -117,6 +118,16 @@ class Metrics:
         self.handoff = CallRecorder(
             self, "handoff"
         )  # same-node descriptors (service/transports/handoff.py)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def child(self, metric: Counter | Gauge, *labels: str) -> Any:
+        """``metric.labels(*labels)``, looked up once: each stream takes a few, and a look-up
+        is a lock and a tuple of strings (docs/performance.md, "Small requests")."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
 
 
 # The node cache's counters (service/sources/node_cache.py CacheStats): (metric, kind, help, field).

@@ -123,7 +123,7 @@ class ServiceState:
                 )
             self._streams += 1
             self._per_client[client] = mine + 1
-        gauge = self.metrics.open_streams.labels(transport)
+        gauge = self.metrics.child(self.metrics.open_streams, transport)
         gauge.inc()
         try:
             yield

@@ -106,8 +106,7 @@ class TensorStreams:
     def __init__(self, state: ServiceState, access: AccessCheck) -> None:
         self.state = state
         self.access = access
-        # Per request these were a Prometheus label look-up and a request's validation.
-        self._served: dict[str, Any] = {}  # model id -> its tensors_served counter (HTTP)
+        # Per request this was a request's validation.
         self._lane_requests: dict[tuple[str, str | None], TensorRequest] = {}
 
     def start(self, http: Request, model_id: str, request: TensorRequest) -> Response:
@@ -132,10 +131,7 @@ class TensorStreams:
                 # rule.
                 headers["content-length"] = str(length)
                 return Response(headers=headers, media_type=ARROW_STREAM_MEDIA_TYPE)
-            tensors = self._served.get(model.id)
-            if tensors is None:
-                tensors = state.metrics.tensors_served.labels("http", model.id)
-                self._served[model.id] = tensors
+            tensors = state.metrics.child(state.metrics.tensors_served, "http", model.id)
             messages = stream_messages(model, planned, request.chunk_bytes, tensors.inc)
             return ArrowStreamResponse(lease.handed_over(), messages, length, headers)
 

@@ -675,17 +675,19 @@ class RemoteModel:
         transport = self.client.planes().streams
         groups = self._groups(names)
         retry_seconds = self._retry_seconds()
-        progress_lock = threading.Lock()
+        counted = on_bytes
+        if on_bytes is not None and len(groups) > 1:
+            progress_lock = threading.Lock()
 
-        def counted(n: int) -> None:
-            if on_bytes is not None:
+            def counted(n: int) -> None:  # one stream per thread, one caller's callback
                 with progress_lock:
                     on_bytes(n)
 
         def one(group: list[str]) -> dict[str, ReceivedTensor]:
             params = self._stream_params(group, shard, axis)
             place = allocate
-            if place is None:
+            if place is None and len(group) > 1:
+                # One tensor alone gets the same aligned buffer without an arena.
                 place = arena_allocator({n: self._part_bound(n, shard, axis) for n in group})
             return receive(
                 lambda p: transport.open_chunks(self.id, p),

@@ -302,25 +302,43 @@ class Corrupter:
         self.opened = 0
         self.lock = threading.Lock()
 
-    def __call__(self, model, planned, chunk_bytes, on_tensor=None):
+    def _opened(self) -> bool:
         with self.lock:
             self.opened += 1
-            corrupt = self.opened <= self.bad
-        flipped = False
+            return self.opened <= self.bad
+
+    @staticmethod
+    def _flipped(data) -> memoryview:
+        changed = bytearray(data)
+        changed[len(changed) // 2] ^= 0x10
+        return memoryview(bytes(changed))
+
+    def __call__(self, model, planned, chunk_bytes, on_tensor=None):
+        corrupt, flipped = self._opened(), False
         for header, data in self.original(model, planned, chunk_bytes, on_tensor):
             if corrupt and not flipped and len(data) > 0:
-                changed = bytearray(data)
-                changed[len(changed) // 2] ^= 0x10
-                data = memoryview(bytes(changed))
-                flipped = True
+                data, flipped = self._flipped(data), True
             yield header, data
+
+    def messages(self, model, planned, chunk_bytes, on_tensor, checks):
+        """The same for a stream of messages (HTTP and gRPC): a flipped chunk's message is
+        a plain one, sent from memory rather than from its file."""
+        corrupt, flipped = self._opened(), False
+        for message in streams_messages(model, planned, chunk_bytes, on_tensor, checks):
+            if corrupt and not flipped and len(message) > 1 and len(message[1]) > 0:
+                message = (message[0], self._flipped(message[1]), *message[2:])
+                flipped = True
+            yield message
+
+
+streams_messages = streaming._messages
 
 
 @pytest.fixture
 def corrupter(monkeypatch: pytest.MonkeyPatch):
     def install(bad: int) -> Corrupter:
         c = Corrupter(streaming.stream_chunks, bad)
-        monkeypatch.setattr(streaming, "stream_chunks", c)  # what stream_messages calls
+        monkeypatch.setattr(streaming, "_messages", c.messages)  # what stream_messages calls
         monkeypatch.setattr(flight_app, "stream_chunks", c)
         return c
 

@@ -235,25 +235,52 @@ def _chunk_bounds(p: PlannedTensor, chunk_bytes: int) -> Iterator[tuple[int, int
         offset += n
 
 
+class FileChecks:
+    """When a stream checks its files unchanged (``MappedFile.ensure_unchanged``).
+
+    Always before bytes are read here (a digest not yet known: a truncated page is SIGBUS).
+    Bytes that are not read here, a known digest's, are checked before every chunk unless
+    ``every_bytes`` says otherwise: a transport whose consumer never reads the mapping in
+    user space (``sendfile``, where the kernel reports a truncation as a short send) sets it
+    to its batch, and an overwrite in place is then noticed within one batch, the client's
+    per-chunk digests refusing any mixed bytes before that.
+    """
+
+    __slots__ = ("every_bytes", "_mapped", "_unchecked")
+
+    def __init__(self, every_bytes: int = 0) -> None:
+        self.every_bytes = every_bytes
+        self._mapped: MappedFile | None = None
+        self._unchecked = 0  # bytes of ``_mapped`` taken since its last check
+
+    def before_reading(self, mapped: MappedFile, end: int) -> None:
+        mapped.ensure_unchanged(end)
+        self._mapped, self._unchecked = mapped, 0
+
+    def before_sending(self, mapped: MappedFile, end: int, n: int) -> None:
+        if mapped is not self._mapped or self._unchecked + n > self.every_bytes:
+            self.before_reading(mapped, end)
+        self._unchecked += n
+
+
 def stream_chunks(
     model: Model,
     planned: Sequence[PlannedTensor],
     chunk_bytes: int,
     on_tensor: Callable[[], None] | None = None,
+    checks: FileChecks | None = None,
 ) -> Iterator[tuple[ChunkHeader, memoryview]]:
     """Every chunk of the stream in order: its row header (digest included) and its bytes,
     a view of the mmap (or of the gathered buffer for strided sources). ``on_tensor`` is
     called once a tensor's last chunk has been taken (for the tensors-served metric)."""
+    checks = checks or FileChecks()
     for p in planned:
         source = _source_bytes(model, p) if p.nbytes else memoryview(b"")
         mapped = model.mapped(p.entry.file) if p.byte_offset is not None else None
         for offset, n in _chunk_bounds(p, chunk_bytes):
-            if mapped is not None and n:
-                # Before reading (a truncated page is SIGBUS); digest() checks again after.
-                mapped.ensure_unchanged(p.byte_offset + offset + n)  # type: ignore[operator]
             data = source[offset : offset + n]
             if mapped is not None:  # contiguous bytes of the file: the digest may be known
-                digest = mapped.digest(p.byte_offset + offset, data)  # type: ignore[operator]
+                digest = _file_digest(mapped, p.byte_offset + offset, data, checks)  # type: ignore[operator]
             else:
                 digest = xxhash.xxh3_64_intdigest(data)
             header = ChunkHeader(
@@ -272,33 +299,102 @@ def stream_chunks(
                 on_tensor()
 
 
+def _file_digest(mapped: MappedFile, start: int, data: memoryview, checks: FileChecks) -> int:
+    """The digest of ``data``, the mapped bytes from ``start``, with the file checked as
+    ``checks`` says: before reading them when the digest is not known yet (``digest``
+    checks again after)."""
+    n = len(data)
+    known = mapped.chunks.known(start, n) if n else None
+    if known is None:
+        if n:
+            checks.before_reading(mapped, start + n)
+        return mapped.digest(start, data)
+    checks.before_sending(mapped, start + n, n)
+    return known
+
+
+class MessageStream:
+    """The messages of ``stream_messages``, an iterator; ``checks`` says how often the files
+    are checked (a transport sending with ``sendfile`` may make that once per batch)."""
+
+    __slots__ = ("checks", "_messages")
+
+    def __init__(self, messages: Iterator[tuple[bytes | memoryview, ...]], checks: FileChecks):
+        self.checks = checks
+        self._messages = messages
+
+    def __iter__(self) -> MessageStream:
+        return self
+
+    def __next__(self) -> tuple[bytes | memoryview, ...]:
+        return next(self._messages)
+
+    def close(self) -> None:
+        self._messages.close()  # type: ignore[attr-defined]
+
+
 def stream_messages(
     model: Model,
     planned: Sequence[PlannedTensor],
     chunk_bytes: int,
     on_tensor: Callable[[], None] | None = None,
-) -> Iterator[tuple[bytes | memoryview, ...]]:
+) -> MessageStream:
     """The whole Arrow IPC stream, one IPC message at a time, each as its parts.
 
     Tensor data parts are views of the mmap; a message whose data lies in a file as it is
     is a ``FileMessage``, which says where (HTTP may send those bytes with ``sendfile``).
     HTTP writes the parts one by one; gRPC joins a message's parts into one protobuf message.
     """
-    # Where each contiguous tensor's bytes lie: its file, that file's mapping, the offset.
-    in_files = {
-        p.entry.name: (mapped, mapped.view().obj, p.byte_offset)
-        for p in planned
-        if p.byte_offset is not None and p.nbytes
-        for mapped in (model.mapped(p.entry.file),)
-    }
+    checks = FileChecks()
+    return MessageStream(_messages(model, planned, chunk_bytes, on_tensor, checks), checks)
+
+
+def _messages(
+    model: Model,
+    planned: Sequence[PlannedTensor],
+    chunk_bytes: int,
+    on_tensor: Callable[[], None] | None,
+    checks: FileChecks,
+) -> Iterator[tuple[bytes | memoryview, ...]]:
     yield (schema_message(),)
-    for header, data in stream_chunks(model, planned, chunk_bytes, on_tensor):
-        prefix, suffix = chunk_message(header)
-        parts = (prefix, data, suffix) if suffix else (prefix, data)
-        found = in_files.get(header.name)
-        # Only a view of the mapping itself says where its bytes lie in the file.
-        if found is None or not data or data.obj is not found[1]:
-            yield parts
-        else:
-            yield FileMessage(parts, found[0], found[2] + header.offset)
+    for p in planned:
+        if p.byte_offset is None or not p.nbytes:  # gathered, or empty: no file bytes
+            for header, data in stream_chunks(model, (p,), chunk_bytes, on_tensor, checks):
+                prefix, suffix = chunk_message(header)
+                yield (prefix, data, suffix) if suffix else (prefix, data)
+            continue
+        yield from _file_messages(model, p, chunk_bytes, checks)
+        if on_tensor is not None and p.start < p.nbytes:
+            on_tensor()
     yield (END_OF_STREAM,)
+
+
+def _file_messages(
+    model: Model, p: PlannedTensor, chunk_bytes: int, checks: FileChecks
+) -> Iterator[FileMessage]:
+    """The chunks of a tensor whose bytes lie in its file as they are. A chunk's framing is
+    kept beside its digest (``ChunkDigests.keep_framing``), so a chunk sent before costs a
+    look-up, not a header built and packed again."""
+    mapped = model.mapped(p.entry.file)
+    source = _source_bytes(model, p)
+    chunks = mapped.chunks
+    tensor = (p.entry.name, p.dtype, p.shape, p.logical_shape, p.encoding, p.nbytes)
+    base = p.byte_offset
+    assert base is not None
+    for offset, n in _chunk_bounds(p, chunk_bytes):
+        start = base + offset
+        data = source[offset : offset + n]
+        owner = (tensor, offset)
+        framing = chunks.framing(start, n, owner)
+        if framing is None:
+            digest = _file_digest(mapped, start, data, checks)
+            header = ChunkHeader(
+                p.entry.name, p.dtype, p.shape, p.logical_shape, p.encoding, offset, p.nbytes,
+                digest, n,
+            )  # fmt: skip
+            framing = chunk_message(header)
+            chunks.keep_framing(start, n, owner, framing)
+        else:
+            checks.before_sending(mapped, start + n, n)
+        prefix, suffix = framing  # type: ignore[misc]
+        yield FileMessage((prefix, data, suffix) if suffix else (prefix, data), mapped, start)

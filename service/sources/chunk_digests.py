@@ -54,6 +54,29 @@ class ChunkDigests:
         self.min_chunk = min_chunk
         self._digests: dict[tuple[int, int], int] = {}
         self._lock = threading.Lock()
+        # What a transport built around a known digest (a chunk's framing), by the same key:
+        # a warm chunk then costs one look-up. Kept only beside a kept digest, so within the
+        # same budget; ``framing`` checks the entry was made for the caller's tensor.
+        self._framing: dict[tuple[int, int], tuple[object, object]] = {}
+
+    def known(self, start: int, length: int) -> int | None:
+        """The kept digest of the ``length`` bytes from ``start``, if any: bytes whose digest
+        is known need not be read here again (nor checked before reading)."""
+        return self._digests.get((start, length))
+
+    def framing(self, start: int, length: int, owner: object) -> object | None:
+        """What ``keep_framing`` kept for this range and ``owner`` (compared equal), or None."""
+        found = self._framing.get((start, length))
+        if found is None or found[0] != owner:
+            return None
+        return found[1]
+
+    def keep_framing(self, start: int, length: int, owner: object, framing: object) -> None:
+        """Keep ``framing`` for this range and ``owner`` if its digest is kept (one per range:
+        another owner's replaces it)."""
+        key = (start, length)
+        if key in self._digests:
+            self._framing[key] = (owner, framing)
 
     def digest(self, start: int, data: memoryview, verify: Callable[[int], None]) -> int:
         """xxh3-64 of ``data``, the mapped bytes from ``start``; computed once per range.

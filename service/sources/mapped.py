@@ -75,7 +75,7 @@ class MappedFile:
         self._map: mmap.mmap | None = None
         self._view: memoryview | None = None
         self.size = stamp.size if stamp is not None else path.stat().st_size
-        self._mapped_stamp: FileStamp | None = None  # the file as mapped, checked per chunk
+        self._mapped_stamp: FileStamp | None = None  # the file as mapped, checked by streams
         self._mapped_nlink = 0
         self._holds = 0  # streams reading this mapping now (see hold)
         self._leased = False
@@ -92,6 +92,11 @@ class MappedFile:
         there, and an overwrite before the check cuts the stream here. No mixed data passes.
         """
         return self._digests.digest(start, data, self.ensure_unchanged)
+
+    @property
+    def chunks(self) -> ChunkDigests:
+        """This mapping's known chunk digests (and what transports keep beside them)."""
+        return self._digests
 
     def view(self) -> memoryview:
         with self._lock:
@@ -145,8 +150,9 @@ class MappedFile:
         A truncation under a mapping makes the next read of a removed page SIGBUS, which kills
         the process (every stream, every model). With the lease, the kernel makes a writer's
         ``open`` (``cp`` over the file, ``truncate``) wait until we release it, and tells us a
-        writer waits (``F_GETLEASE``, checked with each chunk in ``ensure_unchanged``): the
-        streams of this file are cut at their next chunk, the last one releases the lease,
+        writer waits (``F_GETLEASE``, checked in ``ensure_unchanged`` before any chunk is read
+        here, and once per batch of chunks the kernel sends from the file): the streams of
+        this file are cut at their next check, the last one releases the lease,
         and only then does the writer proceed. Leases need the file's owner or CAP_LEASE and
         a local file system; where they are refused, streams go unprotected (checked by
         ``fstat`` only) and this is logged once.

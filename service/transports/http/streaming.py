@@ -31,7 +31,7 @@ from fastapi.responses import Response
 from weightserve.client.errors import ModelUnavailable, WeightserveError
 from weightserve.client.wire.schema import ARROW_STREAM_MEDIA_TYPE
 from weightserve.service.serving.lease import StreamLease
-from weightserve.service.serving.streams import FileMessage
+from weightserve.service.serving.streams import FileMessage, MessageStream
 from weightserve.service.transports.http.common import ERROR_KEY
 from weightserve.service.transports.http.one_write import one_write
 
@@ -92,6 +92,10 @@ class ArrowStreamResponse(Response):
             writer = await _SocketWriter.attach(scope, lease.state.limits.idle_timeout)
             if writer is not None:
                 idle.watch.close()  # the writer enforces the idle timeout itself
+                if isinstance(self.messages, MessageStream):
+                    # sendfile reports a truncation itself (a short send), and nothing here
+                    # reads a known chunk: the files are checked once per batch.
+                    self.messages.checks.every_bytes = DIRECT_BATCH_BYTES
                 # Messages are taken (digests included) and written on a worker thread, a
                 # batch per hop; between batches the loop runs and a client gone is noticed.
                 pool = _writer_pool(scope, lease.state.limits.max_streams)
@@ -285,6 +289,8 @@ class _SocketWriter:
         if self.sock.family not in (socket.AF_INET, socket.AF_INET6):
             self.cork = None
         self.use_sendfile = hasattr(os, "sendfile")
+        self.pending = b""  # a chunk's padding, sent in front of the next framing
+        self.unaccounted = 0  # body bytes written that uvicorn has not been told of yet
 
     @classmethod
     async def attach(cls, scope: Any, idle_timeout: float) -> _SocketWriter | None:
@@ -314,29 +320,61 @@ class _SocketWriter:
 
     def write_some(self, messages: Iterator[tuple]) -> tuple[int, bool]:
         """Take and write messages until ``DIRECT_BATCH_BYTES`` tensor bytes went out or the
-        stream ended: (tensor bytes written, whether the stream ended)."""
+        stream ended: (tensor bytes written, whether the stream ended).
+
+        Per chunk this is one write of its framing (with the last chunk's padding in front)
+        and one ``sendfile``; what uvicorn is told is counted once per batch."""
         written = 0
-        with self._corked():
-            for message in messages:
-                data = message[1] if len(message) > 1 else None
-                if type(message) is FileMessage and self.use_sendfile:
-                    if message[0]:
-                        self.write_all(message[:1])
-                    self.send_file(message, len(message[1]))
-                    if len(message) > 2:
-                        self.write_all(message[2:])
-                else:
-                    if isinstance(data, memoryview) and isinstance(data.obj, mmap.mmap):
-                        _ensure_still_mapped(data.obj)
-                    self.write_all(message)
-                if data is not None:
-                    written += len(data)
+        use_sendfile = self.use_sendfile
+        try:
+            with self._corked():
+                for message in messages:
+                    if type(message) is FileMessage and use_sendfile:
+                        data = message[1]
+                        n = len(data)
+                        pending, self.pending = self.pending, b""
+                        self.write_bytes(pending + message[0] if pending else message[0])
+                        self.send_file(message, n)
+                        if len(message) > 2:
+                            self.pending = message[2]
+                        use_sendfile = self.use_sendfile
+                    else:
+                        data = message[1] if len(message) > 1 else None
+                        if isinstance(data, memoryview) and isinstance(data.obj, mmap.mmap):
+                            _ensure_still_mapped(data.obj)
+                        self.write_all(message)
+                        if data is None:
+                            continue
+                        n = len(data)
+                    written += n
                     if written >= DIRECT_BATCH_BYTES:
+                        self.flush()
                         return written, False
+                self.flush()
+        finally:
+            self.account(self.unaccounted)
+            self.unaccounted = 0
         return written, True
 
+    def flush(self) -> None:
+        """Write the padding held back for the next framing (at the end of a batch)."""
+        if self.pending:
+            pending, self.pending = self.pending, b""
+            self.write_bytes(pending)
+
+    def write_bytes(self, data: bytes) -> None:
+        at = 0
+        while at < len(data):
+            try:
+                at += os.write(self.fd, data[at:] if at else data)
+            except BlockingIOError:
+                self._wait_writable()
+        self.unaccounted += at
+        self.written += at
+
     def write_all(self, parts: tuple) -> None:
-        views = [memoryview(p).cast("B") for p in parts if len(p)]
+        views = [memoryview(p).cast("B") for p in (self.pending, *parts) if len(p)]
+        self.pending = b""
         total = sum(len(v) for v in views)
         while views:
             try:
@@ -348,14 +386,15 @@ class _SocketWriter:
                 n -= len(views.pop(0))
             if n:
                 views[0] = views[0][n:]
-        self.account(total)
+        self.unaccounted += total
         self.written += total
 
     def send_file(self, message: FileMessage, count: int) -> None:
         """``count`` bytes of ``message``'s file from its offset, with ``sendfile``; where
         the file system can't, from the mapping with ``writev`` (and no sendfile again)."""
         file_fd = message.mapped.fileno()
-        at, end = message.file_offset, message.file_offset + count
+        at = start = message.file_offset
+        end = start + count
         while at < end:
             try:
                 n = os.sendfile(self.fd, file_fd, at, end - at)
@@ -363,7 +402,7 @@ class _SocketWriter:
                 self._wait_writable()
                 continue
             except OSError as e:
-                if at > message.file_offset or e.errno not in _NO_SENDFILE:
+                if at > start or e.errno not in _NO_SENDFILE:
                     raise
                 self.use_sendfile = False
                 self.write_all(message[1:2])
@@ -374,7 +413,7 @@ class _SocketWriter:
                     "model reloads on its next request"
                 )
             at += n
-            self.account(n)
+            self.unaccounted += n
             self.written += n
             self.sent_from_files += n
 

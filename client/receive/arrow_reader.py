@@ -65,9 +65,6 @@ _U64 = struct.Struct("<Q")
 _MAX_METADATA = 16 << 20
 _MAX_BODY_BEFORE_DATA = 16 << 20
 _SKIP_CHUNK = 64 << 10
-# Largest read of a chunk's data when each piece is handed on (``on_data``): small enough to
-# be in the core's cache still when it is digested (docs/performance.md, "HTTP, whole model").
-DATA_PIECE_BYTES = 256 << 10
 # The metadata of the last schema message that passed read_schema's checks.
 _schema_seen: bytes | None = None
 # Record-batch metadata already parsed and checked -> (its batch, where ``data`` starts):
@@ -276,26 +273,12 @@ class ArrowChunkReader:
 
     # -- reading from the source --------------------------------------------------------
 
-    def _fill(
-        self,
-        view: memoryview,
-        ended: str = "stream ended before its end marker",
-        on_data: Callable[[memoryview], object] | None = None,
-    ) -> None:
+    def _fill(self, view: memoryview, ended: str = "stream ended before its end marker") -> None:
         readinto = self._source.readinto
-        if on_data is None:
-            while view:
-                n = readinto(view)
-                if not n:
-                    raise TransportError(ended)
-                view = view[n:]
-            return
         while view:
-            # At most a piece per read, handed on at once: the piece is still in the cache.
-            n = readinto(view[:DATA_PIECE_BYTES])
+            n = readinto(view)
             if not n:
                 raise TransportError(ended)
-            on_data(view[:n])
             view = view[n:]
 
     def _read(self, n: int, ended: str = "stream ended before its end marker") -> bytearray:
@@ -371,14 +354,8 @@ class ArrowChunkReader:
         _schema_seen = bytes(meta)
         return schema
 
-    def next_chunk(
-        self,
-        destination: Callable[[ChunkHeader], memoryview],
-        on_data: Callable[[memoryview], object] | None = None,
-    ) -> ChunkHeader | None:
-        """Read one chunk into ``destination(header)``; None at the end of the stream.
-        ``on_data`` is handed each piece of the chunk's bytes as soon as it has landed, in
-        order, while the piece is still in the CPU's cache (the receiver digests it there)."""
+    def next_chunk(self, destination: Callable[[ChunkHeader], memoryview]) -> ChunkHeader | None:
+        """Read one chunk into ``destination(header)``; None at the end of the stream."""
         if self._done:
             return None
         if self._schema is None:
@@ -427,7 +404,7 @@ class ArrowChunkReader:
                 f"got {'read-only ' if view.readonly else ''}{view.nbytes} bytes"
             )
         self._skip(start)
-        self._fill(view, on_data=on_data)
+        self._fill(view)
         self._skip(body_length - data_at - start - header.nbytes)
         return header
 

@@ -29,7 +29,7 @@ import pyarrow as pa
 
 from weightserve.client.wire.schema import TENSOR_SCHEMA, ChunkHeader
 
-__all__ = ["END_OF_STREAM", "chunk_message", "schema_message"]
+__all__ = ["END_OF_STREAM", "chunk_message", "prefix_length", "schema_message"]
 
 END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"
 
@@ -220,6 +220,31 @@ _FIXED_CACHE: dict[tuple, _Fixed] = {}
 _FIXED_CACHE_MAX = 4096
 
 
+def _fixed(key: tuple) -> _Fixed:
+    fixed = _FIXED_CACHE.get(key)
+    if fixed is None:
+        fixed = _build_fixed(*key)
+        if len(_FIXED_CACHE) >= _FIXED_CACHE_MAX:
+            _FIXED_CACHE.clear()
+        _FIXED_CACHE[key] = fixed
+    return fixed
+
+
+def prefix_length(
+    name: str,
+    dtype: str,
+    shape: tuple[int, ...],
+    logical_shape: tuple[int, ...],
+    encoding: str | None,
+) -> int:
+    """The length of every chunk prefix of this tensor (``chunk_message``): a stream's length
+    is known without framing each chunk."""
+    try:
+        return len(_fixed((name, dtype, shape, logical_shape, encoding)).head) + _TAIL.size
+    except struct.error as exc:
+        raise ValueError(f"tensor {name!r} does not fit the tensor schema: {exc}") from None
+
+
 def chunk_message(header: ChunkHeader) -> tuple[bytes, bytes]:
     """The framing around one chunk: ``prefix + data + suffix`` is one RecordBatch message.
 
@@ -231,12 +256,7 @@ def chunk_message(header: ChunkHeader) -> tuple[bytes, bytes]:
     nbytes = header.nbytes
     key = (header.name, header.dtype, header.shape, header.logical_shape, header.encoding)
     try:
-        fixed = _FIXED_CACHE.get(key)
-        if fixed is None:
-            fixed = _build_fixed(*key)
-            if len(_FIXED_CACHE) >= _FIXED_CACHE_MAX:
-                _FIXED_CACHE.clear()
-            _FIXED_CACHE[key] = fixed
+        fixed = _fixed(key)
         if nbytes < 0:
             raise struct.error("nbytes is negative")
         prefix = bytearray(fixed.head)

@@ -26,7 +26,12 @@ from weightserve.client.errors import (
 from weightserve.client.wire.dtypes import wire_dtype
 from weightserve.client.wire.schema import ChunkHeader
 from weightserve.service.readers.base import TensorEntry
-from weightserve.service.serving.arrow_writer import END_OF_STREAM, chunk_message, schema_message
+from weightserve.service.serving.arrow_writer import (
+    END_OF_STREAM,
+    chunk_message,
+    prefix_length,
+    schema_message,
+)
 from weightserve.service.serving.request import Shard, TensorRequest
 from weightserve.service.sources.mapped import MappedFile
 from weightserve.service.sources.model import Model
@@ -213,12 +218,10 @@ def stream_length(planned: Sequence[PlannedTensor], chunk_bytes: int) -> int:
     """Exact byte length of the stream, so HTTP can send Content-Length (no chunked framing)."""
     total = len(schema_message()) + len(END_OF_STREAM)
     for p in planned:
-        for offset, n in _chunk_bounds(p, chunk_bytes):
-            header = ChunkHeader(
-                p.entry.name, p.dtype, p.shape, p.logical_shape, p.encoding, offset, p.nbytes, 0, n
-            )
-            prefix, suffix = chunk_message(header)
-            total += len(prefix) + n + len(suffix)
+        # Every chunk of a tensor has a prefix of one length; only its padding varies.
+        prefix = prefix_length(p.entry.name, p.dtype, p.shape, p.logical_shape, p.encoding)
+        for _, n in _chunk_bounds(p, chunk_bytes):
+            total += prefix + n + (-n & 7)
     return total
 
 
@@ -299,16 +302,18 @@ def stream_chunks(
                 on_tensor()
 
 
-def _file_digest(mapped: MappedFile, start: int, data: memoryview, checks: FileChecks) -> int:
-    """The digest of ``data``, the mapped bytes from ``start``, with the file checked as
-    ``checks`` says: before reading them when the digest is not known yet (``digest``
-    checks again after)."""
+def _file_digest(
+    mapped: MappedFile, start: int, data: memoryview, checks: FileChecks, whole: bool = False
+) -> int:
+    """The digest of ``data``, the mapped bytes from ``start`` (``whole``: a whole tensor),
+    with the file checked as ``checks`` says: before reading them when the digest is not
+    known yet (``digest`` checks again after)."""
     n = len(data)
     known = mapped.chunks.known(start, n) if n else None
     if known is None:
         if n:
             checks.before_reading(mapped, start + n)
-        return mapped.digest(start, data)
+        return mapped.digest(start, data, whole)
     checks.before_sending(mapped, start + n, n)
     return known
 
@@ -387,7 +392,7 @@ def _file_messages(
         owner = (tensor, offset)
         framing = chunks.framing(start, n, owner)
         if framing is None:
-            digest = _file_digest(mapped, start, data, checks)
+            digest = _file_digest(mapped, start, data, checks, n == p.nbytes)
             header = ChunkHeader(
                 p.entry.name, p.dtype, p.shape, p.logical_shape, p.encoding, offset, p.nbytes,
                 digest, n,

@@ -78,15 +78,19 @@ class ChunkDigests:
         if key in self._digests:
             self._framing[key] = (owner, framing)
 
-    def digest(self, start: int, data: memoryview, verify: Callable[[int], None]) -> int:
+    def digest(
+        self, start: int, data: memoryview, verify: Callable[[int], None], whole: bool = False
+    ) -> int:
         """xxh3-64 of ``data``, the mapped bytes from ``start``; computed once per range.
 
         ``verify(end)`` runs *after* hashing and raises if the file is no longer the version
         the stream started with; a digest is kept only once it passed (see
-        ``MappedFile.digest`` for why that order leaves no mixed data).
+        ``MappedFile.digest`` for why that order leaves no mixed data). ``whole``: the range
+        is a whole tensor, kept however small (a model has a few hundred; tiny chunks of a
+        large tensor are not kept).
         """
         end = start + len(data)
-        if len(data) < self.min_chunk:
+        if len(data) < self.min_chunk and not whole:
             small = xxhash.xxh3_64_intdigest(data)
             verify(end)
             return small

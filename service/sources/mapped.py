@@ -81,9 +81,9 @@ class MappedFile:
         self._leased = False
         self._digests = digests if digests is not None else ChunkDigests()
 
-    def digest(self, start: int, data: memoryview) -> int:
+    def digest(self, start: int, data: memoryview, whole: bool = False) -> int:
         """xxh3-64 of ``data``, the mapped bytes from ``start``; computed once per range
-        (service/sources/chunk_digests.py).
+        (service/sources/chunk_digests.py; ``whole``: ``data`` is a whole tensor).
 
         The file is checked unchanged *after* hashing (``ensure_unchanged``): a write updates
         the file's times before it copies data, so bytes hashed before an unchanged check
@@ -91,7 +91,7 @@ class MappedFile:
         client compares it with what it received: a chunk torn by a later overwrite fails
         there, and an overwrite before the check cuts the stream here. No mixed data passes.
         """
-        return self._digests.digest(start, data, self.ensure_unchanged)
+        return self._digests.digest(start, data, self.ensure_unchanged, whole)
 
     @property
     def chunks(self) -> ChunkDigests:

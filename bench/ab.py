@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "machine": machine,
         "config": {
-            "command": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "command": report.command("bench", argv),
             "this": machine["git"],
             "ref": args.against,
             "ref_commit": commit,

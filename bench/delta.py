@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         {
             "machine": report.machine(),
             "config": {
-                "command": "python -m bench.delta " + " ".join(argv or sys.argv[1:]),
+                "command": report.command("bench.delta", argv or None),
                 "model": model_name,
                 "scenario": args.scenario,
             },

@@ -240,8 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "machine": report.machine(),
         "config": {
-            "command": "python -m bench.fill "
-            + " ".join(argv if argv is not None else sys.argv[1:]),
+            "command": report.command("bench.fill", argv),
             "rounds": rounds,
             "quick": args.quick,
             "settings": [{"concurrency": c, "part_bytes": b} for c, b in args.settings],

@@ -154,8 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {
         "machine": report.machine(),
         "config": {
-            "command": "python -m bench.framing "
-            + " ".join(argv if argv is not None else sys.argv[1:]),
+            "command": report.command("bench.framing", argv),
             "rounds": rounds,
             "small_chunks": n,
             "big_chunk_bytes": BIG_CHUNK,

@@ -91,8 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {
         "machine": report.machine(),
         "config": {
-            "command": "python -m bench.handoff_snapshot "
-            + " ".join(argv if argv is not None else sys.argv[1:]),
+            "command": report.command("bench.handoff_snapshot", argv),
             "rounds": rounds,
             "wall_seconds": round(time.time() - started, 1),
             "page_reporting": page_reporting,

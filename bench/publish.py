@@ -196,8 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {
         "machine": report.machine(),
         "config": {
-            "command": "python -m bench.publish "
-            + " ".join(argv if argv is not None else sys.argv[1:]),
+            "command": report.command("bench.publish", argv),
             "rounds": args.rounds,
             "bytes": payload.nbytes,
             "wall_seconds": round(time.time() - started, 1),

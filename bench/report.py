@@ -78,6 +78,20 @@ def goal(name: str, measured: float, target: float, *, at_most: bool = False, un
     }
 
 
+def command(module: str, argv: list[str] | None) -> str:
+    """The command line a result records: absolute paths (``--out``, a checkpoint) by their
+    file name only, so a saved result names no directory of the machine that ran it."""
+    args = argv if argv is not None else sys.argv[1:]
+    return " ".join(["python", "-m", module, *(_file_name_only(a) for a in args)])
+
+
+def _file_name_only(arg: str) -> str:
+    key, sep, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+    if value.startswith("/"):
+        value = os.path.basename(value.rstrip("/")) or value
+    return key + sep + value
+
+
 def machine() -> dict[str, Any]:
     cpu = "unknown"
     try:

@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "machine": report.machine(),
         "config": {
-            "command": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "command": report.command("bench", argv),
             "rounds": rounds,
             "quick": args.quick,
             "small_requests": args.small_requests,

@@ -353,8 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         if tree and not ws.info["service_dir"].startswith(tree[0]):
             raise RuntimeError(f"the server imported {ws.info['service_dir']}, not REF's tree")
     results["config"] = {
-        "command": "python -m bench.scaling "
-        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": report.command("bench.scaling", argv),
         "rounds": args.rounds,
         "tree": resolve(args.tree) if args.tree else "working tree",
         "client": "drain: one stream of the whole model into a reused 16 MiB buffer",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import os
+import signal
 import socket
 import threading
 import time
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from tests.test_cli import clean_env, start_server
 from tests.test_http_writev import expected_body, fetch, serving
 from weightserve.service.serving.state import Limits, ServiceState
 from weightserve.service.sources.local import Catalog
@@ -46,6 +48,12 @@ def idle_cuts(state: ServiceState) -> float:
     )
 
 
+def write_big_model(root: Path) -> None:
+    (root / "m").mkdir(parents=True)
+    weight = np.random.default_rng(3).standard_normal((4096, 1024), dtype=np.float32)
+    save_file({BIG: weight}, str(root / "m" / "model.safetensors"))
+
+
 def stall(port: int) -> socket.socket:
     """A client that asks for the big tensor and never reads a byte of the answer."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -58,10 +66,7 @@ def stall(port: int) -> socket.socket:
 
 @pytest.mark.slow
 def test_stalled_clients_do_not_stop_a_reading_one(tmp_path: Path) -> None:
-    (tmp_path / "m").mkdir()
-    rng = np.random.default_rng(3)
-    weight = rng.standard_normal((4096, 1024), dtype=np.float32)
-    save_file({BIG: weight}, str(tmp_path / "m" / "model.safetensors"))
+    write_big_model(tmp_path)
     limits = Limits(
         max_streams=STALLED + 2, max_streams_per_client=STALLED + 2, idle_timeout=IDLE_TIMEOUT
     )
@@ -99,3 +104,33 @@ def test_stalled_clients_do_not_stop_a_reading_one(tmp_path: Path) -> None:
         finally:
             for sock in stalled:
                 sock.close()
+
+
+@pytest.mark.slow
+def test_stalled_clients_do_not_hold_the_exit_past_the_grace_period(tmp_path: Path) -> None:
+    """Once the grace period is over the listener stops without waiting for open streams;
+    their writer threads are cut with it, instead of each waiting on its client up to the
+    idle timeout while the exiting process joins them."""
+    write_big_model(tmp_path / "root")
+    idle_timeout, grace = 60, 1
+    served = start_server(
+        [str(tmp_path / "root"), "--http-port", "0", "--grpc-port", "0", "--flight-port", "0",
+         "--no-watch", "--grace", str(grace), "--idle-timeout", str(idle_timeout)],
+        clean_env(),
+        tmp_path,
+    )  # fmt: skip
+    port = int(served.http.rsplit(":", 1)[1])
+    stalled = [stall(port) for _ in range(3)]
+    try:
+        # Each stalled stream is on its writer thread, blocked on a full socket.
+        time.sleep(1.0)
+        started = time.monotonic()
+        assert served.stop(signal.SIGTERM, timeout=idle_timeout / 2) == 0
+        took = time.monotonic() - started
+    finally:
+        for sock in stalled:
+            sock.close()
+    assert took < grace + 10, f"the server took {took:.1f} s to exit"
+    log = served.stderr.read_text()
+    assert "3 streams still open after 1 s; closing them" in log
+    assert log.count("stream of model m to 127.0.0.1 cut:") == 3, log

@@ -20,7 +20,7 @@ import select
 import socket
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import anyio
@@ -86,11 +86,15 @@ class ArrowStreamResponse(Response):
         pause_at = PAUSE_EVERY_BYTES
         idle = _TaskIdleCut(lease)
         writer: _SocketWriter | None = None
+        job: Future | None = None  # the writer's batch on its thread
+        pool = _writer_pool(scope, lease.state.limits.max_streams)
         try:
             start = {"type": "http.response.start", "status": self.status_code}
             await send({**start, "headers": self.raw_headers})
-            writer = await _SocketWriter.attach(scope, lease.state.limits.idle_timeout)
+            if pool is not None:
+                writer = await _SocketWriter.attach(scope, lease.state.limits.idle_timeout)
             if writer is not None:
+                assert pool is not None
                 idle.watch.close()  # the writer enforces the idle timeout itself
                 if isinstance(self.messages, MessageStream):
                     # sendfile reports a truncation itself (a short send), and nothing here
@@ -98,12 +102,9 @@ class ArrowStreamResponse(Response):
                     self.messages.checks.every_bytes = DIRECT_BATCH_BYTES
                 # Messages are taken (digests included) and written on a worker thread, a
                 # batch per hop; between batches the loop runs and a client gone is noticed.
-                pool = _writer_pool(scope, lease.state.limits.max_streams)
-                loop = asyncio.get_running_loop()
                 while not gone.done():
-                    written, finished = await loop.run_in_executor(
-                        pool, writer.write_some, self.messages
-                    )
+                    job = pool.submit(writer.write_some, self.messages)
+                    written, finished = await asyncio.wrap_future(job)
                     lease.progress(written)
                     if finished:
                         break
@@ -155,9 +156,10 @@ class ArrowStreamResponse(Response):
             )
         finally:
             if writer is not None:
-                writer.close()
+                await _release_writer(writer, job)
                 app = scope.get("app")
                 if isinstance(app, WeightserveApp):
+                    app.open_writers.discard(writer)
                     app.direct_bytes += writer.written
                     app.sendfile_bytes += writer.sent_from_files
             gone.cancel()
@@ -313,10 +315,12 @@ class _SocketWriter:
             await asyncio.sleep(0.001)
             if transport.is_closing():
                 return None
+        writer = cls(account, sock.fileno(), idle_timeout)
         app = scope.get("app")
         if isinstance(app, WeightserveApp):
             app.direct_streams += 1
-        return cls(account, sock.fileno(), idle_timeout)
+            app.open_writers.add(writer)
+        return writer
 
     def write_some(self, messages: Iterator[tuple]) -> tuple[int, bool]:
         """Take and write messages until ``DIRECT_BATCH_BYTES`` tensor bytes went out or the
@@ -435,6 +439,12 @@ class _SocketWriter:
             with contextlib.suppress(OSError):  # the client left: nothing to flush
                 self.sock.setsockopt(socket.IPPROTO_TCP, self.cork, 0)
 
+    def abort(self) -> None:
+        """End the connection under a batch another thread is writing: its ``poll`` wakes
+        and its next send fails at once; the descriptor itself stays open until ``close``."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
     def close(self) -> None:
         self.sock.close()
 
@@ -478,9 +488,23 @@ def _ensure_still_mapped(mapping: mmap.mmap) -> None:
         )
 
 
+async def _release_writer(writer: _SocketWriter, job: Future | None) -> None:
+    """Close ``writer`` once its thread is done with it. A task cancelled while a batch is
+    on the thread (uvicorn's forced shutdown after the grace period) would otherwise leave
+    that thread waiting on its client up to the idle timeout, holding the process's exit,
+    and closing the descriptor under it could hand its number to another connection, or the
+    lease end the files' holds before its last ``sendfile``: so the connection is shut down
+    (the thread's poll wakes, its send fails) and the thread waited for."""
+    if job is not None and not job.done():
+        writer.abort()
+        with contextlib.suppress(BaseException):  # a second cancel: the task ends anyway
+            await asyncio.shield(asyncio.wrap_future(job))
+    writer.close()
+
+
 def _writer_pool(scope: Any, max_streams: int) -> ThreadPoolExecutor | None:
-    """The app's pool of writer threads (``WeightserveApp.writer_pool``); None (the loop's
-    default executor) outside one, where no writer attaches anyway."""
+    """The app's pool of writer threads (``WeightserveApp.writer_pool``); None outside one,
+    where no writer attaches (the ASGI sends carry the stream)."""
     app = scope.get("app")
     return app.writer_pool(max_streams) if isinstance(app, WeightserveApp) else None
 
@@ -500,6 +524,20 @@ class WeightserveApp(FastAPI):
     sendfile_bytes = 0
     _writers: ThreadPoolExecutor | None = None
     _writers_lock = threading.Lock()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.open_writers: set[_SocketWriter] = set()  # streams on a writer thread now
+
+    def abort_streams(self) -> int:
+        """Cut every stream a writer thread is sending (the listener's forced stop, once the
+        grace period is over): uvicorn stops its loop without cancelling them, and each
+        thread would wait on its client up to the idle timeout, holding the process's exit.
+        Returns how many were cut."""
+        writers = list(self.open_writers)
+        for writer in writers:
+            writer.abort()
+        return len(writers)
 
     def writer_pool(self, max_streams: int) -> ThreadPoolExecutor:
         """The threads that write streams to their sockets, one per stream the server admits

@@ -116,6 +116,9 @@ class UvicornListener:
     def stop(self, force: bool, wait: float) -> None:
         self.server.should_exit = True
         if force:
+            abort_streams = getattr(self.app, "abort_streams", None)
+            if abort_streams is not None:  # streams on writer threads outlive uvicorn's loop
+                abort_streams()
             self.server.force_exit = True
         if self._thread is not None:
             self._thread.join(timeout=wait)

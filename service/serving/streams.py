@@ -286,20 +286,17 @@ def stream_chunks(
                 digest = _file_digest(mapped, p.byte_offset + offset, data, checks)  # type: ignore[operator]
             else:
                 digest = xxhash.xxh3_64_intdigest(data)
-            header = ChunkHeader(
-                p.entry.name,
-                p.dtype,
-                p.shape,
-                p.logical_shape,
-                p.encoding,
-                offset,
-                p.nbytes,
-                digest,
-                n,
-            )
+            header = _chunk_header(p, offset, digest, n)
             yield header, data
             if on_tensor is not None and header.is_last:
                 on_tensor()
+
+
+def _chunk_header(p: PlannedTensor, offset: int, digest: int, n: int) -> ChunkHeader:
+    """The row header of ``p``'s chunk of ``n`` bytes at ``offset``."""
+    return ChunkHeader(
+        p.entry.name, p.dtype, p.shape, p.logical_shape, p.encoding, offset, p.nbytes, digest, n
+    )
 
 
 def _file_digest(
@@ -393,11 +390,7 @@ def _file_messages(
         framing = chunks.framing(start, n, owner)
         if framing is None:
             digest = _file_digest(mapped, start, data, checks, n == p.nbytes)
-            header = ChunkHeader(
-                p.entry.name, p.dtype, p.shape, p.logical_shape, p.encoding, offset, p.nbytes,
-                digest, n,
-            )  # fmt: skip
-            framing = chunk_message(header)
+            framing = chunk_message(_chunk_header(p, offset, digest, n))
             chunks.keep_framing(start, n, owner, framing)
         else:
             checks.before_sending(mapped, start + n, n)

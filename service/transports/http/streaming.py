@@ -522,12 +522,12 @@ class WeightserveApp(FastAPI):
     direct_streams = 0
     direct_bytes = 0
     sendfile_bytes = 0
-    _writers: ThreadPoolExecutor | None = None
-    _writers_lock = threading.Lock()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.open_writers: set[_SocketWriter] = set()  # streams on a writer thread now
+        self._writers: ThreadPoolExecutor | None = None
+        self._writers_lock = threading.Lock()
 
     def abort_streams(self) -> int:
         """Cut every stream a writer thread is sending (the listener's forced stop, once the
@@ -544,7 +544,7 @@ class WeightserveApp(FastAPI):
         (``Limits.max_streams``), made as needed: a client that stops reading holds its
         writer in ``poll`` until the idle timeout, so a smaller pool shared with anything
         else (asyncio's default executor has ``cores + 4`` threads) would let a few stalled
-        clients stop every other stream. Its idle threads end with the app."""
+        clients stop every other stream. Idle threads stay for the process's life."""
         with self._writers_lock:
             if self._writers is None:
                 self._writers = ThreadPoolExecutor(

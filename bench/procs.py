@@ -69,9 +69,10 @@ class ServerProcess:
             if line.startswith(READY):
                 self.info = json.loads(line[len(READY) :] or "{}")
                 return
-        self.stop()
         self.log.seek(0)
-        raise RuntimeError(f"{module} did not start:\n{self.log.read()[-4000:]}")
+        why = self.log.read()[-4000:]  # before stop() closes the log
+        self.stop()
+        raise RuntimeError(f"{module} did not start:\n{why}")
 
     @property
     def pid(self) -> int:

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from weightserve.client._device import DEFAULT_STAGING_BYTES, load_to_device
 from weightserve.client._download import download_files
 from weightserve.client._models import (
     ModelInfo,
@@ -247,6 +248,8 @@ class RemoteModel:
         self.info = client.model_info(self.id)
         self._lock = threading.Lock()
         self.last_update: dict[str, int] = {}  # what the last ``update`` did (by outcome)
+        # tensors the last ``to_device`` staged in its ring / gave memory of their own
+        self.last_device_load: dict[str, int] = {}
 
     @property
     def revision(self) -> str:
@@ -402,6 +405,44 @@ class RemoteModel:
         if window_bytes < 1:
             raise ValueError(f"window_bytes must be at least 1, got {window_bytes}")
         return self._iterate(wanted, window_bytes, shard, axis, on_bytes, allocate, on_wait)
+
+    def to_device(
+        self,
+        device: Any = "cuda",
+        names: Sequence[str] | None = None,
+        *,
+        prefix: str | None = None,
+        into: Mapping[str, Any] | None = None,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> dict[str, Any]:
+        """``{name: torch.Tensor}`` on ``device`` (as torch names it), received through one
+        ring of page-locked host memory of ``staging_bytes``, each tensor copied to the
+        device while the next arrives; host memory stays at the ring's size whatever the
+        model's. ``into`` (e.g. a module's ``state_dict()``) is written in place, dtype and
+        shape checked; the other tensors are new. dtypes are kept (bfloat16, float8); types
+        torch lacks come as their raw bytes (uint8). Names and ``prefix`` as in ``fetch``
+        (all tensors by default). Every tensor is on the device when this returns.
+        """
+        wanted = self._wanted(names, prefix)
+        if staging_bytes < 1:
+            raise ValueError(f"staging_bytes must be at least 1, got {staging_bytes}")
+
+        # A same-node handoff's tensors are views of the page cache already: copied from
+        # there, not first into buffers of the ring's (that copy would hold them all at once).
+        receive_into_ring = self.client.planes().handoff is None
+
+        def received(allocate, window_bytes):
+            return self.iter_tensors(
+                wanted,
+                window_bytes=window_bytes,
+                allocate=allocate if receive_into_ring else None,
+                on_bytes=on_bytes,
+            )
+
+        loaded, ring = load_to_device(received, self.tensors, device, into, staging_bytes)
+        self.last_device_load = {"staged": ring.staged, "unstaged": ring.unstaged}
+        return loaded
 
     def _iterate(
         self,

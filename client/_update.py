@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import warnings
 from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -222,7 +223,9 @@ def _put_back(state: MutableMapping[str, Any], name: str, value: Any, data: np.n
     if _is_torch(value):
         import torch
 
-        host = torch.from_numpy(data).view(value.dtype).reshape(value.shape)
+        with warnings.catch_warnings():  # read-only bytes, only ever copy_'s source
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+            host = torch.from_numpy(data).view(value.dtype).reshape(value.shape)
         value.detach().copy_(host)
         return
     array = np.asarray(value)

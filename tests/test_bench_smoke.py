@@ -185,3 +185,23 @@ def test_bench_framing_quick(tmp_path: Path) -> None:
     assert {"machine", "config", "medians", "ratios"} <= set(results)
     assert len(results["ratios"]) == 3
     assert all(v > 0 for v in [*results["medians"].values(), *results["ratios"].values()])
+
+
+@pytest.mark.torch
+def test_bench_gpu_harness_on_the_cpu(tmp_path: Path) -> None:
+    """``python -m bench.gpu --device cpu``: the GPU bench's every row runs without a GPU
+    (no page-locked memory), JSON written with positive rates and ratios (none asserted)."""
+    pytest.importorskip("torch")
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.gpu", "--device", "cpu", "--size-gib", "0.02",
+         "--rounds", "1", "--concurrent", "2", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {"raw_tcp", "ws_http_to_device", "ws_handoff_to_device", "ws_http_to_device_x2"} <= set(
+        rows
+    )
+    assert all(row["gbps"] > 0 for row in rows.values())
+    assert all(row["of_raw_tcp"] > 0 for key, row in rows.items() if key.startswith("ws_"))

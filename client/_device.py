@@ -1,0 +1,195 @@
+"""Load a model's tensors into device memory (a GPU's, through torch) via one ring of
+page-locked host memory, locked once: each tensor is received into the ring and copied to the
+device on a side stream while the next one arrives.
+
+Page-locking fresh memory for every tensor costs more than the transfer, and pageable memory
+holds the whole model on the host first (docs/performance.md, "Into GPU memory"). Here host
+memory stays at the ring's size whatever the model's, and the copies overlap the network.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from weightserve.client._models import TensorInfo
+from weightserve.client.wire.dtypes import wire_dtype
+from weightserve.client.wire.schema import ChunkHeader
+
+__all__ = ["DEFAULT_STAGING_BYTES", "StagingRing", "load_to_device", "torch_dtype"]
+
+DEFAULT_STAGING_BYTES = 256 << 20
+
+
+@dataclass
+class _Region:
+    start: int
+    end: int
+    copying: Any = None  # the event recorded after its copy was queued (GPU)
+    done: bool = False  # its copy was made or queued (``copying``, if any, says when done)
+
+
+class StagingRing:
+    """Host memory that received tensors land in before their copy to ``device``; page-locked
+    where the device is a GPU. A region is handed out again only once the copy out of it has
+    finished; where none is free without waiting on a tensor not yet copied (or the tensor is
+    larger than the ring), the tensor gets memory of its own. ``staged`` and ``unstaged``
+    count the tensors copied to the device from the ring and from memory of their own."""
+
+    def __init__(self, nbytes: int, device: Any) -> None:
+        import torch  # optional: only device loads need it
+
+        self._torch = torch
+        self.device = torch.device(device)
+        gpu = self.device.type == "cuda"
+        self._host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=gpu)
+        self._array = self._host.numpy()
+        self._base = self._array.ctypes.data
+        self.size = nbytes
+        self._head = 0
+        self._regions: list[_Region] = []  # handed out and not yet known to be free
+        self.stream = torch.cuda.Stream(self.device) if gpu else None
+        self.staged = 0
+        self.unstaged = 0
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> StagingRing:
+        if self.stream is not None:  # targets may still be written by work already queued
+            self.stream.wait_stream(self._torch.cuda.current_stream(self.device))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.stream is not None:  # every copy landed before the tensors are handed out
+            self.stream.synchronize()
+
+    def allocate(self, header: ChunkHeader) -> np.ndarray:
+        """The buffer a tensor of ``header.total_bytes`` is received into (called on the
+        receiving thread, while the consumer's thread queues copies)."""
+        n = header.total_bytes
+        buffer = self._take(n)
+        return buffer if buffer is not None else np.empty(n, dtype=np.uint8)
+
+    def _take(self, n: int) -> np.ndarray | None:
+        """A region of ``n`` bytes of the ring, or None where none is free without waiting
+        on a tensor whose copy is not queued yet (or ``n`` is larger than the ring)."""
+        with self._lock:
+            start = self._head if self._head + n <= self.size else 0
+            if n == 0 or n > self.size or not self._claim(start, start + n):
+                return None
+            self._head = start + n
+            self._regions.append(_Region(start, start + n))
+            return self._array[start : start + n]
+
+    def _claim(self, lo: int, hi: int) -> bool:
+        """Whether [lo, hi) can be written: waits for the copies out of it to finish; False if
+        part of it holds a tensor whose copy is not even queued (the consumer has not had it)."""
+        overlapping = [r for r in self._regions if r.start < hi and lo < r.end]
+        if any(not r.done for r in overlapping):
+            return False
+        for r in overlapping:
+            if r.copying is not None:
+                r.copying.synchronize()
+            self._regions.remove(r)
+        return True
+
+    def copy(self, array: np.ndarray, target: Any) -> None:
+        """Queue the copy of a tensor's bytes (``array``) into ``target`` (a tensor of the
+        same byte size; any layout, any device). Bytes not received into the ring (a
+        same-node handoff's views of the page cache, a tensor that did not fit) are copied
+        from where they are: staging them through the ring first measured slower
+        (docs/performance.md, "Into GPU memory")."""
+        torch = self._torch
+        if array.size == 0:
+            return
+        with self._lock:
+            region = self._region_of(array)
+        with warnings.catch_warnings():  # a handoff's read-only views: only copy_'s source
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+            flat = torch.from_numpy(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+        source = flat.view(target.dtype).reshape(target.shape)
+        event = None
+        if region is None or self.stream is None:
+            target.copy_(source)  # memory of its own (or no GPU): a plain copy
+        else:
+            with torch.cuda.stream(self.stream):
+                target.copy_(source, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+        with self._lock:
+            if region is None:
+                self.unstaged += 1
+            else:  # only now may the receiving thread wait on it and reuse it
+                region.copying, region.done = event, True
+                self.staged += 1
+
+    def _region_of(self, array: np.ndarray) -> _Region | None:
+        if array.size == 0:
+            return None
+        offset = array.__array_interface__["data"][0] - self._base
+        for r in self._regions:
+            if r.start == offset:
+                return r
+        return None
+
+
+def torch_dtype(info: TensorInfo) -> tuple[Any, tuple[int, ...]]:
+    """The torch dtype and shape a served tensor takes on a device: its own where torch has
+    that dtype, else its raw bytes (uint8, the served byte shape: GGML blocks, packed
+    sub-byte types)."""
+    import torch
+
+    spec = wire_dtype(info.dtype)
+    dtype = getattr(torch, info.dtype, None)
+    if (
+        info.encoding is None
+        and spec.numpy_name is not None
+        and isinstance(dtype, torch.dtype)
+        and dtype.itemsize * _count(info.logical_shape) == info.nbytes
+    ):
+        return dtype, tuple(info.logical_shape)
+    return torch.uint8, tuple(info.shape) if info.encoding is None else (info.nbytes,)
+
+
+def _count(shape: Iterable[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def load_to_device(
+    received: Callable[[Callable[[ChunkHeader], np.ndarray], int], Iterable[tuple[str, Any]]],
+    tensors: Mapping[str, TensorInfo],
+    device: Any,
+    into: Mapping[str, Any] | None,
+    staging_bytes: int,
+) -> tuple[dict[str, Any], StagingRing]:
+    """``{name: device tensor}`` of what ``received(allocate, window_bytes)`` yields, each
+    written into ``into[name]`` where given (dtype and shape must match), else into a new
+    tensor on ``device``."""
+    import torch
+
+    ring = StagingRing(staging_bytes, device)
+    out: dict[str, Any] = {}
+    # Tensors received ahead of the consumer stay within half the ring, so the other half is
+    # free for the next one once its copies are done.
+    with ring:
+        for name, array in received(ring.allocate, max(1, staging_bytes // 2)):
+            dtype, shape = torch_dtype(tensors[name])
+            target = into.get(name) if into is not None else None
+            if target is None:
+                target = torch.empty(shape, dtype=dtype, device=ring.device)
+            elif target.dtype != dtype or tuple(target.shape) != shape:
+                raise ValueError(
+                    f"{name}: the server has {dtype} {list(shape)}, "
+                    f"the tensor to load it into is {target.dtype} {list(target.shape)}"
+                )
+            ring.copy(array, target)
+            out[name] = target
+            del array  # the ring's memory is not the caller's
+    return out, ring

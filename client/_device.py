@@ -9,9 +9,10 @@ memory stays at the ring's size whatever the model's, and the copies overlap the
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Generator, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,7 +164,7 @@ def _count(shape: Iterable[int]) -> int:
 
 
 def load_to_device(
-    received: Callable[[Callable[[ChunkHeader], np.ndarray], int], Iterable[tuple[str, Any]]],
+    received: Callable[[Callable[[ChunkHeader], np.ndarray], int], Generator[tuple[str, Any]]],
     tensors: Mapping[str, TensorInfo],
     device: Any,
     into: Mapping[str, Any] | None,
@@ -178,8 +179,9 @@ def load_to_device(
     out: dict[str, Any] = {}
     # Tensors received ahead of the consumer stay within half the ring, so the other half is
     # free for the next one once its copies are done.
-    with ring:
-        for name, array in received(ring.allocate, max(1, staging_bytes // 2)):
+    arriving = received(ring.allocate, max(1, staging_bytes // 2))
+    with ring, contextlib.closing(arriving):  # a refused tensor ends the stream at once
+        for name, array in arriving:
             dtype, shape = torch_dtype(tensors[name])
             target = into.get(name) if into is not None else None
             if target is None:

@@ -5,6 +5,8 @@ copy, tensors larger than it given memory of their own, ``into`` written in plac
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -78,9 +80,11 @@ def test_into_is_written_in_place_and_checked(server, reference) -> None:
         for n in names:
             assert got[n] is targets[n] and targets[n].data_ptr() == pointers[n]
             assert raw(targets[n]) == np.ascontiguousarray(want[n].array).tobytes(), n
-        wrong = {names[0]: torch.zeros(3, dtype=torch.float64)}
-        with pytest.raises(ValueError, match=names[0]):
-            model.to_device("cpu", names[:1], into=wrong)
+        wrong = {names[1]: torch.zeros(3, dtype=torch.float64)}
+        with pytest.raises(ValueError, match=names[1]):
+            model.to_device("cpu", names, into=wrong, staging_bytes=64)  # receiver waits
+        # The refusal closed the stream: nothing is left receiving in the background.
+        assert not [t for t in threading.enumerate() if t.name == "weightserve-iter"]
 
 
 def test_a_prefix_and_names_choose_the_tensors(server, reference) -> None:

@@ -142,7 +142,7 @@ class ArrowStreamResponse(Response):
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             # Returning with the response incomplete makes uvicorn close the connection.
-            self._cut_idle(scope, idle)
+            _cut_idle(scope, lease, idle)
         except WeightserveError as e:  # e.g. a file truncated while being served
             scope[ERROR_KEY] = type(e).__name__
             log.warning("stream of model %s broke: %s", lease.model_id, e)
@@ -165,48 +165,93 @@ class ArrowStreamResponse(Response):
             gone.cancel()
             lease.close()
 
-    def _cut_idle(self, scope: Any, idle: _TaskIdleCut | None) -> None:
-        """Inside ``except CancelledError``: re-raise unless the idle cut cancelled the
-        stream, which ends as ``IdleTimeout``."""
-        if idle is None or not self.lease.idle_cut:
-            raise  # noqa: PLE0704 - always called while handling the cancellation
-        idle.uncancel()
-        scope[ERROR_KEY] = "IdleTimeout"
-        log.warning(
-            "stream of model %s to %s cut: the client read nothing for %.1f s",
-            self.lease.model_id,
-            (scope.get("client") or ("?",))[0],
-            self.lease.state.limits.idle_timeout,
-        )
-
     async def _send_whole(self, scope: Any, send: Any) -> None:
         """A small stream as one body after its headers, both in one socket write where the
         connection allows (``one_write``): a segment costs more than the whole small
         request's framing and digests (docs/performance.md, "Small requests")."""
-        lease = self.lease
-        idle: _TaskIdleCut | None = None
         try:
-            body, data_bytes = bytearray(), 0
-            for message in self.messages:  # an error here is answered with its own status
-                for part in message:
-                    if isinstance(part, memoryview) and isinstance(part.obj, mmap.mmap):
-                        _ensure_still_mapped(part.obj)  # before reading it (SIGBUS)
-                    body += part
-                if len(message) > 1:
-                    data_bytes += len(message[1])  # tensor data bytes, not framing
-            # The bytes are copied: the files and the stream slot are free before the client
-            # has them, so a slow reader holds neither.
-            lease.release()
-            idle = _TaskIdleCut(lease)  # a client that reads nothing
-            with one_write(scope.get(CYCLE_KEY)):
-                start = {"type": "http.response.start", "status": self.status_code}
-                await send({**start, "headers": self.raw_headers})
-                await send({"type": "http.response.body", "body": bytes(body), "more_body": False})
-            lease.progress(data_bytes)
-        except asyncio.CancelledError:
-            self._cut_idle(scope, idle)
-        finally:
-            lease.close()
+            body, data_bytes = whole_body(self.messages)  # an error: answered with its status
+        except BaseException:
+            self.lease.close()
+            raise
+        await send_whole(scope, send, self.lease, self.raw_headers, body, data_bytes)
+
+
+def whole_body(messages: Iterator) -> tuple[bytes, int]:
+    """A small stream's bytes in one piece, and how many of them are tensor data (what the
+    bytes-served metric counts, not framing)."""
+    body, data_bytes = bytearray(), 0
+    for message in messages:
+        for part in message:
+            if isinstance(part, memoryview) and isinstance(part.obj, mmap.mmap):
+                _ensure_still_mapped(part.obj)  # before reading it (SIGBUS)
+            body += part
+        if len(message) > 1:
+            data_bytes += len(message[1])
+    return bytes(body), data_bytes
+
+
+async def send_whole(
+    scope: Any,
+    send: Any,
+    lease: StreamLease,
+    raw_headers: list[tuple[bytes, bytes]],
+    body: bytes,
+    data_bytes: int,
+) -> None:
+    """A 200 with ``body`` after its headers, in one socket write where the connection allows
+    (``one_write``); closes ``lease`` however it ends, a cancellation by the idle cut ending
+    as ``IdleTimeout``."""
+    idle: _TaskIdleCut | None = None
+    try:
+        # The bytes are in memory: the files and the stream slot are free before the client
+        # has them, so a slow reader holds neither.
+        lease.release()
+        idle = _TaskIdleCut(lease)  # a client that reads nothing
+        with one_write(scope.get(CYCLE_KEY)):
+            start = {"type": "http.response.start", "status": 200, "headers": raw_headers}
+            await send(start)
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+        lease.progress(data_bytes)
+    except asyncio.CancelledError:
+        _cut_idle(scope, lease, idle)
+    finally:
+        lease.close()
+
+
+def _cut_idle(scope: Any, lease: StreamLease, idle: _TaskIdleCut | None) -> None:
+    """Inside ``except CancelledError``: re-raise unless the idle cut cancelled the stream,
+    which ends as ``IdleTimeout``."""
+    if idle is None or not lease.idle_cut:
+        raise  # noqa: PLE0704 - always called while handling the cancellation
+    idle.uncancel()
+    scope[ERROR_KEY] = "IdleTimeout"
+    log.warning(
+        "stream of model %s to %s cut: the client read nothing for %.1f s",
+        lease.model_id,
+        (scope.get("client") or ("?",))[0],
+        lease.state.limits.idle_timeout,
+    )
+
+
+class KeptAnswer(Response):
+    """A one-tensor stream answered from bytes kept whole for its revision
+    (``tensors.KeptAnswers``): no plan of messages, no copy out of the mapping, and headers
+    encoded once, not by Starlette per request (docs/performance.md, "Small requests")."""
+
+    def __init__(
+        self, lease: StreamLease, raw_headers: list[tuple[bytes, bytes]], body: bytes, data: int
+    ) -> None:
+        # Response.__init__ would encode the headers again; nothing here uses what else it sets.
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = raw_headers
+        self.lease = lease
+        self.whole = body
+        self.data_bytes = data
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await send_whole(scope, send, self.lease, self.raw_headers, self.whole, self.data_bytes)
 
 
 class _TaskIdleCut:

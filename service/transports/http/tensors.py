@@ -7,6 +7,7 @@ planned before its first byte so errors are statuses, and sent by ``ArrowStreamR
 
 from __future__ import annotations
 
+import threading
 from typing import Annotated, Any
 
 from fastapi import Body, Depends, FastAPI, Query, Request
@@ -19,7 +20,8 @@ from weightserve.service.serving import request as requests
 from weightserve.service.serving.lease import StreamLease
 from weightserve.service.serving.request import TensorRequest
 from weightserve.service.serving.state import ServiceState
-from weightserve.service.serving.streams import stream_length, stream_messages
+from weightserve.service.serving.streams import PlannedTensor, stream_length, stream_messages
+from weightserve.service.sources.model import Model
 from weightserve.service.transports.http.common import (
     OPERATION_KEY,
     AccessCheck,
@@ -28,7 +30,11 @@ from weightserve.service.transports.http.common import (
 )
 from weightserve.service.transports.http.ops import model_info_response
 from weightserve.service.transports.http.routes import Target, get_and_head, resolve_legacy
-from weightserve.service.transports.http.streaming import ArrowStreamResponse
+from weightserve.service.transports.http.streaming import (
+    ArrowStreamResponse,
+    KeptAnswer,
+    whole_body,
+)
 
 # A stream request naming at most this many tensors is planned on the event loop when the
 # catalog answers from memory (Catalog.answers_now); longer lists and prefixes are planned on
@@ -38,6 +44,11 @@ INLINE_MAX_NAMES = 16
 # The small-tensor lane's requests kept decoded, by (name, revision): a small tensor is asked
 # for again and again (then decoded anew once this many are kept).
 LANE_REQUESTS = 4096
+
+# A one-tensor answer of at most this many bytes is kept whole for its revision
+# (KeptAnswers), up to this many bytes of answers in all (then they are built anew).
+KEPT_ANSWER_MAX_BYTES = 64 << 10
+KEPT_ANSWERS_MAX_BYTES = 64 << 20
 
 # Every route that answers with an Arrow stream. status_code is given because
 # ArrowStreamResponse.__init__ has none for OpenAPI to read.
@@ -100,6 +111,68 @@ TensorQuery = Annotated[dict[str, Any], Depends(tensor_query)]
 TENSOR_FIELDS = ("shard", "axis", "revision")
 
 
+class KeptAnswers:
+    """Small one-tensor answers kept whole: the headers (encoded), the body (schema, framing
+    with its digest, the bytes, end of stream), its data bytes and the tensors it counts. All
+    are fixed by the model's revision, so a small tensor asked again costs neither a plan of
+    messages nor a copy out of the mapping; its request is still authorized, pinned, admitted
+    and its files checked (``StreamLease.plan``) as any stream's."""
+
+    served = 0  # answers sent from kept bytes since start (tests check it engages)
+
+    def __init__(self) -> None:
+        self._answers: dict[tuple, tuple[list[tuple[bytes, bytes]], bytes, int, int]] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(model: Model, request: TensorRequest, length: int) -> tuple | None:
+        """The answer's key, or None where it is not kept (a shard, a resume, a long one)."""
+        if (
+            length > KEPT_ANSWER_MAX_BYTES
+            or request.names is None
+            or len(request.names) != 1
+            or request.shard is not None
+            or request.resume_tensor is not None
+        ):
+            return None
+        return model.id, model.revision, request.names[0], request.chunk_bytes
+
+    def answer(
+        self,
+        key: tuple,
+        model: Model,
+        planned: list[PlannedTensor],
+        chunk_bytes: int,
+        headers: dict[str, str],
+    ) -> tuple[list[tuple[bytes, bytes]], bytes, int, int]:
+        """The kept answer of ``key``, built from the files (the lease holding them) if new."""
+        kept = self._answers.get(key)
+        if kept is not None:
+            KeptAnswers.served += 1
+            return kept
+        tensors = 0
+
+        def count() -> None:
+            nonlocal tensors
+            tensors += 1
+
+        body, data_bytes = whole_body(stream_messages(model, planned, chunk_bytes, count))
+        raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+        raw_headers += [
+            (b"content-length", str(len(body)).encode()),
+            (b"content-type", ARROW_STREAM_MEDIA_TYPE.encode()),
+        ]
+        kept = raw_headers, body, data_bytes, tensors
+        with self._lock:
+            if self._bytes + len(body) > KEPT_ANSWERS_MAX_BYTES:
+                self._answers.clear()
+                self._bytes = 0
+            self._answers[key] = kept
+            self._bytes += len(body)
+        return kept
+
+
 class TensorStreams:
     """Starts a tensor stream for whichever route (or the lane) asked for one."""
 
@@ -108,6 +181,7 @@ class TensorStreams:
         self.access = access
         # Per request this was a request's validation.
         self._lane_requests: dict[tuple[str, str | None], TensorRequest] = {}
+        self._kept = KeptAnswers()
 
     def start(self, http: Request, model_id: str, request: TensorRequest) -> Response:
         state = self.state
@@ -132,6 +206,14 @@ class TensorStreams:
                 headers["content-length"] = str(length)
                 return Response(headers=headers, media_type=ARROW_STREAM_MEDIA_TYPE)
             tensors = state.metrics.child(state.metrics.tensors_served, "http", model.id)
+            key = self._kept.key(model, request, length)
+            if key is not None:
+                raw_headers, body, data_bytes, count = self._kept.answer(
+                    key, model, planned, request.chunk_bytes, headers
+                )
+                if count:
+                    tensors.inc(count)
+                return KeptAnswer(lease.handed_over(), raw_headers, body, data_bytes)
             messages = stream_messages(model, planned, request.chunk_bytes, tensors.inc)
             return ArrowStreamResponse(lease.handed_over(), messages, length, headers)
 

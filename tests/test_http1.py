@@ -7,18 +7,26 @@ from __future__ import annotations
 
 import http.client
 import socket
+import tempfile
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
 from weightserve.client import Client
 from weightserve.client.errors import TensorNotFound, TransportError, WeightserveError
+from weightserve.client.receive.arrow_reader import ArrowChunkReader
 from weightserve.client.transports.base import StreamParams
 from weightserve.client.transports.http import HttpTransport
 from weightserve.client.transports.http1 import BUFFER_BYTES, Http1Connection
 from weightserve.client.wire.routes import parse_url
+from weightserve.service.serving.request import TensorRequest
+from weightserve.service.serving.streams import plan_stream, stream_messages
+from weightserve.service.sources.local import Catalog
+from weightserve.service.transports.http.streaming import whole_body
 
 # What a scripted connection does with each request: the bytes to answer, then whether to
 # close the connection.
@@ -302,3 +310,58 @@ def test_the_servers_errors_over_the_lean_connection(server, reference, monkeypa
         got = model.fetch(["float32"])["float32"]
         assert got.tobytes() == reference("mixed")["float32"].array.tobytes()
         assert made() == 1  # the error's connection served the next request
+
+
+def test_a_small_body_is_taken_whole_from_the_buffer(scripted) -> None:
+    body = bytes(range(256)) * 40  # more than one segment may carry
+    ok = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+    big = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (BUFFER_BYTES + 1)
+    server = scripted(
+        [(ok, False), (ok, False), (chunked, False), (big + bytes(BUFFER_BYTES + 1), False)]
+    )
+    conn = Http1Connection.tcp("127.0.0.1", server.port, timeout=10)
+    heads = []
+    for _ in range(2):
+        conn.send(b"GET /x HTTP/1.1\r\nHost: here\r\n\r\n")
+        resp = conn.response()
+        whole = resp.buffered_body()
+        assert whole is not None and bytes(whole) == body
+        assert resp.isclosed() and conn.idle  # read to its end: fit for the next request
+        assert resp.readinto(memoryview(bytearray(4))) == 0
+        heads.append(resp.headers)
+    # The same head parsed once, each answer with headers of its own.
+    assert heads[0] == heads[1] and heads[0] is not heads[1]
+    assert len(conn._heads) == 1
+    for want in (b"hello", bytes(BUFFER_BYTES + 1)):  # no length, or too long: read as before
+        conn.send(b"GET /x HTTP/1.1\r\nHost: here\r\n\r\n")
+        resp = conn.response()
+        assert resp.buffered_body() is None
+        assert _body(resp, piece=1 << 16) == want
+    conn.close()
+
+
+def test_a_small_stream_cut_short_fails_from_memory(scripted) -> None:
+    # A whole Arrow stream but its end marker, behind a Content-Length that promises it.
+    stream = _stream_bytes()
+    cut = stream[:-8]
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(cut), cut)
+    server = scripted([(answer, False)])
+    transport = _transport(server)
+    reader = ArrowChunkReader(transport.open_stream("m", StreamParams(names=["w"])))
+    header = reader.next_chunk(lambda h: memoryview(bytearray(h.nbytes)))
+    assert header is not None and header.name == "w"
+    with pytest.raises(TransportError, match="before its end marker"):
+        reader.next_chunk(lambda h: memoryview(bytearray(h.nbytes)))
+    reader.close()
+
+
+def _stream_bytes() -> bytes:
+    """One small tensor's Arrow stream as a server sends it."""
+    with tempfile.TemporaryDirectory() as root:
+        (Path(root) / "m").mkdir()
+        save_file({"w": np.arange(64, dtype=np.float32)}, str(Path(root) / "m" / "x.safetensors"))
+        model = Catalog(Path(root)).get("m")
+        request = TensorRequest(names=("w",))
+        body, _ = whole_body(stream_messages(model, plan_stream(model, request), 1 << 20))
+    return body

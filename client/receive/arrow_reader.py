@@ -270,10 +270,28 @@ class ArrowChunkReader:
         self._schema: pa.Schema | None = None
         self._done = False
         self._scratch: bytearray | None = None
+        # A source that can give a small stream whole (``whole()``: a memoryview or None) is
+        # parsed from memory: a small answer's seven reads were three layers of readinto
+        # each (docs/performance.md, "Small requests").
+        self._take_whole: Callable[[], memoryview | None] | None = getattr(source, "whole", None)
+        self._memory: memoryview | None = None
+        self._at = 0  # how far into _memory the stream was read
 
     # -- reading from the source --------------------------------------------------------
 
+    def _from_memory(self, n: int, ended: str) -> memoryview:
+        """The next ``n`` bytes of a stream held whole."""
+        memory, at = self._memory, self._at
+        assert memory is not None
+        if at + n > len(memory):
+            raise TransportError(ended)
+        self._at = at + n
+        return memory[at : at + n]
+
     def _fill(self, view: memoryview, ended: str = "stream ended before its end marker") -> None:
+        if self._memory is not None:
+            view[:] = self._from_memory(len(view), ended)
+            return
         readinto = self._source.readinto
         while view:
             n = readinto(view)
@@ -282,12 +300,17 @@ class ArrowChunkReader:
             view = view[n:]
 
     def _read(self, n: int, ended: str = "stream ended before its end marker") -> bytearray:
+        if self._memory is not None:
+            return bytearray(self._from_memory(n, ended))
         buf = bytearray(n)
         self._fill(memoryview(buf), ended)
         return buf
 
     def _skip(self, n: int) -> None:
         if n <= 0:
+            return
+        if self._memory is not None:
+            self._from_memory(n, "stream ended before its end marker")
             return
         if self._scratch is None:
             self._scratch = bytearray(_SKIP_CHUNK)
@@ -317,6 +340,9 @@ class ArrowChunkReader:
         """Read the schema message and check that it is ``TENSOR_SCHEMA``."""
         if self._schema is not None:
             return self._schema
+        if self._take_whole is not None:  # the first read of the stream
+            take, self._take_whole = self._take_whole, None
+            self._memory = take()
         ended = "stream ended before its schema"
         message = self._read_message(ended)
         if message is None:
@@ -410,6 +436,7 @@ class ArrowChunkReader:
 
     def close(self) -> None:
         """Close the source (a stream left unfinished is abandoned, not drained)."""
+        self._memory = None  # the source's buffer: another request's once it is closed
         close = getattr(self._source, "close", None)
         if close is not None:
             close()

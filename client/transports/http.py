@@ -501,6 +501,17 @@ class _HttpSource:
             where = self.transport.address.url
             raise TransportError(f"stream from {where} broke: {e!r}") from e
 
+    def whole(self) -> memoryview | None:
+        """The whole body in memory where it is small (``Http1Response.buffered_body``),
+        valid until this source is closed; None: read it with ``readinto``."""
+        if not isinstance(self.resp, Http1Response):
+            return None
+        try:
+            return self.resp.buffered_body()
+        except (OSError, http.client.HTTPException) as e:
+            where = self.transport.address.url
+            raise TransportError(f"stream from {where} broke: {e!r}") from e
+
     def close(self) -> None:
         if self.closed:  # a second close must not pool the connection twice
             return

@@ -17,19 +17,23 @@ BUFFER_BYTES = 64 << 10  # holds any head we accept, and a small answer whole
 MAX_HEAD_BYTES = BUFFER_BYTES
 MAX_HEADERS = 100  # http.client's limit too
 _NO_BODY_STATUSES = frozenset({204, 304})
+KEPT_HEADS = 64  # answer heads kept parsed per connection (then parsed anew)
 
 
 class Http1Connection:
     """One kept-alive HTTP/1.1 connection: ``send`` a request, ``response`` reads its answer
     (one at a time: the previous answer's body must be read, or the connection closed)."""
 
-    __slots__ = ("sock", "_buf", "_view", "_start", "_end")
+    __slots__ = ("sock", "_buf", "_view", "_start", "_end", "_heads")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock: socket.socket | None = sock
         self._buf = bytearray(BUFFER_BYTES)
         self._view = memoryview(self._buf)
         self._start = self._end = 0  # unread received bytes: _buf[_start:_end]
+        # Recent heads and what they parsed to: small tensors asked again get the same heads
+        # (their Date changes once a second), which are not parsed again.
+        self._heads: dict[bytes, tuple[int, int, str, dict[str, str]]] = {}
 
     @classmethod
     def tcp(cls, host: str, port: int, timeout: float) -> Http1Connection:
@@ -112,8 +116,20 @@ class Http1Connection:
                 raise http.client.BadStatusLine(
                     bytes(buf[self._start : self._end]).decode("latin-1")
                 )
-        head = bytes(buf[self._start : end]).decode("latin-1")
+        raw = bytes(buf[self._start : end])
         self._start = end + 4
+        parsed = self._heads.get(raw)
+        if parsed is None:
+            parsed = self._parse_head(raw)
+            if len(self._heads) >= KEPT_HEADS:
+                self._heads.clear()
+            self._heads[raw] = parsed
+        status, version, reason, headers = parsed
+        return status, version, reason, dict(headers)
+
+    @staticmethod
+    def _parse_head(raw: bytes) -> tuple[int, int, str, dict[str, str]]:
+        head = raw.decode("latin-1")
         lines = head.split("\r\n")
         status_line = lines[0]
         version_text, _, rest = status_line.partition(" ")
@@ -221,6 +237,25 @@ class Http1Response:
             self.will_close = True
             if self.conn is not None:
                 self.conn.close()
+
+    def buffered_body(self) -> memoryview | None:
+        """The whole body, received into the connection's buffer where its Content-Length
+        says it fits (a small answer usually came whole with its head), to be parsed from
+        memory with no more receives; the answer is then read to its end. The view is valid
+        until the connection's next request. None where it does not fit, has no length, or
+        the server closed before its end (``readinto`` then says so)."""
+        conn = self.conn
+        if self._done or self._chunked or self._to_close or conn is None:
+            return None
+        if self._left > len(conn._buf):
+            return None
+        while conn._end - conn._start < self._left:
+            if not conn._receive():
+                return None
+        start = conn._start
+        conn._start += self._left
+        self._left, self._done = 0, True
+        return conn._view[start : conn._start]
 
     def readinto(self, view: memoryview | bytearray) -> int:
         """Body bytes into ``view``: fewer than asked for whenever the socket has fewer

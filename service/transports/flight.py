@@ -189,7 +189,7 @@ class FlightService(flight.FlightServerBase):
                 chunk_bytes = LEAN_CHUNK_BYTES if call.lean else DEFAULT_CHUNK_BYTES
                 request = from_proto(message, chunk_bytes)
                 planned = lease.plan(model, request, access.client_key(peer_host(context.peer())))
-                tensors = state.metrics.tensors_served.labels("flight", model.id)
+                tensors = state.metrics.child(state.metrics.tensors_served, "flight", model.id)
                 chunks = stream_chunks(model, planned, request.chunk_bytes, tensors.inc)
                 batches = _Batches(self, lease.handed_over(), chunks, context, call.lean)
         except WeightserveError as e:

@@ -222,7 +222,7 @@ class WeightService:
         # Counted by _unary_call; the lease holds the slot and files, and counts the bytes.
         with StreamLease(state, "grpc", counted=False) as lease:
             lease.admit(model, {planned.entry.file}, client)
-            tensors = state.metrics.tensors_served.labels("grpc", model.id)
+            tensors = state.metrics.child(state.metrics.tensors_served, "grpc", model.id)
             ((header, data),) = stream_chunks(model, [planned], one.chunk_bytes, tensors.inc)
             lease.progress(header.nbytes)
             return pb.TensorData(
@@ -361,7 +361,7 @@ class WeightService:
                 client = access.client_key(peer_host(context.peer()))
                 planned = lease.plan(model, tensor_request, client)
                 lease.watch_idle(_cancel_when_idle(context, state.limits.idle_timeout))
-                tensors = state.metrics.tensors_served.labels("grpc", model.id)
+                tensors = state.metrics.child(state.metrics.tensors_served, "grpc", model.id)
                 chunk_bytes = tensor_request.chunk_bytes
                 for parts in stream_messages(model, planned, chunk_bytes, tensors.inc):
                     if not context.is_active():

@@ -365,7 +365,7 @@ def _resolve_during_fill(
 
     def ended(sent: int) -> None:
         slot.close()
-        state.metrics.bytes_served.labels("http", fill.model_id).inc(sent)
+        state.metrics.child(state.metrics.bytes_served, "http", fill.model_id).inc(sent)
 
     body = itertools.chain([first], pieces)
     return GrowingFileResponse(body, byte_range.length, headers, status, ended, waits, OCTET_STREAM)

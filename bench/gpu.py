@@ -172,12 +172,26 @@ def _copy_in(torch, param, array) -> None:
     param.view(-1).view(torch.uint8).copy_(source, non_blocking=True)
 
 
+def _pinned(torch, device: str, kept: list):
+    """``allocate``: a fresh page-locked buffer per tensor, each kept in ``kept`` (the host
+    allocator cannot see that a copy out of a NumPy view of a buffer is still running, and
+    would hand a freed one out again under it)."""
+
+    def allocate(header):
+        buffer = _host_buffer(torch, header.total_bytes, device)
+        kept.append(buffer)
+        return buffer.numpy()
+
+    return allocate
+
+
 def ws_iter_pinned(base: str, model_id: str, device: str, plane: str):
     torch, client, model, params = _remote(base, model_id, device, plane)
 
     def run():
         n = 0
-        pinned = lambda header: _host_buffer(torch, header.total_bytes, device).numpy()  # noqa: E731
+        kept: list = []  # until the copies are done (see _pinned)
+        pinned = _pinned(torch, device, kept)
         for name, array in model.iter_tensors(allocate=pinned):
             _copy_in(torch, params[name], array)
             n += array.nbytes
@@ -203,8 +217,7 @@ def ws_fetch_pinned(base: str, model_id: str, device: str, plane: str):
     torch, client, model, params = _remote(base, model_id, device, plane)
 
     def run():
-        pinned = lambda header: _host_buffer(torch, header.total_bytes, device).numpy()  # noqa: E731
-        arrays = model.fetch(prefix="", allocate=pinned)
+        arrays = model.fetch(prefix="", allocate=_pinned(torch, device, []))
         for name, array in arrays.items():
             _copy_in(torch, params[name], array)
         _synchronize(torch, device)

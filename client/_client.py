@@ -440,7 +440,7 @@ class RemoteModel:
                 on_bytes=on_bytes,
             )
 
-        loaded, ring = load_to_device(received, self.tensors, device, into, staging_bytes)
+        loaded, ring = load_to_device(received, wanted, self.tensors, device, into, staging_bytes)
         self.last_device_load = {"staged": ring.staged, "unstaged": ring.unstaged}
         return loaded
 

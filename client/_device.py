@@ -4,21 +4,23 @@ device on a side stream while the next one arrives.
 
 Page-locking fresh memory for every tensor costs more than the transfer, and pageable memory
 holds the whole model on the host first (docs/performance.md, "Into GPU memory"). Here host
-memory stays at the ring's size whatever the model's, and the copies overlap the network.
+memory is the ring plus any tensor larger than it, and the copies overlap the network.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
-import warnings
-from collections.abc import Callable, Generator, Iterable, Mapping
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from weightserve.client._models import TensorInfo
+from weightserve.client.receive.stream import ALIGNMENT, aligned_empty
+from weightserve.client.transports.handoff import writable_alias
 from weightserve.client.wire.dtypes import wire_dtype
 from weightserve.client.wire.schema import ChunkHeader
 
@@ -37,23 +39,26 @@ class _Region:
 
 class StagingRing:
     """Host memory that received tensors land in before their copy to ``device``; page-locked
-    where the device is a GPU. A region is handed out again only once the copy out of it has
-    finished; where none is free without waiting on a tensor not yet copied (or the tensor is
-    larger than the ring), the tensor gets memory of its own. ``staged`` and ``unstaged``
-    count the tensors copied to the device from the ring and from memory of their own."""
+    where the device is a GPU, and locked at the first tensor that uses it. A region is handed
+    out again only once the copy out of it has finished; where none is free without waiting on
+    a tensor not yet copied (or the tensor is larger than the ring), the tensor gets memory of
+    its own. ``staged`` and ``unstaged`` count the tensors copied to the device from the ring
+    and from memory of their own (a same-node handoff's views among them)."""
 
     def __init__(self, nbytes: int, device: Any) -> None:
         import torch  # optional: only device loads need it
 
         self._torch = torch
         self.device = torch.device(device)
-        gpu = self.device.type == "cuda"
-        self._host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=gpu)
-        self._array = self._host.numpy()
-        self._base = self._array.ctypes.data
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current one
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.size = nbytes
+        self._host: Any = None  # the ring, once a tensor needs it
+        self._array: np.ndarray | None = None
+        self._base = 0
         self._head = 0
         self._regions: list[_Region] = []  # handed out and not yet known to be free
+        gpu = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if gpu else None
         self.staged = 0
         self.unstaged = 0
@@ -73,54 +78,63 @@ class StagingRing:
         receiving thread, while the consumer's thread queues copies)."""
         n = header.total_bytes
         buffer = self._take(n)
-        return buffer if buffer is not None else np.empty(n, dtype=np.uint8)
+        return buffer if buffer is not None else aligned_empty(n)
 
     def _take(self, n: int) -> np.ndarray | None:
         """A region of ``n`` bytes of the ring, or None where none is free without waiting
         on a tensor whose copy is not queued yet (or ``n`` is larger than the ring)."""
         with self._lock:
-            start = self._head if self._head + n <= self.size else 0
-            if n == 0 or n > self.size or not self._claim(start, start + n):
+            if n == 0 or n > self.size:
                 return None
+            if self._array is None:
+                gpu = self.stream is not None
+                self._host = self._torch.empty(self.size, dtype=self._torch.uint8, pin_memory=gpu)
+                self._array = self._host.numpy()
+                self._base = self._array.ctypes.data
+            start = -(-self._head // ALIGNMENT) * ALIGNMENT
+            if start + n > self.size:
+                start = 0
+            overlapping = [r for r in self._regions if r.start < start + n and start < r.end]
+            if any(not r.done for r in overlapping):
+                return None
+            for r in overlapping:
+                self._regions.remove(r)
             self._head = start + n
             self._regions.append(_Region(start, start + n))
-            return self._array[start : start + n]
-
-    def _claim(self, lo: int, hi: int) -> bool:
-        """Whether [lo, hi) can be written: waits for the copies out of it to finish; False if
-        part of it holds a tensor whose copy is not even queued (the consumer has not had it)."""
-        overlapping = [r for r in self._regions if r.start < hi and lo < r.end]
-        if any(not r.done for r in overlapping):
-            return False
+            buffer = self._array[start : start + n]
+        # Outside the lock, so the consumer's copies are queued meanwhile: the regions given
+        # up are this thread's alone now, free once their copies have run.
         for r in overlapping:
             if r.copying is not None:
                 r.copying.synchronize()
-            self._regions.remove(r)
-        return True
+        return buffer
 
     def copy(self, array: np.ndarray, target: Any) -> None:
         """Queue the copy of a tensor's bytes (``array``) into ``target`` (a tensor of the
-        same byte size; any layout, any device). Bytes not received into the ring (a
-        same-node handoff's views of the page cache, a tensor that did not fit) are copied
-        from where they are: staging them through the ring first measured slower
-        (docs/performance.md, "Into GPU memory")."""
+        same byte size; any layout). Bytes not received into the ring (a same-node
+        handoff's views of the page cache, a tensor that did not fit) are copied from where
+        they are, as is a target on a device other than the ring's; staging a handoff's
+        views through the ring first measured slower (docs/performance.md, "Into GPU
+        memory")."""
         torch = self._torch
         if array.size == 0:
             return
         with self._lock:
             region = self._region_of(array)
-        with warnings.catch_warnings():  # a handoff's read-only views: only copy_'s source
-            warnings.filterwarnings("ignore", "The given NumPy array is not writable")
-            flat = torch.from_numpy(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+        if not array.flags.writeable:  # a handoff view: torch wants a writable array
+            alias = writable_alias(array)
+            array = alias if alias is not None else array.copy()
+        flat = torch.from_numpy(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
         source = flat.view(target.dtype).reshape(target.shape)
         event = None
-        if region is None or self.stream is None:
-            target.copy_(source)  # memory of its own (or no GPU): a plain copy
-        else:
-            with torch.cuda.stream(self.stream):
-                target.copy_(source, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self.stream)
+        with torch.no_grad():  # an engine's parameters may require grad
+            if region is None or self.stream is None or target.device != self.device:
+                target.copy_(source)  # done when it returns: nothing to wait on
+            else:
+                with torch.cuda.stream(self.stream):
+                    target.copy_(source, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(self.stream)
         with self._lock:
             if region is None:
                 self.unstaged += 1
@@ -129,7 +143,7 @@ class StagingRing:
                 self.staged += 1
 
     def _region_of(self, array: np.ndarray) -> _Region | None:
-        if array.size == 0:
+        if self._array is None or array.size == 0:
             return None
         offset = array.__array_interface__["data"][0] - self._base
         for r in self._regions:
@@ -140,8 +154,8 @@ class StagingRing:
 
 def torch_dtype(info: TensorInfo) -> tuple[Any, tuple[int, ...]]:
     """The torch dtype and shape a served tensor takes on a device: its own where torch has
-    that dtype, else its raw bytes (uint8, the served byte shape: GGML blocks, packed
-    sub-byte types)."""
+    that dtype, else its raw bytes as ``fetch`` gives them (uint8: GGML blocks in their byte
+    shape, packed sub-byte types flat)."""
     import torch
 
     spec = wire_dtype(info.dtype)
@@ -150,47 +164,46 @@ def torch_dtype(info: TensorInfo) -> tuple[Any, tuple[int, ...]]:
         info.encoding is None
         and spec.numpy_name is not None
         and isinstance(dtype, torch.dtype)
-        and dtype.itemsize * _count(info.logical_shape) == info.nbytes
+        and dtype.itemsize * math.prod(info.logical_shape) == info.nbytes
     ):
         return dtype, tuple(info.logical_shape)
-    return torch.uint8, tuple(info.shape) if info.encoding is None else (info.nbytes,)
-
-
-def _count(shape: Iterable[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    shape = tuple(info.shape)
+    return torch.uint8, shape if math.prod(shape) == info.nbytes else (info.nbytes,)
 
 
 def load_to_device(
     received: Callable[[Callable[[ChunkHeader], np.ndarray], int], Generator[tuple[str, Any]]],
+    names: Sequence[str],
     tensors: Mapping[str, TensorInfo],
     device: Any,
     into: Mapping[str, Any] | None,
     staging_bytes: int,
 ) -> tuple[dict[str, Any], StagingRing]:
-    """``{name: device tensor}`` of what ``received(allocate, window_bytes)`` yields, each
-    written into ``into[name]`` where given (dtype and shape must match), else into a new
-    tensor on ``device``."""
+    """``{name: device tensor}`` of ``names``, as ``received(allocate, window_bytes)`` yields
+    them, each written into ``into[name]`` where given, else into a new tensor on ``device``.
+    Every ``into`` tensor is checked before any byte moves, so a refusal leaves them all as
+    they were."""
     import torch
 
+    layouts = {name: torch_dtype(tensors[name]) for name in names}
+    for name, target in (into or {}).items():
+        if name in layouts and (target.dtype, tuple(target.shape)) != layouts[name]:
+            dtype, shape = layouts[name]
+            raise ValueError(
+                f"{name}: the server has {dtype} {list(shape)}, "
+                f"the tensor to load it into is {target.dtype} {list(target.shape)}"
+            )
     ring = StagingRing(staging_bytes, device)
     out: dict[str, Any] = {}
     # Tensors received ahead of the consumer stay within half the ring, so the other half is
     # free for the next one once its copies are done.
     arriving = received(ring.allocate, max(1, staging_bytes // 2))
-    with ring, contextlib.closing(arriving):  # a refused tensor ends the stream at once
+    with ring, contextlib.closing(arriving):  # an error ends the stream at once
         for name, array in arriving:
-            dtype, shape = torch_dtype(tensors[name])
             target = into.get(name) if into is not None else None
             if target is None:
+                dtype, shape = layouts[name]
                 target = torch.empty(shape, dtype=dtype, device=ring.device)
-            elif target.dtype != dtype or tuple(target.shape) != shape:
-                raise ValueError(
-                    f"{name}: the server has {dtype} {list(shape)}, "
-                    f"the tensor to load it into is {target.dtype} {list(target.shape)}"
-                )
             ring.copy(array, target)
             out[name] = target
             del array  # the ring's memory is not the caller's

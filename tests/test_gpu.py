@@ -156,7 +156,9 @@ def test_to_device_matches_safetensors_on_the_device(
     from safetensors.torch import load_file
 
     expected = load_file(str(model_file), device="cuda")
-    with Client(server.http_url) as c:
+    # Over HTTP (the ring takes what a worker on another node receives); the same-node
+    # handoff's views are copied from where they lie, in the next test.
+    with Client(server.http_url, data_plane="http") as c:
         model = c.model(MODEL)
         got = model.to_device("cuda")
         assert model.last_device_load == {"staged": len(expected), "unstaged": 0}
@@ -176,8 +178,21 @@ def test_to_device_writes_a_gpu_module_in_place(server: WeightServer, model_file
     expected = load_file(str(model_file), device="cuda")
     params = {n: torch.zeros_like(t) for n, t in expected.items()}
     pointers = {n: t.data_ptr() for n, t in params.items()}
-    with Client(server.http_url) as c:
+    with Client(server.http_url, data_plane="http") as c:
         got = c.model(MODEL).to_device("cuda", into=params, staging_bytes=3 << 20)
     for name, want in expected.items():
         assert got[name] is params[name] and params[name].data_ptr() == pointers[name]
         assert torch.equal(as_bytes(params[name]), as_bytes(want)), name
+
+
+def test_to_device_from_the_same_node_handoff(server: WeightServer, model_file: Path) -> None:
+    from safetensors.torch import load_file
+
+    expected = load_file(str(model_file), device="cuda")
+    with Client(server.http_url) as c:
+        assert c.planes().handoff is not None
+        model = c.model(MODEL)
+        got = model.to_device("cuda")
+        assert model.last_device_load == {"staged": 0, "unstaged": len(expected)}
+    for name, want in expected.items():
+        assert got[name].is_cuda and torch.equal(as_bytes(got[name]), as_bytes(want)), name

@@ -21,7 +21,7 @@ def raw(t) -> bytes:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-@pytest.mark.parametrize("model_id", ["mixed", "tiny.gguf", "torch"])
+@pytest.mark.parametrize("model_id", ["mixed", "tiny.gguf", "torch", "packed"])
 def test_every_dtype_lands_byte_identical(server, model_root, reference, model_id) -> None:
     if model_id in model_root.skipped:
         pytest.skip(model_root.skipped[model_id])
@@ -35,8 +35,10 @@ def test_every_dtype_lands_byte_identical(server, model_root, reference, model_i
         assert raw(t) == np.ascontiguousarray(ref.array).tobytes(), name
         if ref.encoding is None and ref.dtype in ("bfloat16", "float8_e4m3fn", "float32"):
             assert str(t.dtype) == f"torch.{ref.dtype}" and tuple(t.shape) == ref.shape, name
-        elif ref.encoding is not None:
-            assert t.dtype == torch.uint8, name  # GGML blocks: their raw bytes
+        elif ref.encoding is not None:  # GGML blocks: their raw bytes, in their byte shape
+            assert t.dtype == torch.uint8 and tuple(t.shape) == ref.shape, name
+        if model_id == "packed":  # sub-byte types torch lacks: raw bytes, as fetch gives them
+            assert t.dtype == torch.uint8 and t.dim() == 1, name
 
 
 def test_a_small_ring_is_reused_and_large_tensors_get_their_own(server, reference) -> None:
@@ -49,14 +51,15 @@ def test_a_small_ring_is_reused_and_large_tensors_get_their_own(server, referenc
     assert all(raw(got[n]) == np.ascontiguousarray(r.array).tobytes() for n, r in want.items())
     done = model.last_device_load
     copied = sum(1 for s in sizes if s)  # an empty tensor has nothing to copy
-    assert done["staged"] >= copied - 2  # far more tensors than fit at once
+    # Regions start 64-byte aligned: the ring holds at most 3 at once, so it was reused.
+    assert done["staged"] > ring // 64 + 1 and done["staged"] >= copied // 2
     assert done["unstaged"] >= 1
     assert done["staged"] + done["unstaged"] == copied
 
 
 def test_a_same_node_handoff_is_copied_from_where_it_lies(model_root, reference) -> None:
-    # The handoff gives views of the page cache: the device copy reads them there (on a GPU
-    # through the ring), never first into buffers of their own.
+    # The handoff gives views of the page cache: the device copy reads them there, never
+    # first into buffers of their own or the ring.
     want = reference("mixed")
     with serve(model_root.path) as srv, Client(srv.http_url) as c:
         assert c.planes().handoff is not None
@@ -75,15 +78,27 @@ def test_into_is_written_in_place_and_checked(server, reference) -> None:
         targets = {
             n: torch.zeros(want[n].shape, dtype=getattr(torch, want[n].dtype)) for n in names
         }
+        # An engine's parameters: they require grad, and one is laid out column by column.
+        targets[names[0]] = torch.nn.Parameter(targets[names[0]])
+        if targets[names[1]].dim() == 2:
+            targets[names[1]] = targets[names[1]].T.contiguous().T
         pointers = {n: t.data_ptr() for n, t in targets.items()}
         got = model.to_device("cpu", names, into=targets)
         for n in names:
             assert got[n] is targets[n] and targets[n].data_ptr() == pointers[n]
             assert raw(targets[n]) == np.ascontiguousarray(want[n].array).tobytes(), n
-        wrong = {names[1]: torch.zeros(3, dtype=torch.float64)}
+        # A wrong target is refused before any byte moves: the others stay as they were.
+        fresh = {n: torch.zeros_like(targets[n]) for n in names[:1]}
+        wrong = {**fresh, names[1]: torch.zeros(3, dtype=torch.float64)}
         with pytest.raises(ValueError, match=names[1]):
-            model.to_device("cpu", names, into=wrong, staging_bytes=64)  # receiver waits
-        # The refusal closed the stream: nothing is left receiving in the background.
+            model.to_device("cpu", names, into=wrong)
+        assert not fresh[names[0]].any()
+        # An error mid-load (a bad tensor on the consumer's side) closes the stream at once:
+        # nothing is left receiving in the background.
+        row = torch.zeros(want[names[1]].shape[-1], dtype=targets[names[1]].dtype)
+        broken = {names[1]: row.expand(want[names[1]].shape)}  # one element, many places
+        with pytest.raises(RuntimeError):
+            model.to_device("cpu", names, into=broken, staging_bytes=64)  # receiver waits
         assert not [t for t in threading.enumerate() if t.name == "weightserve-iter"]
 
 

@@ -51,11 +51,14 @@ class StreamLease:
         self._closed = False
         self._lock = threading.Lock()
 
-    def plan(self, model: Model, request: TensorRequest, client: str) -> list[PlannedTensor]:
+    def plan(
+        self, model: Model, request: TensorRequest, client: str, reads_files: bool = True
+    ) -> list[PlannedTensor]:
         """Plan the stream (errors become statuses, not broken streams), then ``admit`` it
-        with the files it reads."""
+        with the files it reads: none where ``reads_files`` is False (an answer kept in
+        memory, its files still checked by the plan)."""
         planned = plan_stream(model, request, self.state.limits.max_names)
-        self.admit(model, {p.entry.file for p in planned}, client)
+        self.admit(model, {p.entry.file for p in planned} if reads_files else (), client)
         return planned
 
     def admit(self, model: Model, files: Iterable[object], client: str) -> None:

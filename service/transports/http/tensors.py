@@ -126,11 +126,10 @@ class KeptAnswers:
         self._lock = threading.Lock()
 
     @staticmethod
-    def key(model: Model, request: TensorRequest, length: int) -> tuple | None:
-        """The answer's key, or None where it is not kept (a shard, a resume, a long one)."""
+    def key(model: Model, request: TensorRequest) -> tuple | None:
+        """The answer's key, or None where it is not kept (a shard, a resume)."""
         if (
-            length > KEPT_ANSWER_MAX_BYTES
-            or request.names is None
+            request.names is None
             or len(request.names) != 1
             or request.shard is not None
             or request.resume_tensor is not None
@@ -138,7 +137,14 @@ class KeptAnswers:
             return None
         return model.id, model.revision, request.names[0], request.chunk_bytes
 
-    def answer(
+    def get(self, key: tuple | None) -> tuple[list[tuple[bytes, bytes]], bytes, int, int] | None:
+        """(raw headers, body, data bytes, tensors counted) kept for ``key``, or None."""
+        kept = self._answers.get(key) if key is not None else None
+        if kept is not None:
+            KeptAnswers.served += 1
+        return kept
+
+    def build(
         self,
         key: tuple,
         model: Model,
@@ -146,11 +152,7 @@ class KeptAnswers:
         chunk_bytes: int,
         headers: dict[str, str],
     ) -> tuple[list[tuple[bytes, bytes]], bytes, int, int]:
-        """The kept answer of ``key``, built from the files (the lease holding them) if new."""
-        kept = self._answers.get(key)
-        if kept is not None:
-            KeptAnswers.served += 1
-            return kept
+        """The answer of ``key`` from the files (the lease holding them), kept from now on."""
         tensors = 0
 
         def count() -> None:
@@ -190,8 +192,11 @@ class TensorStreams:
         model = state.readable_model(caller, model_id)
         client = caller.client_key(http.client.host if http.client else "")
         # CallMetrics counts the request; the lease its slot, files and bytes.
+        key = self._kept.key(model, request) if http.method != "HEAD" else None
+        kept = self._kept.get(key)
         with StreamLease(state, "http", counted=False) as lease:
-            planned = lease.plan(model, request, client)
+            # A kept answer reads no file: none is held (its files are checked all the same).
+            planned = lease.plan(model, request, client, reads_files=kept is None)
             length = stream_length(planned, request.chunk_bytes)
             headers = {
                 "etag": f'"{model.revision}"',
@@ -206,11 +211,10 @@ class TensorStreams:
                 headers["content-length"] = str(length)
                 return Response(headers=headers, media_type=ARROW_STREAM_MEDIA_TYPE)
             tensors = state.metrics.child(state.metrics.tensors_served, "http", model.id)
-            key = self._kept.key(model, request, length)
-            if key is not None:
-                raw_headers, body, data_bytes, count = self._kept.answer(
-                    key, model, planned, request.chunk_bytes, headers
-                )
+            if kept is None and key is not None and length <= KEPT_ANSWER_MAX_BYTES:
+                kept = self._kept.build(key, model, planned, request.chunk_bytes, headers)
+            if kept is not None:
+                raw_headers, body, data_bytes, count = kept
                 if count:
                     tensors.inc(count)
                 return KeptAnswer(lease.handed_over(), raw_headers, body, data_bytes)

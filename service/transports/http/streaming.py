@@ -174,7 +174,9 @@ class ArrowStreamResponse(Response):
         except BaseException:
             self.lease.close()
             raise
-        await send_whole(scope, send, self.lease, self.raw_headers, body, data_bytes)
+        await send_whole(
+            scope, send, self.lease, self.raw_headers, body, data_bytes, self.status_code
+        )  # a 206 of the files API too
 
 
 def whole_body(messages: Iterator) -> tuple[bytes, int]:
@@ -198,8 +200,9 @@ async def send_whole(
     raw_headers: list[tuple[bytes, bytes]],
     body: bytes,
     data_bytes: int,
+    status: int = 200,
 ) -> None:
-    """A 200 with ``body`` after its headers, in one socket write where the connection allows
+    """``status`` with ``body`` after its headers, in one socket write where the connection allows
     (``one_write``); closes ``lease`` however it ends, a cancellation by the idle cut ending
     as ``IdleTimeout``."""
     idle: _TaskIdleCut | None = None
@@ -209,7 +212,7 @@ async def send_whole(
         lease.release()
         idle = _TaskIdleCut(lease)  # a client that reads nothing
         with one_write(scope.get(CYCLE_KEY)):
-            start = {"type": "http.response.start", "status": 200, "headers": raw_headers}
+            start = {"type": "http.response.start", "status": status, "headers": raw_headers}
             await send(start)
             await send({"type": "http.response.body", "body": body, "more_body": False})
         lease.progress(data_bytes)

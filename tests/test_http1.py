@@ -351,6 +351,7 @@ def test_a_small_stream_cut_short_fails_from_memory(scripted) -> None:
     reader = ArrowChunkReader(transport.open_stream("m", StreamParams(names=["w"])))
     header = reader.next_chunk(lambda h: memoryview(bytearray(h.nbytes)))
     assert header is not None and header.name == "w"
+    assert reader._memory is not None  # the answer was taken whole: this is the memory path
     with pytest.raises(TransportError, match="before its end marker"):
         reader.next_chunk(lambda h: memoryview(bytearray(h.nbytes)))
     reader.close()

@@ -18,6 +18,7 @@ MAX_HEAD_BYTES = BUFFER_BYTES
 MAX_HEADERS = 100  # http.client's limit too
 _NO_BODY_STATUSES = frozenset({204, 304})
 KEPT_HEADS = 64  # answer heads kept parsed per connection (then parsed anew)
+KEPT_HEAD_MAX_BYTES = 2048  # heads kept parsed are at most this long (a usual head: ~300)
 
 
 class Http1Connection:
@@ -121,9 +122,10 @@ class Http1Connection:
         parsed = self._heads.get(raw)
         if parsed is None:
             parsed = self._parse_head(raw)
-            if len(self._heads) >= KEPT_HEADS:
-                self._heads.clear()
-            self._heads[raw] = parsed
+            if len(raw) <= KEPT_HEAD_MAX_BYTES:  # a usual head; a huge one is parsed each time
+                if len(self._heads) >= KEPT_HEADS:
+                    self._heads.clear()
+                self._heads[raw] = parsed
         status, version, reason, headers = parsed
         return status, version, reason, dict(headers)
 

@@ -127,9 +127,11 @@ class KeptAnswers:
 
     @staticmethod
     def key(model: Model, request: TensorRequest) -> tuple | None:
-        """The answer's key, or None where it is not kept (a shard, a resume)."""
+        """The answer's key, or None where it is not kept (a shard, a resume, a model whose
+        revision is not hashed yet: that waits for the plan, after admission)."""
         if (
-            request.names is None
+            not model.revision_known
+            or request.names is None
             or len(request.names) != 1
             or request.shard is not None
             or request.resume_tensor is not None
@@ -160,19 +162,32 @@ class KeptAnswers:
             tensors += 1
 
         body, data_bytes = whole_body(stream_messages(model, planned, chunk_bytes, count))
+        # Bytes copied after their digest was checked: kept only if no write landed between.
+        for p in planned:
+            model.mapped(p.entry.file).ensure_unchanged()
         raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
         raw_headers += [
             (b"content-length", str(len(body)).encode()),
             (b"content-type", ARROW_STREAM_MEDIA_TYPE.encode()),
         ]
         kept = raw_headers, body, data_bytes, tensors
+        size = _kept_size(kept)
         with self._lock:
-            if self._bytes + len(body) > KEPT_ANSWERS_MAX_BYTES:
+            if key in self._answers:  # built twice at once: the first one stays
+                return self._answers[key]
+            if self._bytes + size > KEPT_ANSWERS_MAX_BYTES:
                 self._answers.clear()
                 self._bytes = 0
             self._answers[key] = kept
-            self._bytes += len(body)
+            self._bytes += size
         return kept
+
+
+def _kept_size(kept: tuple[list[tuple[bytes, bytes]], bytes, int, int]) -> int:
+    """What a kept answer holds in memory, about: its body, its headers, and a little for the
+    entry itself."""
+    raw_headers, body = kept[0], kept[1]
+    return len(body) + sum(len(k) + len(v) + 64 for k, v in raw_headers) + 256
 
 
 class TensorStreams:

@@ -52,8 +52,15 @@ def raw(array: np.ndarray) -> bytes:
 
 
 def leftovers(root: Path) -> list[str]:
-    """What an upload left under the root: its incoming directories."""
-    return [p.name for p in root.rglob(".incoming-*")]
+    """What an upload left under the root: its incoming directories. (``os.walk``, not
+    ``rglob``: the server removes them while this looks, and a directory gone between
+    listing and entering it is skipped, not an error.)"""
+    return [
+        name
+        for _, dirs, files in os.walk(root)
+        for name in dirs + files
+        if name.startswith(".incoming-")
+    ]
 
 
 @pytest.fixture

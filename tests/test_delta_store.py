@@ -122,7 +122,17 @@ def test_a_killed_server_process_restarted_serves_the_kept_delta(tmp_path: Path)
     the same root, it serves the same bytes from disk."""
     root = tmp_path / "root"
     root.mkdir()
-    args = [str(root), "--http-port", "0", "--grpc-port", "0", "--allow-publish", "--no-watch"]
+    args = [
+        str(root),
+        "--http-port",
+        "0",
+        "--grpc-port",
+        "0",
+        "--flight-port",
+        "0",
+        "--allow-publish",
+        "--no-watch",
+    ]
     process = start_server(args, clean_env(), tmp_path)
     try:
         port = int(process.http.rsplit(":", 1)[1])

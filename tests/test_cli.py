@@ -35,6 +35,8 @@ WEIGHTSERVE = (
     [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "weightserve.client._cli"]
 )
 START_TIMEOUT = 90.0
+# Every listener on a port the OS picks: tests never collide with each other or the defaults.
+ANY_PORTS = ["--http-port", "0", "--grpc-port", "0", "--flight-port", "0"]
 DEMO_NAMES = sorted(demo_tensors())
 
 
@@ -467,12 +469,7 @@ def test_sigterm_drains_open_streams_then_exits_0(tmp_path: Path) -> None:
     served = start_server(
         [
             str(tmp_path / "root"),
-            "--http-port",
-            "0",
-            "--grpc-port",
-            "0",
-            "--flight-port",
-            "0",
+            *ANY_PORTS,
             "--grace",
             "60",
         ],
@@ -552,12 +549,7 @@ def test_token_file_from_the_environment_guards_both_transports(
     served = start_server(
         [
             str(small_root),
-            "--http-port",
-            "0",
-            "--grpc-port",
-            "0",
-            "--flight-port",
-            "0",
+            *ANY_PORTS,
             "--rescan",
             "0",
         ],

@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support._util import http_request
-from tests.test_cli import clean_env, start_server
+from tests.test_cli import ANY_PORTS, clean_env, start_server
 from tests.test_delta import first_weights
 from weightserve.client._client import Client
 from weightserve.service.server import ServerConfig, WeightServer
@@ -122,17 +122,7 @@ def test_a_killed_server_process_restarted_serves_the_kept_delta(tmp_path: Path)
     the same root, it serves the same bytes from disk."""
     root = tmp_path / "root"
     root.mkdir()
-    args = [
-        str(root),
-        "--http-port",
-        "0",
-        "--grpc-port",
-        "0",
-        "--flight-port",
-        "0",
-        "--allow-publish",
-        "--no-watch",
-    ]
+    args = [str(root), *ANY_PORTS, "--allow-publish", "--no-watch"]
     process = start_server(args, clean_env(), tmp_path)
     try:
         port = int(process.http.rsplit(":", 1)[1])

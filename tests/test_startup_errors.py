@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import fixtures_safetensors as fx
-from tests.test_cli import clean_env, free_port, run_cli, start_server
+from tests.test_cli import ANY_PORTS, clean_env, free_port, run_cli, start_server
 from weightserve.client import Client, RemoteWeights
 from weightserve.client.errors import WrongTransport
 from weightserve.service.config import SETTINGS
@@ -27,7 +27,6 @@ from weightserve.service.server import ServerConfig, WeightServer
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "org/sharded"
-ANY_PORTS = ["--http-port", "0", "--grpc-port", "0", "--flight-port", "0"]
 
 
 def serve_fails(*args: str, env: dict[str, str] | None = None) -> str:

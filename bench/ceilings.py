@@ -12,6 +12,13 @@ The client (``raw_fetch``) splits the file over 1 or 2 connections and ``recv_in
 freshly allocated buffer (allocation and page faults are inside the timing). The best of the
 four = "the ceiling".
 
+``lowat=True`` (the ``raw_*_lowat`` rows) receives as the client's large reads do, waking
+once a megabyte has arrived (``SO_RCVLOWAT``) rather than for every batch of segments; the
+ceiling is the best row either way. ``verify=True`` (the ``raw_*_xxh3`` rows, with ``lowat``) hashes every 2 MiB of the buffer with xxh3-64 as
+soon as it has landed, as the client checks every chunk's digest (DESIGN.md: each tensor
+carries a digest the client checks): the ceiling for a client that keeps that promise, and,
+against the plain row of the same run, what the check alone costs.
+
 Page cache: ``pagecache_read`` reads the file with ``readinto`` into one fresh buffer: the
 page-cache ceiling (what "it is already on local disk and cached" costs). ``local_load_file``
 is ``safetensors.torch.load_file(backend="pread")`` of the same file into fresh memory: what
@@ -28,8 +35,11 @@ import threading
 from collections.abc import Callable
 
 import numpy as np
+import xxhash
 
 from bench.procs import listen_threaded, serve_until_stdin_closes
+from weightserve.client.transports.http1 import RCVLOWAT_BYTES
+from weightserve.client.wire.schema import DEFAULT_CHUNK_BYTES
 
 PIECE = 4 << 20
 
@@ -93,8 +103,14 @@ def split_fetch(size: int, connections: int, one: Callable[[int, int], None]) ->
         raise errors[0]
 
 
-def raw_fetch(port: int, size: int, mode: str, connections: int):
-    """The whole file over ``connections`` loopback connections into one fresh buffer."""
+def raw_fetch(
+    port: int, size: int, mode: str, connections: int, verify: bool = False, lowat: bool = False
+):
+    """The whole file over ``connections`` loopback connections into one fresh buffer;
+    with ``verify``, each ``DEFAULT_CHUNK_BYTES`` piece hashed as soon as it has landed;
+    with ``lowat``, each receive waits for ``RCVLOWAT_BYTES`` (or the rest, if less) as the
+    client's large body reads do."""
+    piece = DEFAULT_CHUNK_BYTES if verify else 0
 
     def run():
         buf = np.empty(size, dtype=np.uint8)
@@ -103,12 +119,20 @@ def raw_fetch(port: int, size: int, mode: str, connections: int):
         def one(lo: int, hi: int) -> None:
             with socket.create_connection(("127.0.0.1", port)) as s:
                 s.sendall(f"{mode} {lo} {hi - lo}\n".encode())
-                at = lo
+                at = hashed = lo
+                waits = 1
                 while at < hi:
+                    if lowat and min(RCVLOWAT_BYTES, hi - at) != waits:
+                        waits = min(RCVLOWAT_BYTES, hi - at)
+                        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, waits)
                     n = s.recv_into(view[at:hi])
                     if n == 0:
                         raise ConnectionError(f"closed at {at} of {lo}..{hi}")
                     at += n
+                    while piece and (at - hashed >= piece or (at == hi and hashed < hi)):
+                        end = min(hashed + piece, hi)
+                        xxhash.xxh3_64_intdigest(view[hashed:end])
+                        hashed = end
 
         split_fetch(size, connections, one)
         return {"bytes": size}, buf

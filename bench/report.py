@@ -164,8 +164,11 @@ def table(results: dict[str, Any]) -> str:
         f"page cache: {pagecache:.2f} GB/s; static web server: {results['config']['static_server']}",
         "x4 rows: aggregate GB/s of 4 client processes; 'x ceil' there is against the best "
         f"4 raw streams ({results['ceiling_conc4']['key']})",
+        "'x verif': against the best raw row that also hashes every 2 MiB as it lands "
+        f"(xxh3, as the client checks each chunk): {results['ceiling_verified']['key']}",
         "",
-        f"{'contender':<34} {'seconds':>22} {'GB/s':>7} {'x ceil':>7} {'peak RSS':>10}",
+        f"{'contender':<40} {'seconds':>22} {'GB/s':>7} {'x ceil':>7} {'x verif':>7} "
+        f"{'peak RSS':>10}",
     ]
     for key, s in c.items():
         if "p50_ms" in s or "requests_per_s" in s:
@@ -173,10 +176,12 @@ def table(results: dict[str, Any]) -> str:
         span = f"{s['median_s']:.3f} [{s['min_s']:.3f}-{s['max_s']:.3f}]"
         rss = f"{s['peak_rss'] / MiB:.0f} MiB"
         ratio = s.get("ratio_to_ceiling", s.get("ratio_to_raw_conc4"))
+        verified = s.get("ratio_to_verified_ceiling", s.get("ratio_to_verified_conc4"))
         label = key + (f" x{s['clients']}" if s["clients"] > 1 else "")
         lines.append(
-            f"{label:<34} {span:>22} {s['gbps']:>7.2f} "
-            f"{(f'{ratio:.2f}' if ratio is not None else ''):>7} {rss:>10}"
+            f"{label:<40} {span:>22} {s['gbps']:>7.2f} "
+            f"{(f'{ratio:.2f}' if ratio is not None else ''):>7} "
+            f"{(f'{verified:.2f}' if verified is not None else ''):>7} {rss:>10}"
         )
     lines.append("")
     for key, s in c.items():

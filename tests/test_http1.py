@@ -9,6 +9,7 @@ import http.client
 import socket
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from weightserve.client.errors import TensorNotFound, TransportError, Weightserv
 from weightserve.client.receive.arrow_reader import ArrowChunkReader
 from weightserve.client.transports.base import StreamParams
 from weightserve.client.transports.http import HttpTransport
-from weightserve.client.transports.http1 import BUFFER_BYTES, Http1Connection
+from weightserve.client.transports.http1 import BUFFER_BYTES, RCVLOWAT_BYTES, Http1Connection
 from weightserve.client.wire.routes import parse_url
 from weightserve.service.serving.request import TensorRequest
 from weightserve.service.serving.streams import plan_stream, stream_messages
@@ -366,3 +367,95 @@ def _stream_bytes() -> bytes:
         request = TensorRequest(names=("w",))
         body, _ = whole_body(stream_messages(model, plan_stream(model, request), 1 << 20))
     return body
+
+
+class TricklingServer:
+    """Answers one request with ``head``, then ``body`` in ``piece``-byte writes a little
+    apart (each its own segments), then holds the connection open without a byte more
+    until the test is done: what the end of one answer looks like on a kept-alive
+    connection."""
+
+    def __init__(self, head: bytes, body: bytes, piece: int) -> None:
+        self.done = threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._serve, args=(head, body, piece), daemon=True).start()
+
+    def _serve(self, head: bytes, body: bytes, piece: int) -> None:
+        sock, _ = self.listener.accept()
+        with sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while b"\r\n\r\n" not in sock.recv(65536):
+                pass
+            sock.sendall(head)
+            for at in range(0, len(body), piece):
+                sock.sendall(body[at : at + piece])
+                self.done.wait(0.0005)
+            self.done.wait(30)
+
+    def close(self) -> None:
+        self.done.set()
+        self.listener.close()
+
+
+def _timed_reads(resp, into: memoryview) -> tuple[int, int, float]:
+    """(bytes, readinto calls, seconds) reading until ``into`` is full or the body ends."""
+    got = calls = 0
+    start = time.monotonic()
+    while got < len(into):
+        n = resp.readinto(into[got:])
+        calls += 1
+        if not n:
+            break
+        got += n
+    return got, calls, time.monotonic() - start
+
+
+@pytest.mark.parametrize("framing", ["length", "chunked"])
+def test_a_large_body_read_wakes_per_megabyte_and_never_waits_past_its_end(framing) -> None:
+    """A body trickling in 16 KiB writes: a large read waits (SO_RCVLOWAT) for a megabyte
+    at a time instead of waking for each write, and its last bytes, with nothing sent
+    after them on the open connection, are read at once, not after the idle timeout."""
+    body = np.random.default_rng(2).integers(0, 256, 3 * RCVLOWAT_BYTES // 2, np.uint8).tobytes()
+    if framing == "length":
+        head = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body)
+        wire = body
+    else:
+        head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        wire = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    server = TricklingServer(head, wire, 16 << 10)
+    try:
+        conn = Http1Connection.tcp("127.0.0.1", server.port, timeout=5)
+        conn.send(b"GET /x HTTP/1.1\r\nHost: here\r\n\r\n")
+        resp = conn.response()
+        into = memoryview(bytearray(len(body)))
+        got, calls, seconds = _timed_reads(resp, into)
+        assert got == len(body) and bytes(into) == body
+        assert seconds < 2.5  # the body's end was not waited past (the timeout is 5 s)
+        # 96 writes; without the low-water mark each wakes a read (measured: 60-96).
+        assert calls <= 12, calls
+        if framing == "chunked":
+            assert resp.readinto(memoryview(bytearray(8))) == 0 and resp.isclosed()
+        conn.close()
+    finally:
+        server.close()
+
+
+def test_a_body_without_a_length_is_read_as_it_comes() -> None:
+    """A body that runs to the close owes no byte count: a large read takes what has
+    come while the server pauses with the connection open."""
+    head = b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n"
+    server = TricklingServer(head, bytes(200 << 10), 100 << 10)
+    try:
+        conn = Http1Connection.tcp("127.0.0.1", server.port, timeout=5)
+        conn.send(b"GET /x HTTP/1.1\r\nHost: here\r\n\r\n")
+        resp = conn.response()
+        into = memoryview(bytearray(4 * RCVLOWAT_BYTES))
+        got = 0
+        start = time.monotonic()
+        while got < 200 << 10:
+            got += resp.readinto(into[got:])
+        assert got == 200 << 10 and time.monotonic() - start < 2.5
+        conn.close()
+    finally:
+        server.close()

@@ -19,16 +19,24 @@ MAX_HEADERS = 100  # http.client's limit too
 _NO_BODY_STATUSES = frozenset({204, 304})
 KEPT_HEADS = 64  # answer heads kept parsed per connection (then parsed anew)
 KEPT_HEAD_MAX_BYTES = 2048  # heads kept parsed are at most this long (a usual head: ~300)
+# A large body read over TCP waits (SO_RCVLOWAT) until this many bytes are queued, instead
+# of waking for every segment batch: a 1 GiB load made ~4,000 receives with a poll and a
+# thread wake-up each, ~700 with this (docs/performance.md, "HTTP, whole model").
+RCVLOWAT_BYTES = 1 << 20
+# Below this, a read's remaining bytes are taken as they come (the framing between chunks).
+RCVLOWAT_MIN_READ = 128 << 10
 
 
 class Http1Connection:
     """One kept-alive HTTP/1.1 connection: ``send`` a request, ``response`` reads its answer
     (one at a time: the previous answer's body must be read, or the connection closed)."""
 
-    __slots__ = ("sock", "_buf", "_view", "_start", "_end", "_heads")
+    __slots__ = ("sock", "_buf", "_view", "_start", "_end", "_heads", "_lowat")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock: socket.socket | None = sock
+        # The socket's SO_RCVLOWAT; None where it is not used (not TCP).
+        self._lowat: int | None = 1 if sock.family in (socket.AF_INET, socket.AF_INET6) else None
         self._buf = bytearray(BUFFER_BYTES)
         self._view = memoryview(self._buf)
         self._start = self._end = 0  # unread received bytes: _buf[_start:_end]
@@ -79,10 +87,22 @@ class Http1Connection:
 
     # -- receiving ----------------------------------------------------------------------
 
+    def _set_lowat(self, sock: socket.socket, lowat: int) -> None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
+        except OSError:  # a kernel or sandbox without it: wake for any bytes, as before
+            if lowat > 1:
+                self._set_lowat(sock, 1)  # fails too where the option is unknown: fine
+            self._lowat = None
+            return
+        self._lowat = lowat
+
     def _receive(self) -> int:
         """Receive more into the buffer after what it holds; 0 when the peer closed."""
         if self.sock is None:
             raise http.client.NotConnected("the connection is closed")
+        if self._lowat is not None and self._lowat > 1:  # a head or framing: any bytes do
+            self._set_lowat(self.sock, 1)
         if self._start == self._end:
             self._start = self._end = 0
         elif self._end == len(self._buf):  # full: move what is unread to the front
@@ -156,18 +176,30 @@ class Http1Connection:
             headers[last] = f"{headers[last]}, {value}" if last in headers else value
         return int(code), 11 if version_text == "HTTP/1.1" else 10, reason.strip(), headers
 
-    def _readinto(self, view: memoryview) -> int:
+    def _readinto(self, view: memoryview, owed: bool = False) -> int:
         """Up to ``len(view)`` body bytes: buffered ones first, else one receive straight
-        into ``view``; 0 when the peer closed."""
+        into ``view``; 0 when the peer closed. ``owed``: the peer sends at least
+        ``len(view)`` more bytes unasked (the rest of a body of known length), so a large
+        read may wait for a good part of them (``RCVLOWAT_BYTES``) before waking."""
         buffered = self._end - self._start
         if buffered:
             n = min(buffered, len(view))
             view[:n] = self._view[self._start : self._start + n]
             self._start += n
             return n
-        if self.sock is None:
+        sock = self.sock
+        if sock is None:
             raise http.client.NotConnected("the connection is closed")
-        return self.sock.recv_into(view)
+        lowat = self._lowat
+        if lowat is not None:
+            # Never wait for more than the peer owes: a poll would sit out the timeout.
+            size = len(view) if owed else 1
+            if size >= RCVLOWAT_BYTES:
+                if lowat != RCVLOWAT_BYTES:
+                    self._set_lowat(sock, RCVLOWAT_BYTES)
+            elif lowat > size:
+                self._set_lowat(sock, size if size >= RCVLOWAT_MIN_READ else 1)
+        return sock.recv_into(view)
 
     def _readline(self) -> bytes:
         """One line (without its CRLF) of a chunked body's framing."""
@@ -283,7 +315,7 @@ class Http1Response:
             return n
         if len(view) > self._left:
             view = view[: self._left]
-        n = conn._readinto(view)
+        n = conn._readinto(view, owed=True)
         if not n:
             left, self._left, self._done = self._left, 0, True
             conn.close()
@@ -310,7 +342,9 @@ class Http1Response:
                 self._done = True
                 return 0
             self._chunk_left = size
-        n = conn._readinto(view[: self._chunk_left] if len(view) > self._chunk_left else view)
+        n = conn._readinto(
+            view[: self._chunk_left] if len(view) > self._chunk_left else view, owed=True
+        )
         if not n:
             self._done = True
             conn.close()

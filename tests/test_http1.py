@@ -375,8 +375,9 @@ class TricklingServer:
     until the test is done: what the end of one answer looks like on a kept-alive
     connection."""
 
-    def __init__(self, head: bytes, body: bytes, piece: int) -> None:
+    def __init__(self, head: bytes, body: bytes, piece: int, pause: float = 0.0005) -> None:
         self.done = threading.Event()
+        self.pause = pause
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         threading.Thread(target=self._serve, args=(head, body, piece), daemon=True).start()
@@ -390,7 +391,7 @@ class TricklingServer:
             sock.sendall(head)
             for at in range(0, len(body), piece):
                 sock.sendall(body[at : at + piece])
-                self.done.wait(0.0005)
+                self.done.wait(self.pause)
             self.done.wait(30)
 
     def close(self) -> None:
@@ -436,6 +437,29 @@ def test_a_large_body_read_wakes_per_megabyte_and_never_waits_past_its_end(frami
         assert calls <= 12, calls
         if framing == "chunked":
             assert resp.readinto(memoryview(bytearray(8))) == 0 and resp.isclosed()
+        conn.close()
+    finally:
+        server.close()
+
+
+def test_a_sender_slower_than_a_megabyte_per_timeout_is_not_cut() -> None:
+    """The read timeout means "no bytes for that long": a body flowing at ~1 MiB/s to a
+    client whose timeout is 0.3 s (under a megabyte per timeout) arrives whole; a server
+    that then sends nothing more still times out."""
+    body = bytes(range(256)) * (6 << 10)  # 1.5 MiB
+    head = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (len(body) + 1)  # 1 owed
+    server = TricklingServer(head, body, 32 << 10, pause=0.03)
+    try:
+        conn = Http1Connection.tcp("127.0.0.1", server.port, timeout=0.3)
+        conn.send(b"GET /x HTTP/1.1\r\nHost: here\r\n\r\n")
+        resp = conn.response()
+        into = memoryview(bytearray(len(body) + 1))
+        got = 0
+        while got < len(body):
+            got += resp.readinto(into[got:])
+        assert bytes(into[:got]) == body
+        with pytest.raises(TimeoutError):  # the last byte never comes
+            resp.readinto(into[got:])
         conn.close()
     finally:
         server.close()

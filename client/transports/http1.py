@@ -191,15 +191,29 @@ class Http1Connection:
         if sock is None:
             raise http.client.NotConnected("the connection is closed")
         lowat = self._lowat
-        if lowat is not None:
-            # Never wait for more than the peer owes: a poll would sit out the timeout.
-            size = len(view) if owed else 1
-            if size >= RCVLOWAT_BYTES:
-                if lowat != RCVLOWAT_BYTES:
-                    self._set_lowat(sock, RCVLOWAT_BYTES)
-            elif lowat > size:
-                self._set_lowat(sock, size if size >= RCVLOWAT_MIN_READ else 1)
-        return sock.recv_into(view)
+        if lowat is None:
+            return sock.recv_into(view)
+        # Never wait for more than the peer owes: a poll would sit out the timeout.
+        size = len(view) if owed else 1
+        if size >= RCVLOWAT_BYTES:
+            if lowat != RCVLOWAT_BYTES:
+                self._set_lowat(sock, RCVLOWAT_BYTES)
+        elif lowat > size:
+            self._set_lowat(sock, size if size >= RCVLOWAT_MIN_READ else 1)
+        try:
+            return sock.recv_into(view)
+        except TimeoutError as timeout:
+            if self._lowat == 1:
+                raise
+            # Less than the low-water mark came within the timeout: a slow sender, or a
+            # stalled one. The timeout means "no bytes for that long", so take what came
+            # and, on this connection, wake for any bytes from now on.
+            self._set_lowat(sock, 1)
+            self._lowat = None
+            try:
+                return sock.recv_into(view, 0, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                raise timeout from None
 
     def _readline(self) -> bytes:
         """One line (without its CRLF) of a chunked body's framing."""

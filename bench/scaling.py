@@ -37,6 +37,7 @@ from bench.checkpoint import MODEL_ID, REPO, Checkpoint
 from bench.procs import Job, ServerProcess, Workers, cpu_seconds
 from bench.procs import write_json_atomically as write_json
 from bench.run import warm_page_cache
+from weightserve.client.transports.http1 import RCVLOWAT_BYTES
 
 RESULTS = REPO / "bench" / "results" / "scaling.json"
 GiB = 1 << 30
@@ -58,14 +59,22 @@ _FRAME = re.compile(r"^[0-9a-f]+ (\S+?)(?:\+0x[0-9a-f]+)? \((.*)\)$")
 
 def raw_drain(port: int, size: int, mode: str):
     """The whole file from the raw sender on one connection, read into a reused buffer and
-    dropped: the raw twin of ``bench.weightserve_loads.drain``."""
+    dropped: the raw twin of ``bench.weightserve_loads.drain``, waking as the client's
+    large reads do (``SO_RCVLOWAT``, client/transports/http1.py)."""
     scratch = memoryview(bytearray(SCRATCH))
 
     def run():
         total = 0
         with socket.create_connection(("127.0.0.1", port)) as s:
             s.sendall(f"{mode} 0 {size}\n".encode())
-            while n := s.recv_into(scratch):
+            waits = 1
+            while True:
+                if min(RCVLOWAT_BYTES, size - total) not in (waits, 0):
+                    waits = min(RCVLOWAT_BYTES, size - total)
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, waits)
+                n = s.recv_into(scratch)
+                if not n:
+                    break
                 total += n
         if total != size:
             raise ConnectionError(f"raw stream ended at {total} of {size}")

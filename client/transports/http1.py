@@ -11,6 +11,7 @@ Failures raise http.client's exceptions (``RemoteDisconnected``, ``BadStatusLine
 from __future__ import annotations
 
 import http.client
+import select
 import socket
 
 BUFFER_BYTES = 64 << 10  # holds any head we accept, and a small answer whole
@@ -25,18 +26,26 @@ KEPT_HEAD_MAX_BYTES = 2048  # heads kept parsed are at most this long (a usual h
 RCVLOWAT_BYTES = 1 << 20
 # Below this, a read's remaining bytes are taken as they come (the framing between chunks).
 RCVLOWAT_MIN_READ = 128 << 10
+# How long a read waits for its low-water mark before it takes what has come: far above a
+# megabyte's time on any link the mark is for. Bytes queued but short of the mark by then (a
+# slow sender, or a kernel that cannot grow the receive buffer to the mark, Linux < 4.18)
+# turn the mark off for the connection; the read timeout keeps meaning "no bytes for that
+# long" either way.
+RCVLOWAT_PATIENCE_MS = 250
 
 
 class Http1Connection:
     """One kept-alive HTTP/1.1 connection: ``send`` a request, ``response`` reads its answer
     (one at a time: the previous answer's body must be read, or the connection closed)."""
 
-    __slots__ = ("sock", "_buf", "_view", "_start", "_end", "_heads", "_lowat")
+    __slots__ = ("sock", "_buf", "_view", "_start", "_end", "_heads", "_lowat", "_poller")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock: socket.socket | None = sock
-        # The socket's SO_RCVLOWAT; None where it is not used (not TCP).
-        self._lowat: int | None = 1 if sock.family in (socket.AF_INET, socket.AF_INET6) else None
+        # The socket's SO_RCVLOWAT; None where it is not used (not TCP, no poll).
+        tcp = sock.family in (socket.AF_INET, socket.AF_INET6)
+        self._lowat: int | None = 1 if tcp and hasattr(select, "poll") else None
+        self._poller: select.poll | None = None
         self._buf = bytearray(BUFFER_BYTES)
         self._view = memoryview(self._buf)
         self._start = self._end = 0  # unread received bytes: _buf[_start:_end]
@@ -200,20 +209,18 @@ class Http1Connection:
                 self._set_lowat(sock, RCVLOWAT_BYTES)
         elif lowat > size:
             self._set_lowat(sock, size if size >= RCVLOWAT_MIN_READ else 1)
-        try:
-            return sock.recv_into(view)
-        except TimeoutError as timeout:
-            if self._lowat == 1:
-                raise
-            # Less than the low-water mark came within the timeout: a slow sender, or a
-            # stalled one. The timeout means "no bytes for that long", so take what came
-            # and, on this connection, wake for any bytes from now on.
-            self._set_lowat(sock, 1)
-            self._lowat = None
-            try:
-                return sock.recv_into(view, 0, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                raise timeout from None
+        if self._lowat and self._lowat > 1 and not self._readable(sock, RCVLOWAT_PATIENCE_MS):
+            self._set_lowat(sock, 1)  # this read takes what comes, as before
+            if self._readable(sock, 0):  # bytes came, short of the mark: not for this link
+                self._lowat = None
+        return sock.recv_into(view)
+
+    def _readable(self, sock: socket.socket, timeout_ms: int) -> bool:
+        poller = self._poller
+        if poller is None:
+            poller = self._poller = select.poll()
+            poller.register(sock, select.POLLIN)
+        return bool(poller.poll(timeout_ms))
 
     def _readline(self) -> bytes:
         """One line (without its CRLF) of a chunked body's framing."""

@@ -103,6 +103,17 @@ def split_fetch(size: int, connections: int, one: Callable[[int, int], None]) ->
         raise errors[0]
 
 
+def wait_for(sock: socket.socket, owed: int, mark: int) -> int:
+    """Set ``sock``'s low-water mark to ``RCVLOWAT_BYTES``, or to ``owed`` where less is owed
+    (never waiting for bytes that will not come), when that differs from ``mark``; returns
+    the mark now set."""
+    wanted = min(RCVLOWAT_BYTES, owed)
+    if wanted and wanted != mark:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, wanted)
+        return wanted
+    return mark
+
+
 def raw_fetch(
     port: int, size: int, mode: str, connections: int, verify: bool = False, lowat: bool = False
 ):
@@ -120,11 +131,10 @@ def raw_fetch(
             with socket.create_connection(("127.0.0.1", port)) as s:
                 s.sendall(f"{mode} {lo} {hi - lo}\n".encode())
                 at = hashed = lo
-                waits = 1
+                mark = 1
                 while at < hi:
-                    if lowat and min(RCVLOWAT_BYTES, hi - at) != waits:
-                        waits = min(RCVLOWAT_BYTES, hi - at)
-                        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, waits)
+                    if lowat:
+                        mark = wait_for(s, hi - at, mark)
                     n = s.recv_into(view[at:hi])
                     if n == 0:
                         raise ConnectionError(f"closed at {at} of {lo}..{hi}")

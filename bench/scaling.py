@@ -33,11 +33,11 @@ from typing import Any
 
 from bench import report
 from bench.ab import export_tree, resolve
+from bench.ceilings import wait_for
 from bench.checkpoint import MODEL_ID, REPO, Checkpoint
 from bench.procs import Job, ServerProcess, Workers, cpu_seconds
 from bench.procs import write_json_atomically as write_json
 from bench.run import warm_page_cache
-from weightserve.client.transports.http1 import RCVLOWAT_BYTES
 
 RESULTS = REPO / "bench" / "results" / "scaling.json"
 GiB = 1 << 30
@@ -67,11 +67,9 @@ def raw_drain(port: int, size: int, mode: str):
         total = 0
         with socket.create_connection(("127.0.0.1", port)) as s:
             s.sendall(f"{mode} 0 {size}\n".encode())
-            waits = 1
+            mark = 1
             while True:
-                if min(RCVLOWAT_BYTES, size - total) not in (waits, 0):
-                    waits = min(RCVLOWAT_BYTES, size - total)
-                    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, waits)
+                mark = wait_for(s, size - total, mark)
                 n = s.recv_into(scratch)
                 if not n:
                     break

@@ -10,6 +10,7 @@ Failures raise http.client's exceptions (``RemoteDisconnected``, ``BadStatusLine
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import select
 import socket
@@ -99,12 +100,11 @@ class Http1Connection:
     def _set_lowat(self, sock: socket.socket, lowat: int) -> None:
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
+            self._lowat = lowat
         except OSError:  # a kernel or sandbox without it: wake for any bytes, as before
-            if lowat > 1:
-                self._set_lowat(sock, 1)  # fails too where the option is unknown: fine
+            with contextlib.suppress(OSError):  # fails too where the option is unknown
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
             self._lowat = None
-            return
-        self._lowat = lowat
 
     def _receive(self) -> int:
         """Receive more into the buffer after what it holds; 0 when the peer closed."""

@@ -165,11 +165,10 @@ class KeptAnswers:
         # Bytes copied after their digest was checked: kept only if no write landed between.
         for p in planned:
             model.mapped(p.entry.file).ensure_unchanged()
-        raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
-        raw_headers += [
-            (b"content-length", str(len(body)).encode()),
-            (b"content-type", ARROW_STREAM_MEDIA_TYPE.encode()),
-        ]
+        # Encoded once here, as Starlette would per request (with length and type).
+        raw_headers = Response(
+            body, headers=headers, media_type=ARROW_STREAM_MEDIA_TYPE
+        ).raw_headers
         kept = raw_headers, body, data_bytes, tensors
         size = _kept_size(kept)
         with self._lock:

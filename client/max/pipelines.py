@@ -38,6 +38,16 @@ __all__ = ["MODELS_ENV", "ServedModel", "install_hook", "served_model_dir"]
 # {model directory: model URL pinned to its revision}: a MAX model worker is a spawned
 # process, which installs the same hook from this variable (see client/max/command.py).
 MODELS_ENV = "WEIGHTSERVE_MAX_MODELS"
+# What MAX's pipelines read beside the weights: the architecture and a tokenizer (any of
+# the forms transformers' AutoTokenizer loads).
+CONFIG_FILE = "config.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+class IncompleteModel(ValueError):
+    """A served model lacks a side file MAX needs to run it (its config or tokenizer)."""
+
+
 _WEIGHT_SUFFIXES = {"safetensors": ".safetensors", "gguf": ".gguf"}
 
 
@@ -155,9 +165,26 @@ def prepare_model_dir(url: str, directory: Path) -> ServedModel:
     with Client(url) as client:
         pull = FilePull(client.model(model_id), directory, force=True).plan()  # ours to replace
         pull.files = [p for p in pull.files or () if _is_side_file(p.file.name)]
+        _check_runnable(model_id, [p.file.name for p in pull.files])
         pull.run()
     pinned = None if split_revision(model_id)[1] else pull.revision
     return ServedModel.describe(url, pinned, directory.resolve())
+
+
+def _check_runnable(model_id: str, side_files: list[str]) -> None:
+    """Refuse, before MAX starts, a model it could only fail on later with a long traceback."""
+    missing = []
+    if CONFIG_FILE not in side_files:
+        missing.append(f"{CONFIG_FILE} (the architecture)")
+    if not any(name in side_files for name in TOKENIZER_FILES):
+        missing.append(f"tokenizer (one of {', '.join(TOKENIZER_FILES)})")
+    if missing:
+        served = ", ".join(sorted(side_files)) or "none"
+        raise IncompleteModel(
+            f"{model_id} cannot run in MAX: the server has no {' and no '.join(missing)} for it "
+            f"(side files served: {served}). Put them beside the weights in the model's "
+            "directory, as a Hugging Face repository holds them."
+        )
 
 
 # -- the hook ------------------------------------------------------------------------------

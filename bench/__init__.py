@@ -4,7 +4,8 @@ One run measures the ceilings (raw loopback TCP, page cache), the alternative us
 today (the file on a static web server, loaded with safetensors) and weightserve (HTTP and
 gRPC; whole model, prefix, shard, concurrent clients, small requests, memory), alternating
 contenders over rounds, and prints ratios to the ceilings. Results go to
-``bench/results/latest.json``; the write-up is ``docs/performance.md``.
+``bench/results/local/latest.json`` (not tracked); ``WEIGHTSERVE_BENCH_RECORD=1`` writes
+``bench/results/`` instead, the results ``docs/performance.md`` quotes.
 
 Modules: ``checkpoint`` (the cached test checkpoint), ``procs`` (server and worker
 processes), ``worker`` (one measured client), ``ceilings``, ``webserver``, ``server`` and

@@ -27,12 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from bench import guest_memory, report
-from bench.checkpoint import MODEL_ID, REPO, Checkpoint, quick
+from bench.checkpoint import MODEL_ID, REPO, RESULTS_DIR, Checkpoint, quick
 from bench.procs import Job, ServerProcess
 from bench.procs import write_json_atomically as write_json
 from bench.run import Contender, measure, warm_page_cache
 
-RESULTS = REPO / "bench" / "results"
+RESULTS = RESULTS_DIR
 GiB = 1 << 30
 RAW = [(mode, conns) for mode in ("sendfile", "mmap") for conns in (1, 2)]
 # key -> (bench.weightserve_loads function, the unit of a round's figure); GB/s: higher is

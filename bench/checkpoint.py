@@ -24,6 +24,15 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
+# Where a run writes its results: bench/results/local/ (ignored by git), so running a bench
+# never rewrites the results docs/performance.md quotes; WEIGHTSERVE_BENCH_RECORD=1 writes
+# them into the tracked bench/results/ instead, for a run meant to be recorded.
+RESULTS_DIR = (
+    REPO
+    / "bench"
+    / "results"
+    / ("" if os.environ.get("WEIGHTSERVE_BENCH_RECORD") == "1" else "local")
+)
 CACHE = REPO / ".bench-cache"
 MODEL_ID = "bench-llama"
 LAYERS = 29

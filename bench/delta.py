@@ -39,7 +39,7 @@ import ml_dtypes
 import numpy as np
 
 from bench import report
-from bench.checkpoint import REPO
+from bench.checkpoint import REPO, RESULTS_DIR
 from bench.procs import ServerProcess
 from bench.procs import write_json_atomically as write_json
 
@@ -284,9 +284,6 @@ def main(argv: list[str] | None = None) -> int:
     print(summary_line(summary, model_name, args.scenario))
     report.print_saved(results, REPO)
     return 0
-
-
-RESULTS_DIR = REPO / "bench" / "results"
 
 
 def result_name(scenario: str, size_gib: float | None, lr: float) -> str:

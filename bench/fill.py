@@ -36,14 +36,14 @@ import pyarrow.fs as pafs
 import xxhash
 
 from bench import report
-from bench.checkpoint import CACHE, MODEL_ID, REPO, Checkpoint, quick
+from bench.checkpoint import CACHE, MODEL_ID, REPO, RESULTS_DIR, Checkpoint, quick
 from bench.procs import cpu_seconds
 from bench.procs import write_json_atomically as write_json
 from bench.s3 import ACCESS_KEY, SECRET_KEY, S3Server, running_seaweedfs
 from weightserve.service.sources.node_cache import NodeCache, parse_size
 from weightserve.service.sources.origins import open_origin
 
-RESULTS = REPO / "bench" / "results" / "fill-latest.json"
+RESULTS = RESULTS_DIR / "fill-latest.json"
 PREFIX = "models"
 CEILING = "copy_files"
 DEFAULT_SETTINGS = "8:16MiB,4:32MiB,16:8MiB"  # the server's default first

@@ -31,14 +31,14 @@ import pyarrow as pa
 import xxhash
 
 from bench import report
-from bench.checkpoint import REPO
+from bench.checkpoint import REPO, RESULTS_DIR
 from bench.procs import write_json_atomically as write_json
 from weightserve.client.receive.arrow_reader import ArrowChunkReader
 from weightserve.client.wire.schema import ChunkHeader
 from weightserve.service.serving import arrow_writer
 from weightserve.service.serving.arrow_writer import END_OF_STREAM, chunk_message, schema_message
 
-RESULTS = REPO / "bench" / "results" / "framing-latest.json"
+RESULTS = RESULTS_DIR / "framing-latest.json"
 BIG_CHUNK = 5 << 20
 
 

@@ -45,12 +45,12 @@ from pathlib import Path
 from typing import Any
 
 from bench import report
-from bench.checkpoint import MODEL_ID, REPO, Checkpoint
+from bench.checkpoint import MODEL_ID, RESULTS_DIR, Checkpoint
 from bench.procs import Job, ServerProcess, cpu_seconds, run_group
 from bench.procs import write_json_atomically as write_json
 from bench.run import warm_page_cache
 
-RESULTS = REPO / "bench" / "results" / "gpu.json"
+RESULTS = RESULTS_DIR / "gpu.json"
 GiB = 1 << 30
 PIECE = 64 << 20  # raw_tcp's page-locked pieces
 

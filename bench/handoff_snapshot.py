@@ -24,12 +24,12 @@ import time
 from typing import Any
 
 from bench import guest_memory, report
-from bench.checkpoint import MODEL_ID, REPO, Checkpoint, quick
+from bench.checkpoint import MODEL_ID, REPO, RESULTS_DIR, Checkpoint, quick
 from bench.procs import Job, ServerProcess, run_group
 from bench.procs import write_json_atomically as write_json
 from bench.run import warm_page_cache
 
-RESULTS = REPO / "bench" / "results" / "handoff-snapshot.json"
+RESULTS = RESULTS_DIR / "handoff-snapshot.json"
 KEYS = (
     "pagecache_read",
     "handoff_first_fetch",

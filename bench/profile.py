@@ -29,11 +29,11 @@ import sys
 import time
 from pathlib import Path
 
-from bench.checkpoint import CACHE, MODEL_ID, REPO, Checkpoint, quick
+from bench.checkpoint import CACHE, MODEL_ID, REPO, RESULTS_DIR, Checkpoint, quick
 from bench.procs import Job, ServerProcess, Workers, cpu_seconds
 
 OUT = CACHE / "profiles"
-SUMMARY = REPO / "bench" / "results" / "profile.txt"
+SUMMARY = RESULTS_DIR / "profile.txt"
 _LINE = re.compile(r":\d+\)$")
 
 

@@ -31,11 +31,11 @@ from typing import Any
 import numpy as np
 
 from bench import report
-from bench.checkpoint import REPO
+from bench.checkpoint import REPO, RESULTS_DIR
 from bench.procs import ServerProcess, env, listen_threaded, serve_until_stdin_closes
 from bench.procs import write_json_atomically as write_json
 
-RESULTS = REPO / "bench" / "results" / "publish.json"
+RESULTS = RESULTS_DIR / "publish.json"
 MODEL = "bench/published"
 BLOCK = 8 << 20
 

@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from bench import guest_memory, report
-from bench.checkpoint import MODEL_ID, REPO, Checkpoint, quick
+from bench.checkpoint import MODEL_ID, REPO, RESULTS_DIR, Checkpoint, quick
 from bench.procs import Job, MemorySampler, ServerProcess, cpu_seconds, proc_status, run_group
 from bench.procs import write_json_atomically as write_json
 from bench.webserver import StaticServer
 from bench.weightserve_loads import remote_weights_class
 
-RESULTS = REPO / "bench" / "results" / "latest.json"
+RESULTS = RESULTS_DIR / "latest.json"
 MiB = 1 << 20
 RSS_GROUPS = ("weightserve", "diagnostic", "partial", "ceiling_flight", "same_node")
 # Client memory goal per transport (load only: start-up imports excluded, see rss_over_bytes).

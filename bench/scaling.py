@@ -34,12 +34,12 @@ from typing import Any
 from bench import report
 from bench.ab import export_tree, resolve
 from bench.ceilings import wait_for
-from bench.checkpoint import MODEL_ID, REPO, Checkpoint
+from bench.checkpoint import MODEL_ID, REPO, RESULTS_DIR, Checkpoint
 from bench.procs import Job, ServerProcess, Workers, cpu_seconds
 from bench.procs import write_json_atomically as write_json
 from bench.run import warm_page_cache
 
-RESULTS = REPO / "bench" / "results" / "scaling.json"
+RESULTS = RESULTS_DIR / "scaling.json"
 GiB = 1 << 30
 SCRATCH = 16 << 20
 RAW_MODES = ("mmap", "sendfile")

@@ -13,12 +13,11 @@ import json
 import socket
 import ssl
 import threading
-import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any, Literal
-from urllib.parse import quote, urlencode
+from urllib.parse import urlencode
 
 from weightserve.client.errors import (
     ResourceExhausted,
@@ -29,7 +28,6 @@ from weightserve.client.errors import (
 )
 from weightserve.client.receive.arrow_reader import ArrowChunkReader
 from weightserve.client.transports.base import (
-    CONTROL_VERBS,
     DEFAULT_READ_TIMEOUT,
     ByteSource,
     ChunkReader,
@@ -40,10 +38,9 @@ from weightserve.client.transports.base import (
     bearer_token,
 )
 from weightserve.client.transports.http1 import Http1Connection, Http1Response
+from weightserve.client.transports.http_control import HttpControl
 from weightserve.client.wire.errors import WireError, retry_after_seconds
 from weightserve.client.wire.routes import (
-    MAIN_REVISION,
-    UPLOADS_ROUTE,
     ServerAddress,
     http_model_path,
 )
@@ -52,7 +49,6 @@ IDLE_CONNECTIONS = 8  # kept-alive HTTP connections per transport (and as many l
 ACCEPT = "application/json, application/vnd.apache.arrow.stream"
 NDJSON = "application/x-ndjson"
 PREBUILT_REQUESTS = 4096  # one-tensor GETs kept built per transport (then built anew)
-WATCH_SILENCE = 20.0  # seconds without a line (the server sends one every 5) before reconnecting
 FOREIGN_ERRORS = (OSError, http.client.HTTPException)
 
 
@@ -90,11 +86,10 @@ class map_http_errors:  # noqa: N801 (used as a context manager, named for what 
         raise self.kind(f"{self.what}: {e!r}") from e
 
 
-class HttpTransport:
+class HttpTransport(HttpControl):
     """http.client, and ``Http1Connection`` for tensor streams on plain sockets: responses
-    ``readinto`` straight from the socket. Carries the data and the control verbs."""
-
-    control_verbs = CONTROL_VERBS
+    ``readinto`` straight from the socket. Carries the data and the control verbs
+    (``HttpControl``)."""
 
     def __init__(
         self,
@@ -386,75 +381,6 @@ class HttpTransport:
         if resp.status != 200:
             raise _http_error(resp.status, raw, url, resp.getheader("retry-after"))
         return json.loads(raw)
-
-    # -- the control verbs (ControlTransport) ------------------------------------------
-
-    def start_upload(
-        self, model: str, base: str | None, message: str, metadata: Mapping[str, Any]
-    ) -> str:
-        body = {"base": base, "message": message, "metadata": dict(metadata)}
-        path = http_model_path(model, UPLOADS_ROUTE)
-        return str(self.request_json("POST", path, ok=(201,), body=body)["upload"])
-
-    def upload(
-        self,
-        model: str,
-        upload: str,
-        part: str,
-        chunks: Iterable[bytes | memoryview],
-        length: int,
-        on_bytes: Callable[[int], None] | None = None,
-    ) -> dict[str, Any]:
-        path = http_model_path(model, UPLOADS_ROUTE, upload) + "/" + quote(part, safe="/")
-        return self.upload_to(path, chunks, length, on_bytes)
-
-    def commit_upload(self, model: str, upload: str) -> dict[str, Any]:
-        path = http_model_path(model, UPLOADS_ROUTE, upload, "commit")
-        return self.request_json("POST", path, ok=(201,))
-
-    def discard_upload(self, model: str, upload: str) -> None:
-        self.request_json("DELETE", http_model_path(model, UPLOADS_ROUTE, upload))
-
-    def list_revisions(self, model: str) -> list[dict[str, Any]]:
-        return list(self.request_json("GET", http_model_path(model, "revisions"))["revisions"])
-
-    def hold(self, model: str, commit: str, seconds: float) -> float | None:
-        body = {"commit": commit, "seconds": seconds}
-        answer = self.request_json("POST", http_model_path(model, "holds"), body=body)
-        return answer.get("held_until")
-
-    def open_watch(self, model: str | None, since: str | None) -> LineStream:
-        query = f"?{urlencode({'since': since})}" if since else ""
-        path = "/v1/watch" if model is None else http_model_path(model, "watch")
-        return self._lines(path + query)
-
-    def watch_revisions(
-        self, model: str, since: str | None, timeout: float | None
-    ) -> Iterator[dict[str, Any]]:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        lines = self.open_watch(model, since)
-        try:
-            while True:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return
-                # Silence longer than a few heartbeats: the connection is dead, reconnect.
-                silence = WATCH_SILENCE if left is None else min(WATCH_SILENCE, left)
-                try:
-                    line = lines.readline(silence)
-                except ServerUnreachable:
-                    if deadline is not None and time.monotonic() >= deadline:
-                        return
-                    raise
-                if not line:
-                    return  # the server ended the watch (shutting down): reconnect
-                yield json.loads(line)
-        finally:
-            lines.close()
-
-    def open_delta(self, model: str, since: str, revision: str | None) -> LineStream:
-        query = urlencode({"since": since, "revision": revision or MAIN_REVISION})
-        return self._lines(http_model_path(model, "delta") + "?" + query)
 
     def _answer(
         self, method: str, path: str, ok: tuple[int, ...], body: dict | None = None

@@ -68,6 +68,9 @@ class Client:
     views of the node's page cache), else the HTTP stream (for ``grpc://`` URLs too, when the
     server's HTTP port answers), else Arrow Flight, else gRPC StreamTensors. ``"handoff"``,
     ``"http"``, ``"flight"`` or ``"grpc"`` forces one.
+
+    ``transport`` replaces the one the URL names (its address then is the client's): an
+    in-process ``MemoryTransport`` (client/transports/memory.py) in tests, for instance.
     """
 
     def __init__(
@@ -81,14 +84,17 @@ class Client:
         retry_seconds: float | None = None,
         on_wait: OnWait | None = None,
         data_plane: str | None = None,
+        transport: Transport | None = None,
     ) -> None:
         address, _ = parse_url(url)
-        self.address: ServerAddress = address
         self.retry_seconds = retry_seconds_from(retry_seconds)
         self.on_wait = on_wait
-        self.transport: Transport = make_transport(
-            address, token=token, tls=tls, timeout=timeout, flight=flight
-        )
+        if transport is None:
+            transport = make_transport(
+                address, token=token, tls=tls, timeout=timeout, flight=flight
+            )
+        self.transport: Transport = transport
+        self.address: ServerAddress = transport.address
         token = bearer_token(token)
         if data_plane is None and flight is not None and address.transport == "grpc":
             data_plane = "flight" if flight else "grpc"  # the older switch says which one

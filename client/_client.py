@@ -7,7 +7,6 @@ round trip per tensor. Arrays handed out are views of the buffers the data was r
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable, Generator, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import fields
 from pathlib import Path
@@ -209,7 +208,6 @@ class RemoteModel:
         self.id = with_revision(model_id, revision)
         self.options = options or FetchOptions()
         self.info = client.model_info(self.id)
-        self._lock = threading.Lock()
         self.last_update: dict[str, int] = {}  # what the last ``update`` did (by outcome)
         # tensors the last ``to_device`` staged in its ring / gave memory of their own
         self.last_device_load: dict[str, int] = {}

@@ -259,3 +259,20 @@ def test_a_delta_stream_that_ends_inside_a_payload_is_server_unreachable() -> No
     finally:
         transport.close()
         answer.close()
+
+
+def test_no_client_module_over_800_lines_and_no_class_over_450() -> None:
+    """Generated stubs aside: a module or class past these has more than one concern."""
+    too_long = []
+    for path in sorted(CLIENT.rglob("*.py")):
+        if CLIENT / "wire" / "proto" in path.parents:
+            continue
+        text = path.read_text()
+        if text.count("\n") > 800:
+            too_long.append(f"{path.relative_to(CLIENT)}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 450:
+                    too_long.append(f"{path.relative_to(CLIENT)}:{node.name}: {lines} lines")
+    assert not too_long, too_long

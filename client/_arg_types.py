@@ -1,94 +1,23 @@
-"""Value types for the ``weightserve`` command line: each turns a flag's (or an environment
-variable's) text into a value, or says in a few words what an acceptable value looks like."""
+"""Kept for imports of the old private name; the module is ``weightserve.client.arg_types``."""
 
-from __future__ import annotations
+from weightserve.client.arg_types import (
+    non_empty,
+    non_negative_seconds,
+    one_of,
+    port,
+    port_or_off,
+    positive_int,
+    positive_seconds,
+    switch,
+)
 
-import argparse
-import math
-from collections.abc import Callable
-
-MAX_PORT = 65535
-
-
-def _number(text: str, kind: type[int] | type[float]) -> int | float:
-    try:
-        value = kind(text)
-    except ValueError:
-        noun = "a whole number" if kind is int else "a number"
-        raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
-    if isinstance(value, float) and not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    """A count that must be at least 1 (streams, parallel downloads)."""
-    value = int(_number(text, int))
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
-    return value
-
-
-def positive_seconds(text: str) -> float:
-    """A duration that must be more than zero (a timeout)."""
-    value = float(_number(text, float))
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text!r}")
-    return value
-
-
-def non_negative_seconds(text: str) -> float:
-    """A duration of zero or more (a grace period, a rescan interval where 0 means never)."""
-    value = float(_number(text, float))
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 seconds or more, got {text!r}")
-    return value
-
-
-def port(text: str) -> int:
-    """A TCP port, 0..65535 (0: any free port)."""
-    value = int(_number(text, int))
-    if not 0 <= value <= MAX_PORT:
-        raise argparse.ArgumentTypeError(f"a port is 0..{MAX_PORT}, got {text!r}")
-    return value
-
-
-def port_or_off(text: str) -> int:
-    """A TCP port, or -1 for "no listener"."""
-    if text.strip() == "-1":
-        return -1
-    try:
-        return port(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(
-            f"a port is 0..{MAX_PORT}, or -1 for none, got {text!r}"
-        ) from None
-
-
-def switch(text: str) -> bool:
-    """On or off, as an environment variable spells it."""
-    word = text.strip().lower()
-    if word in ("1", "true", "yes", "on"):
-        return True
-    if word in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected 1 or 0 (true/false, yes/no), got {text!r}")
-
-
-def one_of(*choices: str) -> Callable[[str], str]:
-    """One word out of ``choices``, any case."""
-
-    def choice(text: str) -> str:
-        word = text.strip().lower()
-        if word not in choices:
-            raise argparse.ArgumentTypeError(f"expected one of {', '.join(choices)}, got {text!r}")
-        return word
-
-    return choice
-
-
-def non_empty(value: str) -> str:
-    """Any text but an empty one."""
-    if not value.strip():
-        raise argparse.ArgumentTypeError("must not be empty")
-    return value
+__all__ = [
+    "non_empty",
+    "non_negative_seconds",
+    "one_of",
+    "port",
+    "port_or_off",
+    "positive_int",
+    "positive_seconds",
+    "switch",
+]

@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
-from weightserve.client._arg_types import positive_int
 from weightserve.client._cache_cli import add_cache_parser
+from weightserve.client.arg_types import positive_int
 from weightserve.client.errors import WeightserveError
 
 _SERVER_EXTRA = "pip install 'weightserve[server]'"

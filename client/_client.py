@@ -7,17 +7,16 @@ round trip per tensor. Arrays handed out are views of the buffers the data was r
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable, Generator, Iterator, Mapping, MutableMapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from weightserve.client._device import DEFAULT_STAGING_BYTES, load_to_device
-from weightserve.client._download import download_files
+from weightserve.client._fetch import FetchOptions, TensorFetcher
+from weightserve.client._files import ModelFiles
 from weightserve.client._models import (
     ModelInfo,
     ModelProblem,
@@ -28,72 +27,29 @@ from weightserve.client._models import (
 from weightserve.client._publish import (
     Revision,
     UploadSource,
-    hold,
     publish,
     revisions,
-    watch,
 )
-from weightserve.client._pull_since import pull_since
 from weightserve.client._retry import OnWait, call_with_retry, retry_seconds_from
-from weightserve.client._update import TensorUpdate, apply_updates, iter_updates
-from weightserve.client.errors import InvalidRequest, TensorNotFound, TransportError
-from weightserve.client.receive.stream import (
-    ReceivedTensor,
-    arena_allocator,
-    receive,
-    verify_policy,
-)
-from weightserve.client.receive.window import DEFAULT_WINDOW_BYTES, iter_received
+from weightserve.client._revisions import ModelRevisions
+from weightserve.client._update import TensorUpdate
+from weightserve.client.receive.window import DEFAULT_WINDOW_BYTES
 from weightserve.client.transports.base import (
     DEFAULT_READ_TIMEOUT,
-    StreamParams,
     TLSOptions,
     Transport,
     bearer_token,
 )
-from weightserve.client.transports.handoff import Handoff, HandoffClient
 from weightserve.client.transports.planes import (
     PlaneChooser,
     Planes,
     data_plane_from,
     make_transport,
 )
-from weightserve.client.wire.dtypes import numpy_dtype, wire_dtype
 from weightserve.client.wire.routes import ServerAddress, parse_url, split_revision, with_revision
 from weightserve.client.wire.schema import ChunkHeader
 
 _SUMMARY_FIELDS = frozenset(f.name for f in fields(ModelSummary))
-
-# Loads below this many bytes use one stream: a second one costs a small load a connection, a
-# thread and an arena, and on the 2-core bench machine it barely helped large ones
-# (docs/performance.md). Above this, two streams keep a client with more cores from being one
-# thread's pace.
-PARALLEL_MIN_BYTES = 256 << 20
-
-
-@dataclass(frozen=True)
-class FetchOptions:
-    parallel: int = 2  # concurrent streams for a bulk fetch (split by bytes)
-    # At most this many retries of one stream; None: as many as retry_seconds allows.
-    retries: int | None = None
-    chunk_bytes: int | None = None
-    # How long a busy or unreachable server is waited for; None: the client's retry_seconds.
-    retry_seconds: float | None = None
-    # Chunk digests checked: "full" (every chunk), "sample" (each tensor's first and one in
-    # eight of the others) or "none"; default WEIGHTSERVE_VERIFY, else "full" (_receive.py).
-    verify: str = field(default_factory=verify_policy)
-
-    def __post_init__(self) -> None:
-        verify_policy(self.verify)  # a wrong value fails here, naming the choices
-
-
-def as_array(t: ReceivedTensor | np.ndarray, info: TensorInfo) -> np.ndarray:
-    """The received bytes viewed as the tensor's served dtype and shape (no copy)."""
-    buffer = t.buffer if isinstance(t, ReceivedTensor) else t
-    spec = wire_dtype(info.dtype)
-    if spec.numpy_name is None:  # packed sub-byte types stay raw bytes
-        return buffer
-    return buffer.view(numpy_dtype(info.dtype)).reshape(info.shape)
 
 
 class Client:
@@ -111,6 +67,9 @@ class Client:
     views of the node's page cache), else the HTTP stream (for ``grpc://`` URLs too, when the
     server's HTTP port answers), else Arrow Flight, else gRPC StreamTensors. ``"handoff"``,
     ``"http"``, ``"flight"`` or ``"grpc"`` forces one.
+
+    ``transport`` replaces the one the URL names (its address then is the client's): an
+    in-process ``MemoryTransport`` (client/transports/memory.py) in tests, for instance.
     """
 
     def __init__(
@@ -124,14 +83,17 @@ class Client:
         retry_seconds: float | None = None,
         on_wait: OnWait | None = None,
         data_plane: str | None = None,
+        transport: Transport | None = None,
     ) -> None:
         address, _ = parse_url(url)
-        self.address: ServerAddress = address
         self.retry_seconds = retry_seconds_from(retry_seconds)
         self.on_wait = on_wait
-        self.transport: Transport = make_transport(
-            address, token=token, tls=tls, timeout=timeout, flight=flight
-        )
+        if transport is None:
+            transport = make_transport(
+                address, token=token, tls=tls, timeout=timeout, flight=flight
+            )
+        self.transport: Transport = transport
+        self.address: ServerAddress = transport.address
         token = bearer_token(token)
         if data_plane is None and flight is not None and address.transport == "grpc":
             data_plane = "flight" if flight else "grpc"  # the older switch says which one
@@ -246,10 +208,12 @@ class RemoteModel:
         self.id = with_revision(model_id, revision)
         self.options = options or FetchOptions()
         self.info = client.model_info(self.id)
-        self._lock = threading.Lock()
         self.last_update: dict[str, int] = {}  # what the last ``update`` did (by outcome)
         # tensors the last ``to_device`` staged in its ring / gave memory of their own
         self.last_device_load: dict[str, int] = {}
+        self._fetcher = TensorFetcher(self)
+        self._revisions = ModelRevisions(client, self.id)
+        self._files = ModelFiles(self)
 
     @property
     def revision(self) -> str:
@@ -280,8 +244,7 @@ class RemoteModel:
         ``tensors`` as a patch against the arrays published as ``base``); ``model(...)`` of a
         model that does not exist yet fails, so a first revision goes through
         ``Client.publish``."""
-        return self.client.publish(
-            self.id,
+        return self._revisions.publish(
             tensors,
             base=base,
             base_tensors=base_tensors,
@@ -292,7 +255,7 @@ class RemoteModel:
 
     def revisions(self) -> list[Revision]:
         """This model's revisions on the server, ``main`` first, then newest first."""
-        return self.client.revisions(self.id)
+        return self._revisions.revisions()
 
     def watch(self, since: str | None = None, timeout: float | None = None) -> Iterator[Revision]:
         """Each revision that becomes ``main`` from now on, in order, as the server
@@ -303,13 +266,13 @@ class RemoteModel:
             for rev in model.watch():
                 weights = RemoteWeights(url, revision=rev.commit)  # or fetch / iter_tensors
         """
-        return watch(self.client.transport, split_revision(self.id)[0], since, timeout)
+        return self._revisions.watch(since, timeout)
 
     def iter_updates(self, *, since: str, revision: str | None = None) -> Iterator[TensorUpdate]:
         """What a worker holding revision ``since`` needs to hold ``revision`` (default
         ``main``), tensor by tensor, for engines with their own ``load_weights``: ``same``,
         ``patch`` (positions and new values) or ``whole`` (every byte); see ``update``."""
-        return iter_updates(self.client.transport, split_revision(self.id)[0], since, revision)[1]
+        return self._revisions.iter_updates(since, revision)
 
     def update(
         self, state: MutableMapping[str, Any], *, since: str, revision: str | None = None
@@ -324,24 +287,20 @@ class RemoteModel:
         read-only NumPy array (a same-node load's pages) is replaced by its patched copy. A
         tensor whose dtype or shape changed, or that is new, gets a new array in ``state``.
         ``last_update`` counts what was done and what travelled."""
-        plain = split_revision(self.id)[0]
-        target, updates = iter_updates(self.client.transport, plain, since, revision)
-
-        def fetch_whole(names: list[str]) -> dict[str, np.ndarray]:
-            fetched = self.client.model(plain, revision=target.commit).fetch(names)
-            return {name: np.asarray(array) for name, array in fetched.items()}
-
-        self.last_update = apply_updates(state, updates, fetch_whole)
-        found = [r for r in self.client.revisions(plain) if r.commit == target.commit]
-        return found[0] if found else Revision(target.commit, None, 0.0, 0)
+        found, self.last_update = self._revisions.update(state, since, revision)
+        return found
 
     def hold(self, commit: str, seconds: float) -> float | None:
         """Keep revision ``commit`` from the server's retention for ``seconds`` (renew it
         while you compute with it; 0 releases it): the time it is held until."""
-        return hold(self.client.transport, split_revision(self.id)[0], commit, seconds)
+        return self._revisions.hold(commit, seconds)
+
+    def _retry_seconds(self) -> float:
+        """How long this model's loads wait for a busy or unreachable server."""
+        return self._fetcher._retry_seconds()
 
     def names(self, prefix: str = "") -> list[str]:
-        return [n for n in self.info.tensors if n.startswith(prefix)]
+        return self._fetcher.names(prefix)
 
     def fetch(
         self,
@@ -361,18 +320,15 @@ class RemoteModel:
         ``on_wait(reason, seconds)`` hears of each wait for a busy or unreachable server
         (default: the client's ``on_wait``).
         """
-        wanted = self._wanted(names, prefix)
-        if not wanted:
-            return {}
-        with self.client.transport.receiving(self._bytes(wanted)):
-            received = self._fetch_parallel(wanted, shard, axis, on_bytes, allocate, on_wait)
-        out: dict[str, np.ndarray] = {}
-        for name in wanted:
-            r = received[name]
-            h = r.header
-            info = TensorInfo(name, h.dtype, h.shape, h.logical_shape, h.encoding, h.total_bytes)
-            out[name] = as_array(r, info)
-        return out
+        return self._fetcher.fetch(
+            names,
+            prefix=prefix,
+            shard=shard,
+            axis=axis,
+            on_bytes=on_bytes,
+            allocate=allocate,
+            on_wait=on_wait,
+        )
 
     def iter_tensors(
         self,
@@ -399,12 +355,16 @@ class RemoteModel:
         to a GPU from. Names, ``prefix``, ``shard`` and ``axis`` are as in ``fetch``;
         stopping early (``break``) closes the stream.
         """
-        wanted = self._wanted(names, prefix)  # checked now, not at the first next()
-        if shard is not None and not 0 <= shard[0] < shard[1]:
-            raise InvalidRequest(f"shard {shard[0]}/{shard[1]}: need 0 <= index < count")
-        if window_bytes < 1:
-            raise ValueError(f"window_bytes must be at least 1, got {window_bytes}")
-        return self._iterate(wanted, window_bytes, shard, axis, on_bytes, allocate, on_wait)
+        return self._fetcher.iter_tensors(
+            names,
+            prefix=prefix,
+            window_bytes=window_bytes,
+            shard=shard,
+            axis=axis,
+            on_bytes=on_bytes,
+            allocate=allocate,
+            on_wait=on_wait,
+        )
 
     def to_device(
         self,
@@ -424,7 +384,7 @@ class RemoteModel:
         torch lacks come as their raw bytes (uint8). Names and ``prefix`` as in ``fetch``
         (all tensors by default). Every tensor is on the device when this returns.
         """
-        wanted = self._wanted(names, prefix)
+        wanted = self._fetcher.wanted(names, prefix)
         if staging_bytes < 1:
             raise ValueError(f"staging_bytes must be at least 1, got {staging_bytes}")
 
@@ -444,133 +404,10 @@ class RemoteModel:
         self.last_device_load = {"staged": ring.staged, "unstaged": ring.unstaged}
         return loaded
 
-    def _iterate(
-        self,
-        wanted: list[str],
-        window_bytes: int,
-        shard: tuple[int, int] | None,
-        axis: int,
-        on_bytes: Callable[[int], None] | None,
-        allocate: Callable[[ChunkHeader], np.ndarray] | None,
-        on_wait: OnWait | None,
-    ) -> Generator[tuple[str, np.ndarray], None, None]:
-        if not wanted:
-            return
-        planes = self.client.planes()
-        handoff = planes.handoff
-        handed = self._handoff(handoff, wanted, shard, axis, on_wait) if handoff else None
-        if handed is not None:
-            yield from self._iterate_handed(
-                handed,
-                planes.streams,
-                wanted,
-                window_bytes,
-                shard,
-                axis,
-                on_bytes,
-                allocate,
-                on_wait,
-            )
-            return
-        received = self._windowed(
-            planes.streams, wanted, window_bytes, shard, axis, on_bytes, allocate, on_wait
-        )
-        try:
-            for h, buffer in received:
-                info = TensorInfo(
-                    h.name, h.dtype, h.shape, h.logical_shape, h.encoding, h.total_bytes
-                )
-                yield h.name, as_array(buffer, info)
-                del buffer  # the iterator holds no view once the consumer moves on
-        finally:
-            received.close()
-
-    def _iterate_handed(
-        self,
-        handed: Handoff,
-        streams: Transport,
-        wanted: list[str],
-        window_bytes: int,
-        shard: tuple[int, int] | None,
-        axis: int,
-        on_bytes: Callable[[int], None] | None,
-        allocate: Callable[[ChunkHeader], np.ndarray] | None,
-        on_wait: OnWait | None,
-    ) -> Generator[tuple[str, np.ndarray], None, None]:
-        """Handed-off views (no window to bound: they are the node's page cache) and, in
-        their places in stream order, the tensors the handoff could not give (strided
-        sources), streamed within the window."""
-        placed = _taken(handed, on_bytes, allocate)
-        copied = [n for n in wanted if n in set(handed.copy)]
-        streamed = (
-            self._windowed(streams, copied, window_bytes, shard, axis, on_bytes, allocate, on_wait)
-            if copied
-            else iter(())
-        )
-        try:
-            for name in wanted:
-                if name in placed:
-                    r = placed.pop(name)
-                    h, buffer = r.header, r.buffer
-                    del r
-                else:
-                    h, buffer = next(streamed)
-                info = TensorInfo(
-                    h.name, h.dtype, h.shape, h.logical_shape, h.encoding, h.total_bytes
-                )
-                yield h.name, as_array(buffer, info)
-                del buffer
-        finally:
-            close = getattr(streamed, "close", None)
-            if close is not None:
-                close()
-
-    def _windowed(
-        self,
-        streams: Transport,
-        names: list[str],
-        window_bytes: int,
-        shard: tuple[int, int] | None,
-        axis: int,
-        on_bytes: Callable[[int], None] | None,
-        allocate: Callable[[ChunkHeader], np.ndarray] | None,
-        on_wait: OnWait | None,
-    ) -> Generator[tuple[ChunkHeader, np.ndarray], None, None]:
-        """One stream of ``names`` over ``streams``, received within the window."""
-        return iter_received(
-            lambda p: streams.open_chunks(self.id, p),
-            self._stream_params(names, shard, axis),
-            names,
-            window_bytes=window_bytes,
-            receiving=streams.receiving(min(window_bytes, self._bytes(names))),
-            retries=self.options.retries,
-            retry_seconds=self._retry_seconds(),
-            on_bytes=on_bytes,
-            allocate=allocate,
-            on_wait=on_wait or self.client.on_wait,
-            verify=self.options.verify,
-        )
-
-    def _stream_params(
-        self, names: list[str], shard: tuple[int, int] | None, axis: int
-    ) -> StreamParams:
-        """A stream request for ``names``, pinned to the revision the index was read at."""
-        return StreamParams(
-            names=tuple(names),
-            shard=shard,
-            axis=axis,
-            chunk_bytes=self.options.chunk_bytes,
-            revision=self.info.revision,
-        )
-
     def files(self) -> list[RemoteFile]:
         """Every file of the model's repository (weights, index, config, tokenizer...):
         name relative to the model directory, size and content digest (xxh3-128 hex)."""
-        listing = self.client._with_retry(
-            lambda: self.client.transport.list_files(self.id),
-            f"{self.client.address.url} files of {self.id!r}",
-        )
-        return [RemoteFile.from_json(f) for f in listing["files"]]
+        return self._files.list()
 
     def download(
         self,
@@ -597,178 +434,9 @@ class RemoteModel:
         and renamed into place alone. ``last_update`` then counts files by outcome and the
         bytes that travelled (``wire_bytes``).
         """
-        if since is not None:
-            self.last_update = pull_since(
-                self, Path(dest), since, on_bytes=on_bytes, on_wait=on_wait
-            ).as_counts()
-            return Path(dest)
-        return download_files(self, Path(dest), force=force, on_bytes=on_bytes, on_wait=on_wait)
-
-    def _wanted(self, names: Sequence[str] | None, prefix: str | None) -> list[str]:
-        """The tensors asked for: ``names`` (each checked to exist), else those under
-        ``prefix`` (``None``: every tensor)."""
-        if names is None:
-            return self.names(prefix or "")
-        wanted = list(names)
-        for n in wanted:
-            if n not in self.info.tensors:
-                from difflib import get_close_matches
-
-                close = get_close_matches(n, list(self.info.tensors), n=1)
-                hint = f" Did you mean {close[0]!r}?" if close else ""
-                raise TensorNotFound(f"No weight named {n!r} in model {self.id!r}.{hint}")
-        return wanted
-
-    def _retry_seconds(self) -> float:
-        if self.options.retry_seconds is not None:
-            return retry_seconds_from(self.options.retry_seconds)
-        return self.client.retry_seconds
-
-    def _part_bound(self, name: str, shard: tuple[int, int] | None, axis: int) -> int:
-        """Bytes of the tensor's part in a shard, or a close upper bound of them."""
-        info = self.info.tensors[name]
-        if shard is None or info.encoding is not None or len(info.shape) <= axis:
-            return info.nbytes  # whole, or GGML blocks (split in whole blocks): at most all
-        length = info.shape[axis]
-        if length == 0:
-            return 0
-        # numpy.array_split: the largest part has ceil(length / n) slices along the axis
-        return -(-length // shard[1]) * (info.nbytes // length)
-
-    def _bytes(self, names: list[str]) -> int:
-        return sum(self.info.tensors[n].nbytes for n in names)
-
-    def _groups(self, names: list[str]) -> list[list[str]]:
-        """Split into up to ``parallel`` groups of about equal bytes, keeping stream order."""
-        parallel = max(1, self.options.parallel)
-        total = self._bytes(names)
-        if parallel == 1 or len(names) < 2 or total < PARALLEL_MIN_BYTES:
-            return [names]
-        groups: list[list[str]] = [[]]
-        target, acc = total / parallel, 0
-        for n in names:
-            if acc >= target * len(groups) and len(groups) < parallel:
-                groups.append([])
-            groups[-1].append(n)
-            acc += self.info.tensors[n].nbytes
-        return [g for g in groups if g]
-
-    def _fetch_parallel(
-        self,
-        names: list[str],
-        shard: tuple[int, int] | None,
-        axis: int,
-        on_bytes: Callable[[int], None] | None,
-        allocate: Callable[[ChunkHeader], np.ndarray] | None = None,
-        on_wait: OnWait | None = None,
-    ) -> dict[str, ReceivedTensor]:
-        if shard is not None and not 0 <= shard[0] < shard[1]:
-            raise InvalidRequest(f"shard {shard[0]}/{shard[1]}: need 0 <= index < count")
-        planes = self.client.planes()
-        if planes.handoff is not None:
-            handed = self._handoff(planes.handoff, names, shard, axis, on_wait)
-            if handed is not None:
-                result = _taken(handed, on_bytes, allocate)
-                if handed.copy:  # strided sources: not a byte range of a file
-                    rest = [n for n in names if n in set(handed.copy)]
-                    result.update(
-                        self._fetch_streams(rest, shard, axis, on_bytes, allocate, on_wait)
-                    )
-                return result
-        return self._fetch_streams(names, shard, axis, on_bytes, allocate, on_wait)
-
-    def _handoff(
-        self,
-        handoff: HandoffClient,
-        names: list[str],
-        shard: tuple[int, int] | None,
-        axis: int,
-        on_wait: OnWait | None,
-    ) -> Handoff | None:
-        """The tensors as views of the node's page cache, or None when the handoff socket
-        stopped answering (the client copies over a stream from then on)."""
-        verify = self.options.verify
-        try:
-            return call_with_retry(
-                lambda: handoff.open(
-                    self.id, names=names, shard=shard, axis=axis,
-                    revision=self.info.revision, verify=verify,
-                ),
-                self._retry_seconds(),
-                f"{handoff.path} model {self.id!r}",
-                on_wait or self.client.on_wait,
-            )  # fmt: skip
-        except TransportError as e:
-            self.client._planes.handoff_failed(e)
-            if self.client.data_plane == "handoff":
-                raise
-            return None
-
-    def _fetch_streams(
-        self,
-        names: list[str],
-        shard: tuple[int, int] | None,
-        axis: int,
-        on_bytes: Callable[[int], None] | None,
-        allocate: Callable[[ChunkHeader], np.ndarray] | None = None,
-        on_wait: OnWait | None = None,
-    ) -> dict[str, ReceivedTensor]:
-        transport = self.client.planes().streams
-        groups = self._groups(names)
-        retry_seconds = self._retry_seconds()
-        counted = on_bytes
-        if on_bytes is not None and len(groups) > 1:
-            progress_lock = threading.Lock()
-
-            def counted(n: int) -> None:  # one stream per thread, one caller's callback
-                with progress_lock:
-                    on_bytes(n)
-
-        def one(group: list[str]) -> dict[str, ReceivedTensor]:
-            params = self._stream_params(group, shard, axis)
-            place = allocate
-            if place is None and len(group) > 1:
-                # One tensor alone gets the same aligned buffer without an arena.
-                place = arena_allocator({n: self._part_bound(n, shard, axis) for n in group})
-            return receive(
-                lambda p: transport.open_chunks(self.id, p),
-                params,
-                group,
-                retries=self.options.retries,
-                retry_seconds=retry_seconds,
-                on_bytes=counted,
-                allocate=place,
-                on_wait=on_wait or self.client.on_wait,
-                verify=self.options.verify,
-            )
-
-        if len(groups) == 1:
-            return one(groups[0])
-        result: dict[str, ReceivedTensor] = {}
-        with ThreadPoolExecutor(len(groups), thread_name_prefix="weightserve-fetch") as pool:
-            for part in pool.map(one, groups):
-                result.update(part)
-        return result
-
-
-def _taken(
-    handed: Handoff,
-    on_bytes: Callable[[int], None] | None,
-    allocate: Callable[[ChunkHeader], np.ndarray] | None,
-) -> dict[str, ReceivedTensor]:
-    """A handoff's tensors, counted as arrived, as they are (read-only views of the page
-    cache), or copied into the caller's buffers when it gives ``allocate`` (an output file,
-    pinned memory): the one copy the caller asked for. The handoff keeps none of them."""
-    tensors, handed.tensors = handed.tensors, {}
-    if on_bytes is not None and handed.nbytes:
-        on_bytes(handed.nbytes)
-    if allocate is None:
-        return tensors
-    placed = {}
-    for name, t in tensors.items():
-        buffer = allocate(t.header)
-        np.copyto(buffer[: t.header.total_bytes], t.buffer)
-        own = ReceivedTensor(t.header, buffer[: t.header.total_bytes])
-        own.received = t.received
-        placed[name] = own
-    return placed
+        path, counts = self._files.download(
+            Path(dest), force=force, since=since, on_bytes=on_bytes, on_wait=on_wait
+        )
+        if counts is not None:
+            self.last_update = counts
+        return path

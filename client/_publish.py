@@ -10,29 +10,22 @@ on the way discards the upload, so ``main`` never moves to a partial revision.
 from __future__ import annotations
 
 import contextlib
-import http.client
-import json
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlencode
 
 import numpy as np
 
 from weightserve.client.errors import InvalidRequest, ServerUnreachable, TransportError
-from weightserve.client.transports.base import Transport
-from weightserve.client.transports.grpc import GrpcTransport
-from weightserve.client.transports.http import HttpTransport
+from weightserve.client.transports.base import ControlTransport
 from weightserve.client.wire.delta_plan import element_bytes, header_line, plan_delta
 from weightserve.client.wire.dtypes import from_numpy_dtype, wire_dtype
-from weightserve.client.wire.routes import UPLOADS_ROUTE, http_model_path
 from weightserve.client.wire.safetensors_layout import LayoutEntry, safetensors_header
 
 READ_BLOCK = 8 << 20  # bytes read from a file per send
-WATCH_SILENCE = 20.0  # seconds without a line (the server sends one every 5) before reconnecting
 WATCH_RETRY_FIRST = 0.05
 WATCH_RETRY_MAX = 2.0
 UploadSource = bytes | bytearray | memoryview | str | os.PathLike[str]
@@ -153,7 +146,7 @@ def _file_stream(source: UploadSource) -> tuple[int, Iterator[memoryview | bytes
 
 
 def publish(
-    transport: Transport,
+    transport: ControlTransport,
     model_id: str,
     tensors: Mapping[str, Any] | None = None,
     *,
@@ -166,47 +159,36 @@ def publish(
 ) -> Revision:
     """Upload and commit one revision of ``model_id`` (see ``RemoteModel.publish``); with
     ``base_tensors`` (the arrays published as ``base``), ``tensors`` travel as a patch
-    against them."""
-    if not isinstance(transport, HttpTransport):
-        raise InvalidRequest(
-            "publishing goes over HTTP: give the client the server's http(s):// URL"
-        )
+    against them. A transport without uploads (gRPC) refuses it with WrongTransport."""
     if not tensors and not files:
         raise InvalidRequest("a publish needs tensors or files")
     if base_tensors is not None and base is None:
         raise InvalidRequest(
             "base_tensors are the arrays published as a base revision: give that base too"
         )
-    uploads = http_model_path(model_id, UPLOADS_ROUTE)
-    body = {"base": base, "message": message, "metadata": dict(metadata or {})}
-    upload = transport.request_json("POST", uploads, ok=(201,), body=body)["upload"]
+    upload = transport.start_upload(model_id, base, message, dict(metadata or {}))
     try:
         for name, source in (files or {}).items():
             size, chunks = _file_stream(source)
-            path = http_model_path(model_id, UPLOADS_ROUTE, upload, "files") + "/" + _quote(name)
-            transport.upload(path, chunks, size, on_bytes)
+            transport.upload(model_id, upload, f"files/{name.strip('/')}", chunks, size, on_bytes)
         if tensors and base_tensors is not None:
             size, chunks = _patch_stream(tensors, base_tensors)
-            path = http_model_path(model_id, UPLOADS_ROUTE, upload, "patch")
-            transport.upload(path, chunks, size, on_bytes)
+            transport.upload(model_id, upload, "patch", chunks, size, on_bytes)
         elif tensors:
             size, chunks = _tensor_stream(tensors, None)
-            path = http_model_path(model_id, UPLOADS_ROUTE, upload, "tensors")
-            transport.upload(path, chunks, size, on_bytes)
-        record = transport.request_json(
-            "POST", http_model_path(model_id, UPLOADS_ROUTE, upload, "commit"), ok=(201,)
-        )
+            transport.upload(model_id, upload, "tensors", chunks, size, on_bytes)
+        record = transport.commit_upload(model_id, upload)
     except BaseException:
         # The first error is the one to report; the server forgets the upload on its own
         # too (a body cut off, or left idle).
         with contextlib.suppress(Exception):
-            transport.request_json("DELETE", http_model_path(model_id, UPLOADS_ROUTE, upload))
+            transport.discard_upload(model_id, upload)
         raise
     return Revision.from_json(record)
 
 
 def publish_directory(
-    transport: Transport,
+    transport: ControlTransport,
     model_id: str,
     directory: Path,
     *,
@@ -226,7 +208,7 @@ def publish_directory(
 
 
 def watch(
-    transport: Transport,
+    transport: ControlTransport,
     model_id: str,
     since: str | None = None,
     timeout: float | None = None,
@@ -251,7 +233,7 @@ def watch(
                     revision = Revision.from_json(event)
                     anchor = revision.commit
                     yield revision
-        except (ServerUnreachable, OSError, http.client.HTTPException, ValueError):
+        except (ServerUnreachable, ValueError):
             pass  # reconnected below, from the last commit seen
         except TransportError:
             if not connected:
@@ -262,54 +244,16 @@ def watch(
 
 
 def _events(
-    transport: Transport, model_id: str, since: str | None, deadline: float | None
+    transport: ControlTransport, model_id: str, since: str | None, deadline: float | None
 ) -> Iterator[dict[str, Any]]:
     """One watch connection's events, until it ends, breaks or ``deadline`` passes."""
     left = None if deadline is None else max(0.001, deadline - time.monotonic())
-    if isinstance(transport, GrpcTransport):
-        yield from transport.watch_revisions(model_id, since, left)
-        return
-    if not isinstance(transport, HttpTransport):
-        raise InvalidRequest(f"revisions cannot be watched over {type(transport).__name__}")
-    query = f"?{urlencode({'since': since})}" if since else ""
-    conn, resp = transport.open_lines(http_model_path(model_id, "watch") + query)
-    try:
-        while True:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return
-            # Silence longer than a few heartbeats: the connection is dead, reconnect.
-            if conn.sock is not None:
-                conn.sock.settimeout(WATCH_SILENCE if left is None else min(WATCH_SILENCE, left))
-            try:
-                line = resp.readline()
-            except TimeoutError:
-                if deadline is not None and time.monotonic() >= deadline:
-                    return
-                raise
-            if not line:
-                return  # the server ended the watch (shutting down): reconnect
-            yield json.loads(line)
-    finally:
-        conn.close()
+    yield from transport.watch_revisions(model_id, since, left)
 
 
-def revisions(transport: Transport, model_id: str) -> list[Revision]:
-    if isinstance(transport, GrpcTransport):
-        return [Revision.from_json(r) for r in transport.list_revisions(model_id)]
-    if not isinstance(transport, HttpTransport):
-        raise InvalidRequest(f"revisions cannot be listed over {type(transport).__name__}")
-    body = transport.request_json("GET", http_model_path(model_id, "revisions"))
-    return [Revision.from_json(r) for r in body["revisions"]]
+def revisions(transport: ControlTransport, model_id: str) -> list[Revision]:
+    return [Revision.from_json(r) for r in transport.list_revisions(model_id)]
 
 
-def hold(transport: Transport, model_id: str, commit: str, seconds: float) -> float | None:
-    if not isinstance(transport, HttpTransport):
-        raise InvalidRequest("holds are taken over HTTP: use the server's http(s):// URL")
-    body = {"commit": commit, "seconds": seconds}
-    answer = transport.request_json("POST", http_model_path(model_id, "holds"), body=body)
-    return answer.get("held_until")
-
-
-def _quote(name: str) -> str:
-    return quote(name.strip("/"), safe="/")
+def hold(transport: ControlTransport, model_id: str, commit: str, seconds: float) -> float | None:
+    return transport.hold(model_id, commit, seconds)

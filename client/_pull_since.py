@@ -29,7 +29,7 @@ from weightserve.client._models import RemoteFile
 from weightserve.client._retry import OnWait, call_with_retry
 from weightserve.client._update import TensorUpdate, iter_updates
 from weightserve.client.errors import RevisionNotFound, WeightserveError
-from weightserve.client.transports.http import HttpTransport
+from weightserve.client.transports.base import carries
 from weightserve.client.wire.file_patch import (
     SAFETENSORS_SUFFIX,
     SafetensorsLayout,
@@ -112,8 +112,8 @@ class PullSince:
         self.stale = [
             self.dest / _safe_relative(name, self.model.id) for name in before if name not in names
         ]
-        if not isinstance(self.model.client.transport, HttpTransport):
-            return self  # the delta stream is an HTTP route: changed files come whole
+        if not carries(self.model.client.transport, "open_delta"):
+            return self  # no delta stream over this transport (gRPC): changed files come whole
         for p in self.pull.files:
             found = self._patchable(p)
             if found is not None:

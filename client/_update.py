@@ -6,20 +6,17 @@ does not match (a wrong base), never left wrong.
 
 from __future__ import annotations
 
-import http.client
 import json
 import warnings
 from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Protocol
-from urllib.parse import urlencode
 
 import numpy as np
 import xxhash
 
 from weightserve.client.errors import InvalidRequest, ServerUnreachable
-from weightserve.client.transports.base import Transport
-from weightserve.client.transports.http import HttpTransport
+from weightserve.client.transports.base import ControlTransport, LineStream
 from weightserve.client.wire.delta import (
     PATCH,
     SAME,
@@ -31,7 +28,6 @@ from weightserve.client.wire.delta import (
 )
 from weightserve.client.wire.dtypes import from_numpy_dtype, numpy_dtype
 from weightserve.client.wire.file_patch import apply_update
-from weightserve.client.wire.routes import MAIN_REVISION, http_model_path
 
 
 @dataclass(frozen=True)
@@ -44,45 +40,43 @@ class UpdateTarget:
 
 
 class UpdateStream(Protocol):
-    """What the delta stream is read from: an HTTP response, or its body kept in memory."""
+    """What the delta stream is read from: a transport's ``LineStream``, or its body kept
+    in memory."""
 
     def readline(self) -> bytes: ...
     def read(self, n: int) -> bytes: ...
 
 
 def iter_updates(
-    transport: Transport, model_id: str, since: str, revision: str | None = None
+    transport: ControlTransport, model_id: str, since: str, revision: str | None = None
 ) -> tuple[UpdateTarget, Iterator[TensorUpdate]]:
     """The server's per-tensor answer for a worker holding ``since`` that wants ``revision``
     (default ``main``): the target, and the updates in the model's order."""
-    target, conn, resp = open_updates(transport, model_id, since, revision)
+    target, stream = open_updates(transport, model_id, since, revision)
 
     def updates() -> Iterator[TensorUpdate]:
         try:
-            yield from read_updates(resp)
-        except (OSError, http.client.HTTPException) as e:
-            raise ServerUnreachable(f"the update of {model_id!r} was cut off: {e!r}") from e
+            yield from read_updates(stream)
+        except ServerUnreachable as e:
+            raise ServerUnreachable(f"the update of {model_id!r} was cut off: {e}") from e
         finally:
-            conn.close()
+            stream.close()
 
     return target, updates()
 
 
 def open_updates(
-    transport: Transport, model_id: str, since: str, revision: str | None = None
-) -> tuple[UpdateTarget, http.client.HTTPConnection, http.client.HTTPResponse]:
-    """The delta stream's response (on a connection of its own, which the caller closes)
-    and the target it leads to."""
-    if not isinstance(transport, HttpTransport):
-        raise InvalidRequest("updates are fetched over HTTP: use the server's http(s):// URL")
-    query = urlencode({"since": since, "revision": revision or MAIN_REVISION})
-    conn, resp = transport.open_lines(http_model_path(model_id, "delta") + "?" + query)
+    transport: ControlTransport, model_id: str, since: str, revision: str | None = None
+) -> tuple[UpdateTarget, LineStream]:
+    """The delta stream (on a connection of its own, which the caller closes) and the
+    target it leads to. A transport without it (gRPC) refuses with WrongTransport."""
+    stream = transport.open_delta(model_id, since, revision)
     target = UpdateTarget(
-        commit=resp.getheader("x-weightserve-commit") or "",
-        revision=resp.getheader("x-weightserve-revision") or "",
-        base=resp.getheader("x-weightserve-delta-base") or "",
+        commit=stream.header("x-weightserve-commit"),
+        revision=stream.header("x-weightserve-revision"),
+        base=stream.header("x-weightserve-delta-base"),
     )
-    return target, conn, resp
+    return target, stream
 
 
 def read_updates(stream: UpdateStream) -> Iterator[TensorUpdate]:
@@ -239,7 +233,7 @@ def _new_array(header: DeltaHeader, data: bytes) -> np.ndarray:
 def _read_exactly(stream: UpdateStream, n: int) -> bytes:
     data = stream.read(n) if n else b""
     if len(data) != n:
-        raise http.client.IncompleteRead(data, n - len(data))
+        raise ServerUnreachable(f"the delta stream ended {n - len(data)} bytes short")
     return data
 
 

@@ -34,7 +34,8 @@ and never cross the wire: no server sends them, so they have no row of their own
     │   └── ServerUnreachable
     ├── WrongTransport           client only: the URL's scheme is not what its port
     │                            speaks (http:// at the gRPC port, grpc:// at the HTTP
-    │                            or Flight port); final
+    │                            or Flight port), or names a transport that does not
+    │                            carry the call (publishing over grpc://); final
     ├── DataCorruption           a received tensor's digest did not match
     ├── DestinationError         client only: a pull's destination cannot take the files
     ├── ConversionRefused        client only: a model that does not convert to safetensors
@@ -165,8 +166,9 @@ class ServerUnreachable(TransportError):
 
 
 class WrongTransport(WeightserveError):
-    """The port answers, in another protocol than the URL's scheme names; the message says
-    which URL to use. Not a TransportError: trying the same URL again cannot help."""
+    """The port answers in another protocol than the URL's scheme names, or the transport the
+    URL names does not carry the call asked of it (publishing over gRPC); the message says
+    what the call needs. Not a TransportError: trying the same URL again cannot help."""
 
 
 class DataCorruption(WeightserveError):

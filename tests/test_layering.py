@@ -152,7 +152,7 @@ def test_the_edges_are_found() -> None:
     """The walk sees imports at module level and inside functions (a guard for the tests
     below, which pass trivially on an empty graph)."""
     edges = {(e.source, e.target, e.module_level) for e in import_edges()}
-    assert ("weightserve.client._client", "weightserve.client.errors", True) in edges
+    assert ("weightserve.client._fetch", "weightserve.client.errors", True) in edges
     assert ("weightserve.client._cli", "weightserve.client._client", False) in edges
 
 

@@ -185,7 +185,7 @@ def test_large_loads_split_into_parallel_streams_by_bytes(
 ) -> None:
     """Above PARALLEL_MIN_BYTES a load is cut into ``parallel`` streams of about equal bytes,
     in index order; below it, one stream. Bytes are the same either way."""
-    from weightserve.client import _client
+    from weightserve.client import _fetch
 
     model = "minilm" if "minilm" not in model_root.skipped else "org/sharded"
     ref = reference(model)
@@ -193,11 +193,11 @@ def test_large_loads_split_into_parallel_streams_by_bytes(
         remote = c.model(model, FetchOptions(parallel=2))
         opened = record_streams(c.transport)
         total = sum(r.array.nbytes for r in ref.values())
-        assert total < _client.PARALLEL_MIN_BYTES
+        assert total < _fetch.PARALLEL_MIN_BYTES
         assert_all_same(remote.fetch(prefix=""), {n: r.array for n, r in ref.items()})
         assert len(opened) == 1
         opened.clear()
-        monkeypatch.setattr(_client, "PARALLEL_MIN_BYTES", 0)
+        monkeypatch.setattr(_fetch, "PARALLEL_MIN_BYTES", 0)
         assert_all_same(remote.fetch(prefix=""), {n: r.array for n, r in ref.items()})
     assert len(opened) == 2
     order = remote.names()

@@ -1,21 +1,24 @@
-"""The one seam between the client and a server: the ``Transport`` protocol.
+"""The one seam between the client and a server: the ``Transport`` protocol, in two halves.
 
-Every transport (``http.py``, ``grpc.py``; Arrow Flight and the same-node handoff carry bulk
-bytes beside them) answers the same few questions — which models, what is in one, which files,
-"open a tensor stream" — the last as a ``readinto``-able source of Arrow IPC stream bytes or a
-chunk reader, so the receiver can read tensor data straight into its final buffers. Foreign
-errors (socket, http.client, grpc) are translated inside each transport into weightserve
-errors. This module holds the protocol and what the transports share.
+``DataTransport``: which models, what is in one, which files, "open a tensor stream" — the
+last as a ``readinto``-able source of Arrow IPC stream bytes or a chunk reader, so the receiver
+can read tensor data straight into its final buffers. ``ControlTransport``: revisions and their
+traffic (publishing uploads, watches, holds, the delta stream). Every transport implements
+what it carries and refuses the rest with ``WrongTransport`` naming what the call needs
+(``RefusesControl``), so nothing above this seam asks which transport it holds. Foreign errors
+(socket, http.client, grpc) are translated inside each transport, in one place, into
+weightserve errors; what comes up is typed answers and iterators, never a foreign object.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from weightserve.client.errors import WrongTransport
 from weightserve.client.wire.errors import WireError
 from weightserve.client.wire.routes import ServerAddress
 from weightserve.client.wire.schema import ChunkHeader
@@ -63,9 +66,29 @@ class ChunkReader(Protocol):
     def close(self) -> None: ...
 
 
-class Transport(Protocol):
-    """What the client asks of a server. Metadata answers are the JSON objects of the HTTP
-    API (docs/protocol.md), whichever wire carried them."""
+class LineStream(Protocol):
+    """A long answer read line by line (an NDJSON watch), or as lines each followed by a
+    payload (the delta stream), on a connection of its own. Errors come mapped: a connection
+    cut, or silent for longer than ``silence`` seconds, is ``ServerUnreachable``."""
+
+    def header(self, name: str) -> str:
+        """One header of the answer ("" when it has none)."""
+        ...
+
+    def readline(self, silence: float | None = None) -> bytes:
+        """The next line with its newline; b"" once the server ended the answer."""
+        ...
+
+    def read(self, n: int) -> bytes:
+        """Up to ``n`` bytes (fewer only at the end)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class DataTransport(Protocol):
+    """What the client asks of a server to load a model. Metadata answers are the JSON
+    objects of the HTTP API (docs/protocol.md), whichever wire carried them."""
 
     address: ServerAddress
 
@@ -103,6 +126,147 @@ class Transport(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+# The control verbs by name, as ``ControlTransport.control_verbs`` lists those it carries.
+CONTROL_VERBS = frozenset(
+    {
+        "start_upload",
+        "upload",
+        "commit_upload",
+        "discard_upload",
+        "list_revisions",
+        "watch_revisions",
+        "open_watch",
+        "hold",
+        "open_delta",
+    }
+)
+
+
+class ControlTransport(Protocol):
+    """What the client asks of a server about revisions: publishing (an upload started,
+    its parts, its commit or discard), the revisions held, watching for new ones, holds,
+    and the delta stream between two. Answers are the HTTP API's JSON objects. A transport
+    that does not carry a verb raises ``WrongTransport`` naming what it needs."""
+
+    address: ServerAddress
+    control_verbs: frozenset[str]  # the verbs this transport carries (CONTROL_VERBS)
+
+    def start_upload(
+        self, model: str, base: str | None, message: str, metadata: Mapping[str, Any]
+    ) -> str:
+        """A new upload of ``model`` (a revision on ``base``): its id."""
+        ...
+
+    def upload(
+        self,
+        model: str,
+        upload: str,
+        part: str,
+        chunks: Iterable[bytes | memoryview],
+        length: int,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> dict[str, Any]:
+        """One part of an upload (``tensors``, ``patch`` or ``files/NAME``), ``length``
+        bytes streamed from ``chunks``, never held whole."""
+        ...
+
+    def commit_upload(self, model: str, upload: str) -> dict[str, Any]:
+        """The revision the upload became (its record, as ``list_revisions`` lists it)."""
+        ...
+
+    def discard_upload(self, model: str, upload: str) -> None: ...
+
+    def list_revisions(self, model: str) -> list[dict[str, Any]]:
+        """The revisions held, ``main`` first, then newest first."""
+        ...
+
+    def watch_revisions(
+        self, model: str, since: str | None, timeout: float | None
+    ) -> Iterator[dict[str, Any]]:
+        """One watch connection's events (``{"event": "hello", "main"}``, ``{"event":
+        "revision", ...}``, heartbeats), until it ends, breaks or ``timeout`` seconds pass
+        (None: never)."""
+        ...
+
+    def open_watch(self, model: str | None, since: str | None) -> LineStream:
+        """The NDJSON watch of one model, or of every model (``model`` None), raw."""
+        ...
+
+    def hold(self, model: str, commit: str, seconds: float) -> float | None:
+        """Keep ``commit`` for ``seconds``: the time it is held until."""
+        ...
+
+    def open_delta(self, model: str, since: str, revision: str | None) -> LineStream:
+        """The delta stream (docs/protocol.md, "Delta updates") from ``since`` to
+        ``revision`` (None: ``main``); its headers name the target."""
+        ...
+
+
+class Transport(DataTransport, ControlTransport, Protocol):
+    """A server as the client holds it: its data plane and its control plane."""
+
+
+class RefusesControl:
+    """The control verbs a transport does not carry, each refused with ``WrongTransport``
+    naming what it needs; a transport overrides those it carries and lists them in
+    ``control_verbs``."""
+
+    address: ServerAddress
+    control_verbs: frozenset[str] = frozenset()
+
+    def _refuse(self, what: str) -> WrongTransport:
+        scheme = "https" if self.address.tls else "http"
+        return WrongTransport(
+            f"{what} needs an {scheme}:// server address (the server's HTTP port); "
+            f"{self.address.url} is {self.address.transport}, which does not carry it"
+        )
+
+    def start_upload(
+        self, model: str, base: str | None, message: str, metadata: Mapping[str, Any]
+    ) -> str:
+        raise self._refuse("publishing")
+
+    def upload(
+        self,
+        model: str,
+        upload: str,
+        part: str,
+        chunks: Iterable[bytes | memoryview],
+        length: int,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> dict[str, Any]:
+        raise self._refuse("publishing")
+
+    def commit_upload(self, model: str, upload: str) -> dict[str, Any]:
+        raise self._refuse("publishing")
+
+    def discard_upload(self, model: str, upload: str) -> None:
+        raise self._refuse("publishing")
+
+    def list_revisions(self, model: str) -> list[dict[str, Any]]:
+        raise self._refuse("listing revisions")
+
+    def watch_revisions(
+        self, model: str, since: str | None, timeout: float | None
+    ) -> Iterator[dict[str, Any]]:
+        raise self._refuse("watching revisions")
+
+    def open_watch(self, model: str | None, since: str | None) -> LineStream:
+        raise self._refuse("an NDJSON watch")
+
+    def hold(self, model: str, commit: str, seconds: float) -> float | None:
+        raise self._refuse("holding a revision")
+
+    def open_delta(self, model: str, since: str, revision: str | None) -> LineStream:
+        raise self._refuse("a delta update")
+
+
+def carries(transport: ControlTransport, verb: str) -> bool:
+    """Whether ``transport`` carries control verb ``verb`` (a name in CONTROL_VERBS)."""
+    assert verb in CONTROL_VERBS, verb
+    return verb in transport.control_verbs
 
 
 @dataclass(frozen=True)

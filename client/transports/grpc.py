@@ -26,6 +26,7 @@ from weightserve.client.transports.base import (
     ByteSource,
     ChunkReader,
     FileSource,
+    RefusesControl,
     StreamParams,
     TLSOptions,
     bearer_token,
@@ -52,7 +53,12 @@ UNARY_TENSOR_BYTES = 1 << 20
 _NOT_AN_OUTAGE = re.compile(r"handshake failed|Socket closed", re.IGNORECASE)
 
 
-class GrpcTransport:
+class GrpcTransport(RefusesControl):
+    """The gRPC API: the data verbs, and of the control verbs the revisions listed and
+    watched (ListRevisions, WatchRevisions); the others need HTTP (``RefusesControl``)."""
+
+    control_verbs = frozenset({"list_revisions", "watch_revisions"})
+
     def __init__(
         self,
         address: ServerAddress,

@@ -1,6 +1,9 @@
 """The HTTP transport over TCP, TLS or the server's Unix socket, with small kept-alive pools:
 tensor streams on plain sockets through the lean ``Http1Connection`` (client/transports/http1.py),
-everything else (and TLS) through http.client; both ``readinto`` straight from the socket."""
+everything else (and TLS) through http.client; both ``readinto`` straight from the socket.
+It carries every control verb too (publishing, watches, holds, deltas). http.client's and the
+socket's errors become weightserve errors here and nowhere else: before an answer in
+``HttpTransport._exchange_failed``, once one is under way in ``map_http_errors``."""
 
 from __future__ import annotations
 
@@ -12,7 +15,8 @@ import ssl
 import threading
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
-from typing import Any
+from types import TracebackType
+from typing import Any, Literal
 from urllib.parse import urlencode
 
 from weightserve.client.errors import (
@@ -28,22 +32,64 @@ from weightserve.client.transports.base import (
     ByteSource,
     ChunkReader,
     FileSource,
+    LineStream,
     StreamParams,
     TLSOptions,
     bearer_token,
 )
 from weightserve.client.transports.http1 import Http1Connection, Http1Response
+from weightserve.client.transports.http_control import HttpControl
 from weightserve.client.wire.errors import WireError, retry_after_seconds
-from weightserve.client.wire.routes import ServerAddress, http_model_path
+from weightserve.client.wire.routes import (
+    ServerAddress,
+    http_model_path,
+)
 
 IDLE_CONNECTIONS = 8  # kept-alive HTTP connections per transport (and as many lean ones)
 ACCEPT = "application/json, application/vnd.apache.arrow.stream"
+NDJSON = "application/x-ndjson"
 PREBUILT_REQUESTS = 4096  # one-tensor GETs kept built per transport (then built anew)
+FOREIGN_ERRORS = (OSError, http.client.HTTPException)
 
 
-class HttpTransport:
+class map_http_errors:  # noqa: N801 (used as a context manager, named for what it does)
+    """``with map_http_errors(kind, what):`` the one translation of http.client's and the
+    socket's errors met once an exchange is under way (an answer's body, an upload, a line
+    stream) into ``kind`` naming ``what``: ``TransportError`` for a tensor stream (resumed
+    from its last chunk), ``ServerUnreachable`` for answers asked again whole. ``cleanup``
+    (closing the connection) runs first. A class rather than a generator: it wraps every
+    ``readinto`` of a stream."""
+
+    __slots__ = ("cleanup", "kind", "what")
+
+    def __init__(
+        self,
+        kind: type[WeightserveError],
+        what: str,
+        cleanup: Callable[[], None] | None = None,
+    ) -> None:
+        self.kind, self.what, self.cleanup = kind, what, cleanup
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        e: BaseException | None,
+        tb: TracebackType | None,
+    ) -> Literal[False]:
+        if e is None or not isinstance(e, FOREIGN_ERRORS):
+            return False
+        if self.cleanup is not None:
+            self.cleanup()
+        raise self.kind(f"{self.what}: {e!r}") from e
+
+
+class HttpTransport(HttpControl):
     """http.client, and ``Http1Connection`` for tensor streams on plain sockets: responses
-    ``readinto`` straight from the socket."""
+    ``readinto`` straight from the socket. Carries the data and the control verbs
+    (``HttpControl``)."""
 
     def __init__(
         self,
@@ -156,14 +202,14 @@ class HttpTransport:
                 conn.send(request)
                 resp = conn.response(method)
                 break
-            except (OSError, http.client.HTTPException) as e:
+            except FOREIGN_ERRORS as e:
                 if conn is not None:
                     conn.close()
                 self._exchange_failed(e, reused)
         if resp.status != 200:
             try:
                 raw = resp.read()
-            except (OSError, http.client.HTTPException):
+            except FOREIGN_ERRORS:
                 raw = b""  # cut short: the status says enough
             # Read to its end, an error answer leaves the connection fit for the next request.
             self.release(conn, resp)
@@ -198,7 +244,7 @@ class HttpTransport:
                 conn.request(method, path, body=data, headers=headers)
                 resp = conn.getresponse()
                 break
-            except (OSError, http.client.HTTPException) as e:
+            except FOREIGN_ERRORS as e:
                 conn.close()
                 self._exchange_failed(e, reused)
         if resp.status not in ok:
@@ -295,11 +341,15 @@ class HttpTransport:
         return self._answer(method, path, ok, body)[1]
 
     def open_lines(self, path: str) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-        """A long-lived response read line by line (a watch): its own connection, which the
-        caller closes."""
-        return self._request("GET", path, extra_headers={"accept": "application/x-ndjson"})
+        """Deprecated: ``open_watch`` (a ``LineStream``). The raw connection and response of
+        a line stream, kept only until service/sources/origins.py reads ``open_watch``."""
+        return self._request("GET", path, extra_headers={"accept": NDJSON})
 
-    def upload(
+    def _lines(self, path: str) -> LineStream:
+        conn, resp = self._request("GET", path, extra_headers={"accept": NDJSON})
+        return _HttpLines(conn, resp, f"{self.address.url}{path}")
+
+    def upload_to(
         self,
         path: str,
         chunks: Iterable[bytes | memoryview],
@@ -310,7 +360,7 @@ class HttpTransport:
         of its own; the server's JSON answer, or its error as its class."""
         conn = self._connect()
         url = f"PUT {self.address.url}{path}"
-        try:
+        with map_http_errors(ServerUnreachable, f"{url}: the upload was cut off", conn.close):
             conn.putrequest("PUT", path)
             conn.putheader("content-type", "application/octet-stream")
             conn.putheader("content-length", str(length))
@@ -327,9 +377,6 @@ class HttpTransport:
                 pass  # refused before the end (too large, not allowed): its answer says why
             resp = conn.getresponse()
             raw = resp.read()
-        except (OSError, http.client.HTTPException) as e:
-            conn.close()
-            raise ServerUnreachable(f"{url}: the upload was cut off: {e!r}") from e
         conn.close()
         if resp.status != 200:
             raise _http_error(resp.status, raw, url, resp.getheader("retry-after"))
@@ -339,12 +386,10 @@ class HttpTransport:
         self, method: str, path: str, ok: tuple[int, ...], body: dict | None = None
     ) -> tuple[int, Any]:
         conn, resp = self._request(method, path, body=body, ok=ok)
-        try:
+        # The server went away mid-answer: retried like one that cannot be reached.
+        what = f"{self.address.url}{path}: answer cut short"
+        with map_http_errors(ServerUnreachable, what, conn.close):
             raw = resp.read()
-        except (OSError, http.client.HTTPException) as e:
-            conn.close()
-            # The server went away mid-answer: retried like one that cannot be reached.
-            raise ServerUnreachable(f"{self.address.url}{path}: answer cut short: {e!r}") from e
         self.release(conn, resp)
         return resp.status, json.loads(raw) if raw else None
 
@@ -493,24 +538,19 @@ class _HttpSource:
     ) -> None:
         self.transport, self.conn, self.resp = transport, conn, resp
         self.closed = False
+        self._errors = map_http_errors(TransportError, f"stream from {transport.address.url} broke")
 
     def readinto(self, view: memoryview) -> int:
-        try:
+        with self._errors:
             return self.resp.readinto(view)
-        except (OSError, http.client.HTTPException) as e:
-            where = self.transport.address.url
-            raise TransportError(f"stream from {where} broke: {e!r}") from e
 
     def whole(self) -> memoryview | None:
         """The whole body in memory where it is small (``Http1Response.buffered_body``),
         valid until this source is closed; None: read it with ``readinto``."""
         if not isinstance(self.resp, Http1Response):
             return None
-        try:
+        with self._errors:
             return self.resp.buffered_body()
-        except (OSError, http.client.HTTPException) as e:
-            where = self.transport.address.url
-            raise TransportError(f"stream from {where} broke: {e!r}") from e
 
     def close(self) -> None:
         if self.closed:  # a second close must not pool the connection twice
@@ -523,6 +563,32 @@ class _HttpSource:
         else:
             self.resp.close()
             self.conn.close()
+
+
+class _HttpLines:
+    """A ``LineStream`` over one http.client answer on a connection of its own."""
+
+    def __init__(
+        self, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse, url: str
+    ) -> None:
+        self._conn, self._resp = conn, resp
+        self._errors = map_http_errors(ServerUnreachable, f"{url}: the answer was cut off")
+
+    def header(self, name: str) -> str:
+        return self._resp.getheader(name) or ""
+
+    def readline(self, silence: float | None = None) -> bytes:
+        with self._errors:
+            if silence is not None and self._conn.sock is not None:
+                self._conn.sock.settimeout(silence)
+            return self._resp.readline()
+
+    def read(self, n: int) -> bytes:
+        with self._errors:
+            return self._resp.read(n)
+
+    def close(self) -> None:
+        self._conn.close()
 
 
 class _HttpFileSource(_HttpSource):

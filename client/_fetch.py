@@ -1,0 +1,451 @@
+"""Bulk tensor fetches of one model (``RemoteModel.fetch`` and ``iter_tensors``): the
+tensors asked for as one stream, or a few in parallel split by bytes, or as views of the
+node's page cache through the same-node handoff, with what it cannot give streamed in its
+place; optionally within a memory window. Never one round trip per tensor.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from weightserve.client._models import ModelInfo, TensorInfo
+from weightserve.client._retry import OnWait, call_with_retry, retry_seconds_from
+from weightserve.client.errors import InvalidRequest, TensorNotFound, TransportError
+from weightserve.client.receive.stream import (
+    ReceivedTensor,
+    arena_allocator,
+    receive,
+    verify_policy,
+)
+from weightserve.client.receive.window import DEFAULT_WINDOW_BYTES, iter_received
+from weightserve.client.transports.base import DataTransport, StreamParams
+from weightserve.client.transports.handoff import Handoff, HandoffClient
+from weightserve.client.transports.planes import PlaneChooser, Planes
+from weightserve.client.wire.dtypes import numpy_dtype, wire_dtype
+from weightserve.client.wire.schema import ChunkHeader
+
+# Loads below this many bytes use one stream: a second one costs a small load a connection, a
+# thread and an arena, and on the 2-core bench machine it barely helped large ones
+# (docs/performance.md). Above this, two streams keep a client with more cores from being one
+# thread's pace.
+PARALLEL_MIN_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class FetchOptions:
+    parallel: int = 2  # concurrent streams for a bulk fetch (split by bytes)
+    # At most this many retries of one stream; None: as many as retry_seconds allows.
+    retries: int | None = None
+    chunk_bytes: int | None = None
+    # How long a busy or unreachable server is waited for; None: the client's retry_seconds.
+    retry_seconds: float | None = None
+    # Chunk digests checked: "full" (every chunk), "sample" (each tensor's first and one in
+    # eight of the others) or "none"; default WEIGHTSERVE_VERIFY, else "full" (_receive.py).
+    verify: str = field(default_factory=verify_policy)
+
+    def __post_init__(self) -> None:
+        verify_policy(self.verify)  # a wrong value fails here, naming the choices
+
+
+def as_array(t: ReceivedTensor | np.ndarray, info: TensorInfo) -> np.ndarray:
+    """The received bytes viewed as the tensor's served dtype and shape (no copy)."""
+    buffer = t.buffer if isinstance(t, ReceivedTensor) else t
+    spec = wire_dtype(info.dtype)
+    if spec.numpy_name is None:  # packed sub-byte types stay raw bytes
+        return buffer
+    return buffer.view(numpy_dtype(info.dtype)).reshape(info.shape)
+
+
+class FetchingClient(Protocol):
+    """What a fetch needs of the model's client (``Client`` is one)."""
+
+    @property
+    def transport(self) -> DataTransport: ...
+    @property
+    def retry_seconds(self) -> float: ...
+    @property
+    def on_wait(self) -> OnWait | None: ...
+    @property
+    def data_plane(self) -> str: ...
+    @property
+    def _planes(self) -> PlaneChooser: ...
+    def planes(self) -> Planes: ...
+
+
+class FetchedModel(Protocol):
+    """What a fetch needs of the model (``RemoteModel`` is one)."""
+
+    @property
+    def client(self) -> FetchingClient: ...
+    @property
+    def id(self) -> str: ...
+    @property
+    def info(self) -> ModelInfo: ...
+    @property
+    def options(self) -> FetchOptions: ...
+
+
+class TensorFetcher:
+    """The fetches of one model; reads the model's id, index and options at each call (a
+    caller may change its options)."""
+
+    def __init__(self, model: FetchedModel) -> None:
+        self.model = model
+
+    @property
+    def client(self) -> FetchingClient:
+        return self.model.client
+
+    @property
+    def id(self) -> str:
+        return self.model.id
+
+    @property
+    def info(self) -> ModelInfo:
+        return self.model.info
+
+    @property
+    def options(self) -> FetchOptions:
+        return self.model.options
+
+    def names(self, prefix: str = "") -> list[str]:
+        return [n for n in self.info.tensors if n.startswith(prefix)]
+
+    def fetch(
+        self,
+        names: Sequence[str] | None = None,
+        *,
+        prefix: str | None = None,
+        shard: tuple[int, int] | None = None,
+        axis: int = 0,
+        on_bytes: Callable[[int], None] | None = None,
+        allocate: Callable[[ChunkHeader], np.ndarray] | None = None,
+        on_wait: OnWait | None = None,
+    ) -> dict[str, np.ndarray]:
+        """See ``RemoteModel.fetch``."""
+        wanted = self.wanted(names, prefix)
+        if not wanted:
+            return {}
+        with self.client.transport.receiving(self.bytes_of(wanted)):
+            received = self._fetch_parallel(wanted, shard, axis, on_bytes, allocate, on_wait)
+        out: dict[str, np.ndarray] = {}
+        for name in wanted:
+            r = received[name]
+            h = r.header
+            info = TensorInfo(name, h.dtype, h.shape, h.logical_shape, h.encoding, h.total_bytes)
+            out[name] = as_array(r, info)
+        return out
+
+    def iter_tensors(
+        self,
+        names: Sequence[str] | None = None,
+        *,
+        prefix: str | None = None,
+        window_bytes: int = DEFAULT_WINDOW_BYTES,
+        shard: tuple[int, int] | None = None,
+        axis: int = 0,
+        on_bytes: Callable[[int], None] | None = None,
+        allocate: Callable[[ChunkHeader], np.ndarray] | None = None,
+        on_wait: OnWait | None = None,
+    ) -> Generator[tuple[str, np.ndarray], None, None]:
+        """See ``RemoteModel.iter_tensors``."""
+        wanted = self.wanted(names, prefix)  # checked now, not at the first next()
+        if shard is not None and not 0 <= shard[0] < shard[1]:
+            raise InvalidRequest(f"shard {shard[0]}/{shard[1]}: need 0 <= index < count")
+        if window_bytes < 1:
+            raise ValueError(f"window_bytes must be at least 1, got {window_bytes}")
+        return self._iterate(wanted, window_bytes, shard, axis, on_bytes, allocate, on_wait)
+
+    def _iterate(
+        self,
+        wanted: list[str],
+        window_bytes: int,
+        shard: tuple[int, int] | None,
+        axis: int,
+        on_bytes: Callable[[int], None] | None,
+        allocate: Callable[[ChunkHeader], np.ndarray] | None,
+        on_wait: OnWait | None,
+    ) -> Generator[tuple[str, np.ndarray], None, None]:
+        if not wanted:
+            return
+        planes = self.client.planes()
+        handoff = planes.handoff
+        handed = self._handoff(handoff, wanted, shard, axis, on_wait) if handoff else None
+        if handed is not None:
+            yield from self._iterate_handed(
+                handed,
+                planes.streams,
+                wanted,
+                window_bytes,
+                shard,
+                axis,
+                on_bytes,
+                allocate,
+                on_wait,
+            )
+            return
+        received = self._windowed(
+            planes.streams, wanted, window_bytes, shard, axis, on_bytes, allocate, on_wait
+        )
+        try:
+            for h, buffer in received:
+                info = TensorInfo(
+                    h.name, h.dtype, h.shape, h.logical_shape, h.encoding, h.total_bytes
+                )
+                yield h.name, as_array(buffer, info)
+                del buffer  # the iterator holds no view once the consumer moves on
+        finally:
+            received.close()
+
+    def _iterate_handed(
+        self,
+        handed: Handoff,
+        streams: DataTransport,
+        wanted: list[str],
+        window_bytes: int,
+        shard: tuple[int, int] | None,
+        axis: int,
+        on_bytes: Callable[[int], None] | None,
+        allocate: Callable[[ChunkHeader], np.ndarray] | None,
+        on_wait: OnWait | None,
+    ) -> Generator[tuple[str, np.ndarray], None, None]:
+        """Handed-off views (no window to bound: they are the node's page cache) and, in
+        their places in stream order, the tensors the handoff could not give (strided
+        sources), streamed within the window."""
+        placed = _taken(handed, on_bytes, allocate)
+        copied = [n for n in wanted if n in set(handed.copy)]
+        streamed = (
+            self._windowed(streams, copied, window_bytes, shard, axis, on_bytes, allocate, on_wait)
+            if copied
+            else iter(())
+        )
+        try:
+            for name in wanted:
+                if name in placed:
+                    r = placed.pop(name)
+                    h, buffer = r.header, r.buffer
+                    del r
+                else:
+                    h, buffer = next(streamed)
+                info = TensorInfo(
+                    h.name, h.dtype, h.shape, h.logical_shape, h.encoding, h.total_bytes
+                )
+                yield h.name, as_array(buffer, info)
+                del buffer
+        finally:
+            close = getattr(streamed, "close", None)
+            if close is not None:
+                close()
+
+    def _windowed(
+        self,
+        streams: DataTransport,
+        names: list[str],
+        window_bytes: int,
+        shard: tuple[int, int] | None,
+        axis: int,
+        on_bytes: Callable[[int], None] | None,
+        allocate: Callable[[ChunkHeader], np.ndarray] | None,
+        on_wait: OnWait | None,
+    ) -> Generator[tuple[ChunkHeader, np.ndarray], None, None]:
+        """One stream of ``names`` over ``streams``, received within the window."""
+        return iter_received(
+            lambda p: streams.open_chunks(self.id, p),
+            self._stream_params(names, shard, axis),
+            names,
+            window_bytes=window_bytes,
+            receiving=streams.receiving(min(window_bytes, self.bytes_of(names))),
+            retries=self.options.retries,
+            retry_seconds=self._retry_seconds(),
+            on_bytes=on_bytes,
+            allocate=allocate,
+            on_wait=on_wait or self.client.on_wait,
+            verify=self.options.verify,
+        )
+
+    def _stream_params(
+        self, names: list[str], shard: tuple[int, int] | None, axis: int
+    ) -> StreamParams:
+        """A stream request for ``names``, pinned to the revision the index was read at."""
+        return StreamParams(
+            names=tuple(names),
+            shard=shard,
+            axis=axis,
+            chunk_bytes=self.options.chunk_bytes,
+            revision=self.info.revision,
+        )
+
+    def wanted(self, names: Sequence[str] | None, prefix: str | None) -> list[str]:
+        """The tensors asked for: ``names`` (each checked to exist), else those under
+        ``prefix`` (``None``: every tensor)."""
+        if names is None:
+            return self.names(prefix or "")
+        wanted = list(names)
+        for n in wanted:
+            if n not in self.info.tensors:
+                from difflib import get_close_matches
+
+                close = get_close_matches(n, list(self.info.tensors), n=1)
+                hint = f" Did you mean {close[0]!r}?" if close else ""
+                raise TensorNotFound(f"No weight named {n!r} in model {self.id!r}.{hint}")
+        return wanted
+
+    def _retry_seconds(self) -> float:
+        if self.options.retry_seconds is not None:
+            return retry_seconds_from(self.options.retry_seconds)
+        return self.client.retry_seconds
+
+    def _part_bound(self, name: str, shard: tuple[int, int] | None, axis: int) -> int:
+        """Bytes of the tensor's part in a shard, or a close upper bound of them."""
+        info = self.info.tensors[name]
+        if shard is None or info.encoding is not None or len(info.shape) <= axis:
+            return info.nbytes  # whole, or GGML blocks (split in whole blocks): at most all
+        length = info.shape[axis]
+        if length == 0:
+            return 0
+        # numpy.array_split: the largest part has ceil(length / n) slices along the axis
+        return -(-length // shard[1]) * (info.nbytes // length)
+
+    def bytes_of(self, names: list[str]) -> int:
+        return sum(self.info.tensors[n].nbytes for n in names)
+
+    def _groups(self, names: list[str]) -> list[list[str]]:
+        """Split into up to ``parallel`` groups of about equal bytes, keeping stream order."""
+        parallel = max(1, self.options.parallel)
+        total = self.bytes_of(names)
+        if parallel == 1 or len(names) < 2 or total < PARALLEL_MIN_BYTES:
+            return [names]
+        groups: list[list[str]] = [[]]
+        target, acc = total / parallel, 0
+        for n in names:
+            if acc >= target * len(groups) and len(groups) < parallel:
+                groups.append([])
+            groups[-1].append(n)
+            acc += self.info.tensors[n].nbytes
+        return [g for g in groups if g]
+
+    def _fetch_parallel(
+        self,
+        names: list[str],
+        shard: tuple[int, int] | None,
+        axis: int,
+        on_bytes: Callable[[int], None] | None,
+        allocate: Callable[[ChunkHeader], np.ndarray] | None = None,
+        on_wait: OnWait | None = None,
+    ) -> dict[str, ReceivedTensor]:
+        if shard is not None and not 0 <= shard[0] < shard[1]:
+            raise InvalidRequest(f"shard {shard[0]}/{shard[1]}: need 0 <= index < count")
+        planes = self.client.planes()
+        if planes.handoff is not None:
+            handed = self._handoff(planes.handoff, names, shard, axis, on_wait)
+            if handed is not None:
+                result = _taken(handed, on_bytes, allocate)
+                if handed.copy:  # strided sources: not a byte range of a file
+                    rest = [n for n in names if n in set(handed.copy)]
+                    result.update(
+                        self._fetch_streams(rest, shard, axis, on_bytes, allocate, on_wait)
+                    )
+                return result
+        return self._fetch_streams(names, shard, axis, on_bytes, allocate, on_wait)
+
+    def _handoff(
+        self,
+        handoff: HandoffClient,
+        names: list[str],
+        shard: tuple[int, int] | None,
+        axis: int,
+        on_wait: OnWait | None,
+    ) -> Handoff | None:
+        """The tensors as views of the node's page cache, or None when the handoff socket
+        stopped answering (the client copies over a stream from then on)."""
+        verify = self.options.verify
+        try:
+            return call_with_retry(
+                lambda: handoff.open(
+                    self.id, names=names, shard=shard, axis=axis,
+                    revision=self.info.revision, verify=verify,
+                ),
+                self._retry_seconds(),
+                f"{handoff.path} model {self.id!r}",
+                on_wait or self.client.on_wait,
+            )  # fmt: skip
+        except TransportError as e:
+            self.client._planes.handoff_failed(e)
+            if self.client.data_plane == "handoff":
+                raise
+            return None
+
+    def _fetch_streams(
+        self,
+        names: list[str],
+        shard: tuple[int, int] | None,
+        axis: int,
+        on_bytes: Callable[[int], None] | None,
+        allocate: Callable[[ChunkHeader], np.ndarray] | None = None,
+        on_wait: OnWait | None = None,
+    ) -> dict[str, ReceivedTensor]:
+        transport = self.client.planes().streams
+        groups = self._groups(names)
+        retry_seconds = self._retry_seconds()
+        counted = on_bytes
+        if on_bytes is not None and len(groups) > 1:
+            progress_lock = threading.Lock()
+
+            def counted(n: int) -> None:  # one stream per thread, one caller's callback
+                with progress_lock:
+                    on_bytes(n)
+
+        def one(group: list[str]) -> dict[str, ReceivedTensor]:
+            params = self._stream_params(group, shard, axis)
+            place = allocate
+            if place is None and len(group) > 1:
+                # One tensor alone gets the same aligned buffer without an arena.
+                place = arena_allocator({n: self._part_bound(n, shard, axis) for n in group})
+            return receive(
+                lambda p: transport.open_chunks(self.id, p),
+                params,
+                group,
+                retries=self.options.retries,
+                retry_seconds=retry_seconds,
+                on_bytes=counted,
+                allocate=place,
+                on_wait=on_wait or self.client.on_wait,
+                verify=self.options.verify,
+            )
+
+        if len(groups) == 1:
+            return one(groups[0])
+        result: dict[str, ReceivedTensor] = {}
+        with ThreadPoolExecutor(len(groups), thread_name_prefix="weightserve-fetch") as pool:
+            for part in pool.map(one, groups):
+                result.update(part)
+        return result
+
+
+def _taken(
+    handed: Handoff,
+    on_bytes: Callable[[int], None] | None,
+    allocate: Callable[[ChunkHeader], np.ndarray] | None,
+) -> dict[str, ReceivedTensor]:
+    """A handoff's tensors, counted as arrived, as they are (read-only views of the page
+    cache), or copied into the caller's buffers when it gives ``allocate`` (an output file,
+    pinned memory): the one copy the caller asked for. The handoff keeps none of them."""
+    tensors, handed.tensors = handed.tensors, {}
+    if on_bytes is not None and handed.nbytes:
+        on_bytes(handed.nbytes)
+    if allocate is None:
+        return tensors
+    placed = {}
+    for name, t in tensors.items():
+        buffer = allocate(t.header)
+        np.copyto(buffer[: t.header.total_bytes], t.buffer)
+        own = ReceivedTensor(t.header, buffer[: t.header.total_bytes])
+        own.received = t.received
+        placed[name] = own
+    return placed

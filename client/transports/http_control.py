@@ -1,0 +1,107 @@
+"""The control verbs over HTTP (``ControlTransport``): publishing's uploads, revisions,
+watches, holds and the delta stream, each one route of docs/protocol.md. ``HttpTransport``
+carries them over its requests; a watch's silence is bounded here."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+from urllib.parse import quote, urlencode
+
+from weightserve.client.errors import ServerUnreachable
+from weightserve.client.transports.base import CONTROL_VERBS, LineStream
+from weightserve.client.wire.routes import MAIN_REVISION, UPLOADS_ROUTE, http_model_path
+
+WATCH_SILENCE = 20.0  # seconds without a line (the server sends one every 5) before reconnecting
+
+
+class HttpControl:
+    """The control verbs, over the three kinds of exchange an HTTP transport offers."""
+
+    control_verbs = CONTROL_VERBS
+
+    def request_json(
+        self, method: str, path: str, ok: tuple[int, ...] = (200,), body: dict | None = None
+    ) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def upload_to(
+        self,
+        path: str,
+        chunks: Iterable[bytes | memoryview],
+        length: int,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _lines(self, path: str) -> LineStream:
+        raise NotImplementedError
+
+    def start_upload(
+        self, model: str, base: str | None, message: str, metadata: Mapping[str, Any]
+    ) -> str:
+        body = {"base": base, "message": message, "metadata": dict(metadata)}
+        path = http_model_path(model, UPLOADS_ROUTE)
+        return str(self.request_json("POST", path, ok=(201,), body=body)["upload"])
+
+    def upload(
+        self,
+        model: str,
+        upload: str,
+        part: str,
+        chunks: Iterable[bytes | memoryview],
+        length: int,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> dict[str, Any]:
+        path = http_model_path(model, UPLOADS_ROUTE, upload) + "/" + quote(part, safe="/")
+        return self.upload_to(path, chunks, length, on_bytes)
+
+    def commit_upload(self, model: str, upload: str) -> dict[str, Any]:
+        path = http_model_path(model, UPLOADS_ROUTE, upload, "commit")
+        return self.request_json("POST", path, ok=(201,))
+
+    def discard_upload(self, model: str, upload: str) -> None:
+        self.request_json("DELETE", http_model_path(model, UPLOADS_ROUTE, upload))
+
+    def list_revisions(self, model: str) -> list[dict[str, Any]]:
+        return list(self.request_json("GET", http_model_path(model, "revisions"))["revisions"])
+
+    def hold(self, model: str, commit: str, seconds: float) -> float | None:
+        body = {"commit": commit, "seconds": seconds}
+        answer = self.request_json("POST", http_model_path(model, "holds"), body=body)
+        return answer.get("held_until")
+
+    def open_watch(self, model: str | None, since: str | None) -> LineStream:
+        query = f"?{urlencode({'since': since})}" if since else ""
+        path = "/v1/watch" if model is None else http_model_path(model, "watch")
+        return self._lines(path + query)
+
+    def watch_revisions(
+        self, model: str, since: str | None, timeout: float | None
+    ) -> Iterator[dict[str, Any]]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        lines = self.open_watch(model, since)
+        try:
+            while True:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return
+                # Silence longer than a few heartbeats: the connection is dead, reconnect.
+                silence = WATCH_SILENCE if left is None else min(WATCH_SILENCE, left)
+                try:
+                    line = lines.readline(silence)
+                except ServerUnreachable:
+                    if deadline is not None and time.monotonic() >= deadline:
+                        return
+                    raise
+                if not line:
+                    return  # the server ended the watch (shutting down): reconnect
+                yield json.loads(line)
+        finally:
+            lines.close()
+
+    def open_delta(self, model: str, since: str, revision: str | None) -> LineStream:
+        query = urlencode({"since": since, "revision": revision or MAIN_REVISION})
+        return self._lines(http_model_path(model, "delta") + "?" + query)

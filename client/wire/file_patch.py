@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from weightserve.client.wire.delta import PATCH, WHOLE, DeltaHeader, TensorUpdate, apply_patch
+from weightserve.client.wire.delta_plan import header_line
 
 SAFETENSORS_SUFFIX = ".safetensors"
 # A header larger than this is no header a writer makes: the file is fetched whole instead.
@@ -110,7 +111,7 @@ def apply_update(view: np.ndarray, update: TensorUpdate) -> bool:
 
 def update_line_bytes(header: DeltaHeader) -> int:
     """What a tensor's header line took on the wire (its newline included)."""
-    return len(json.dumps(header.to_json(), separators=(",", ":"))) + 1
+    return len(header_line(header))
 
 
 def close_mapping(mapping: mmap.mmap | None) -> None:

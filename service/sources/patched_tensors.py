@@ -28,13 +28,13 @@ from weightserve.client.wire.delta import (
     decode_patch,
     read_header,
 )
-from weightserve.client.wire.file_patch import SourceEnded
-from weightserve.client.wire.file_patch import copy_range as copy_file_range
+from weightserve.client.wire.file_patch import SourceEnded, copy_range
 from weightserve.client.wire.safetensors_layout import LayoutEntry, safetensors_header
 from weightserve.service.readers.base import TensorEntry
 from weightserve.service.sources.model import Model
 
 MISMATCHES_NAMED = 8  # tensors named in a refusal; the rest counted
+ENDED_EARLY = "a tensor's bytes end before the file says they do"
 
 
 @dataclass(frozen=True)
@@ -133,14 +133,21 @@ def _write_unpatched(base: Model, source: BinaryIO, changed: list[PatchPart], ou
     with open(output, "wb") as out:
         out.write(header)
         out.flush()
+        at = len(header)
         for part in changed:
             if part.header.kind == WHOLE:
-                copy_range(source.fileno(), out.fileno(), part.offset, part.header.nbytes, "patch")
+                try:
+                    copy_range(source.fileno(), out.fileno(), part.offset, at, part.header.nbytes)
+                except SourceEnded:
+                    raise CheckpointError("patch", ENDED_EARLY) from None
             else:
                 entry: TensorEntry = base.contents.tensors[part.header.name]
                 with open(entry.file, "rb") as held:
-                    copy_range(held.fileno(), out.fileno(), entry.offset, entry.nbytes,
-                               entry.file.name)  # fmt: skip
+                    try:
+                        copy_range(held.fileno(), out.fileno(), entry.offset, at, entry.nbytes)
+                    except SourceEnded:
+                        raise CheckpointError(entry.file.name, ENDED_EARLY) from None
+            at += part.header.nbytes
     return len(header)
 
 
@@ -175,15 +182,3 @@ def _decode(source: BinaryIO, part: PatchPart) -> tuple[np.ndarray, np.ndarray]:
     return decode_patch(
         header, source.read(header.positions_bytes), source.read(header.values_bytes)
     )
-
-
-def copy_range(source: int, target: int, offset: int, length: int, name: str) -> None:
-    """``length`` bytes of ``source`` from ``offset`` appended to ``target`` at its position
-    (moved past them), in the kernel where it can; a source that ends early is a checkpoint
-    error naming ``name``."""
-    at = os.lseek(target, 0, os.SEEK_CUR)
-    try:
-        copy_file_range(source, target, offset, at, length)
-    except SourceEnded:
-        raise CheckpointError(name, "a tensor's bytes end before the file says they do") from None
-    os.lseek(target, at + length, os.SEEK_SET)

@@ -59,6 +59,7 @@ from weightserve.client.transports.planes import (
     make_transport,
 )
 from weightserve.client.wire.dtypes import numpy_dtype, wire_dtype
+from weightserve.client.wire.hints import did_you_mean
 from weightserve.client.wire.routes import ServerAddress, parse_url, split_revision, with_revision
 from weightserve.client.wire.schema import ChunkHeader
 
@@ -612,10 +613,7 @@ class RemoteModel:
         wanted = list(names)
         for n in wanted:
             if n not in self.info.tensors:
-                from difflib import get_close_matches
-
-                close = get_close_matches(n, list(self.info.tensors), n=1)
-                hint = f" Did you mean {close[0]!r}?" if close else ""
+                hint = did_you_mean(n, self.info.tensors)
                 raise TensorNotFound(f"No weight named {n!r} in model {self.id!r}.{hint}")
         return wanted
 

@@ -19,7 +19,6 @@ from weightserve.client._download import (
     DownloadableModel,
     FilePull,
     PlannedFile,
-    _file_digest,
     _safe_relative,
     destination_error,
 )
@@ -28,6 +27,7 @@ from weightserve.client._retry import OnWait, call_with_retry
 from weightserve.client._update import TensorUpdate, iter_updates
 from weightserve.client.errors import RevisionNotFound, WeightserveError
 from weightserve.client.transports.http import HttpTransport
+from weightserve.client.wire.digests import file_digest
 from weightserve.client.wire.file_patch import (
     SAFETENSORS_SUFFIX,
     Places,
@@ -268,7 +268,7 @@ class PullSince:
         except OSError as e:
             raise destination_error(e, p.partial) from e
         complete = patched.applied >= set(patched.remote.tensors)
-        if not complete or _file_digest(p.partial) != p.file.etag:
+        if not complete or file_digest(p.partial) != p.file.etag:
             # A local file that was not revision ``since``'s, or a cut stream.
             log.warning(
                 "%s does not match the server's %s after patching; fetching it whole",

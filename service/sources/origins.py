@@ -36,7 +36,6 @@ from typing import Any, Protocol, TypeVar
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import pyarrow.fs as pafs
-import xxhash
 
 from weightserve.client._update import TensorUpdate, UpdateTarget, iter_updates
 from weightserve.client.errors import (
@@ -51,6 +50,7 @@ from weightserve.client.errors import (
 )
 from weightserve.client.transports.base import TLSOptions
 from weightserve.client.transports.http import HttpTransport
+from weightserve.client.wire.digests import file_digest
 from weightserve.client.wire.routes import parse_url
 from weightserve.service.sources.layout import split_gguf_model
 
@@ -522,7 +522,7 @@ class FileSystemOrigin:
     def matches(self, file: OriginFile, path: Path) -> bool | None:
         if self._local or not _MD5_ETAG.fullmatch(file.version):
             return None
-        return _file_digest(path, hashlib.md5(usedforsecurity=False)) == file.version
+        return file_digest(path, hashlib.md5(usedforsecurity=False)) == file.version
 
     # -- object versions: what pyarrow.fs cannot ask for (a HEAD or GET of a VersionId) ------
 
@@ -903,7 +903,7 @@ class UpstreamOrigin:
             ) from e
 
     def matches(self, file: OriginFile, path: Path) -> bool | None:
-        return _file_digest(path, xxhash.xxh3_128()) == file.version
+        return file_digest(path) == file.version
 
     def version_id(self, file: OriginFile) -> str | None:
         return None  # an upstream serves the revisions it holds: ask it for ID@R
@@ -994,7 +994,7 @@ def _fetch_checked(
     """``_fetch_parts``, then the whole file's xxh3-128 (returned), which must be
     ``expected``: else ``dest`` is removed and ``mismatch(digest)`` raised."""
     _fetch_parts(dest, size, copy_part, concurrency, part_bytes)
-    digest = _xxh3_128_file(dest)
+    digest = file_digest(dest)
     if digest != expected:
         _remove(dest)
         raise mismatch(digest)
@@ -1017,18 +1017,6 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     while data:
         written = os.pwrite(fd, data, offset)
         data, offset = data[written:], offset + written
-
-
-def _xxh3_128_file(path: Path) -> str:
-    return _file_digest(path, xxhash.xxh3_128())
-
-
-def _file_digest(path: Path, h: Any) -> str:
-    """The hex digest of the file's bytes by ``h`` (a hashlib or xxhash object)."""
-    with open(path, "rb") as f:
-        while block := f.read(16 << 20):
-            h.update(block)
-    return str(h.hexdigest())
 
 
 def _remove(path: Path) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import http.client
-import json
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -30,9 +29,9 @@ from weightserve.client.wire.delta_plan import element_bytes, header_line, plan_
 from weightserve.client.wire.dtypes import from_numpy_dtype, wire_dtype
 from weightserve.client.wire.routes import UPLOADS_ROUTE, http_model_path
 from weightserve.client.wire.safetensors_layout import LayoutEntry, safetensors_header
+from weightserve.client.wire.watch import WATCH_SILENCE, ReconnectDelays, read_events
 
 READ_BLOCK = 8 << 20  # bytes read from a file per send
-WATCH_SILENCE = 20.0  # seconds without a line (the server sends one every 5) before reconnecting
 WATCH_RETRY_FIRST = 0.05
 WATCH_RETRY_MAX = 2.0
 UploadSource = bytes | bytearray | memoryview | str | os.PathLike[str]
@@ -238,13 +237,13 @@ def watch(
     (None: never)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     anchor = since
-    pause = WATCH_RETRY_FIRST
+    delays = ReconnectDelays(WATCH_RETRY_FIRST, WATCH_RETRY_MAX)
     while deadline is None or time.monotonic() < deadline:
         connected = False
         try:
             for event in _events(transport, model_id, anchor, deadline):
                 connected = True
-                pause = WATCH_RETRY_FIRST
+                delays.connected()
                 if event.get("event") == "hello" and anchor is None:
                     anchor = event.get("main") or None
                 elif event.get("event") == "revision":
@@ -257,8 +256,8 @@ def watch(
             if not connected:
                 raise  # never answered (TLS, a wrong port): waiting will not fix it
         left = None if deadline is None else deadline - time.monotonic()
+        pause = delays.next()
         time.sleep(pause if left is None else max(0.0, min(pause, left)))
-        pause = min(pause * 2, WATCH_RETRY_MAX)
 
 
 def _events(
@@ -273,23 +272,21 @@ def _events(
         raise InvalidRequest(f"revisions cannot be watched over {type(transport).__name__}")
     query = f"?{urlencode({'since': since})}" if since else ""
     conn, resp = transport.open_lines(http_model_path(model_id, "watch") + query)
+
+    def before_read() -> bool:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            return False
+        # Silence longer than a few heartbeats: the connection is dead, reconnect.
+        if conn.sock is not None:
+            conn.sock.settimeout(WATCH_SILENCE if left is None else min(WATCH_SILENCE, left))
+        return True
+
     try:
-        while True:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return
-            # Silence longer than a few heartbeats: the connection is dead, reconnect.
-            if conn.sock is not None:
-                conn.sock.settimeout(WATCH_SILENCE if left is None else min(WATCH_SILENCE, left))
-            try:
-                line = resp.readline()
-            except TimeoutError:
-                if deadline is not None and time.monotonic() >= deadline:
-                    return
-                raise
-            if not line:
-                return  # the server ended the watch (shutting down): reconnect
-            yield json.loads(line)
+        yield from read_events(resp.readline, before_read)
+    except TimeoutError:
+        if deadline is None or time.monotonic() < deadline:
+            raise
     finally:
         conn.close()
 

@@ -21,7 +21,6 @@ import concurrent.futures
 import contextlib
 import errno
 import hashlib
-import json
 import logging
 import os
 import queue
@@ -52,6 +51,7 @@ from weightserve.client.transports.base import TLSOptions
 from weightserve.client.transports.http import HttpTransport
 from weightserve.client.wire.digests import file_digest
 from weightserve.client.wire.routes import parse_url
+from weightserve.client.wire.watch import WATCH_SILENCE, read_events
 from weightserve.service.sources.layout import split_gguf_model
 
 log = logging.getLogger("weightserve.service")
@@ -68,8 +68,6 @@ GCS_RETRY_SECONDS = 20  # how long the GCS client retries unless the URI says ot
 # Longest silence tolerated from an upstream weightserve before a read is abandoned and
 # retried (--origin-stall-seconds).
 UPSTREAM_READ_TIMEOUT = 30.0
-# Silence on the upstream's watch after which it is taken for dead (it sends a line every 5 s).
-WATCH_HEARTBEAT_TIMEOUT = 20.0
 # An S3 ETag of a single-part upload: the MD5 of the object's bytes (a multipart one has "-N").
 _MD5_ETAG = re.compile(r"[0-9a-f]{32}")
 
@@ -729,14 +727,14 @@ class UpstreamOrigin:
         """The upstream's announcements of new revisions of every model (``GET /v1/watch``),
         one connection, until it ends or breaks (service/sources/follow.py reconnects)."""
         conn, resp = self.requests.call("watch", lambda: self.transport.open_lines("/v1/watch"))
+
+        def before_read() -> bool:
+            if conn.sock is not None:  # heartbeats come every few seconds
+                conn.sock.settimeout(max(self.stall_seconds, WATCH_SILENCE))
+            return True
+
         try:
-            while True:
-                if conn.sock is not None:  # heartbeats come every few seconds
-                    conn.sock.settimeout(max(self.stall_seconds, WATCH_HEARTBEAT_TIMEOUT))
-                line = resp.readline()
-                if not line:
-                    return
-                yield json.loads(line)
+            yield from read_events(resp.readline, before_read)
         finally:
             conn.close()
 

@@ -25,11 +25,12 @@ from weightserve.client.errors import InvalidRequest, ServerUnreachable, Transpo
 from weightserve.client.transports.base import Transport
 from weightserve.client.transports.grpc import GrpcTransport
 from weightserve.client.transports.http import HttpTransport
+from weightserve.client.wire.backoff import Delays
 from weightserve.client.wire.delta_plan import element_bytes, header_line, plan_delta
 from weightserve.client.wire.dtypes import from_numpy_dtype, wire_dtype
 from weightserve.client.wire.routes import UPLOADS_ROUTE, http_model_path
 from weightserve.client.wire.safetensors_layout import LayoutEntry, safetensors_header
-from weightserve.client.wire.watch import WATCH_SILENCE, ReconnectDelays, read_events
+from weightserve.client.wire.watch import WATCH_SILENCE, read_events
 
 READ_BLOCK = 8 << 20  # bytes read from a file per send
 WATCH_RETRY_FIRST = 0.05
@@ -237,13 +238,13 @@ def watch(
     (None: never)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     anchor = since
-    delays = ReconnectDelays(WATCH_RETRY_FIRST, WATCH_RETRY_MAX)
+    delays = Delays(WATCH_RETRY_FIRST, WATCH_RETRY_MAX, jitter=False)
     while deadline is None or time.monotonic() < deadline:
         connected = False
         try:
             for event in _events(transport, model_id, anchor, deadline):
                 connected = True
-                delays.connected()
+                delays.reset()
                 if event.get("event") == "hello" and anchor is None:
                     anchor = event.get("main") or None
                 elif event.get("event") == "revision":

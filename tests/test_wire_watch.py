@@ -1,5 +1,5 @@
-"""The revision watch's lines and reconnect delays (client/wire/watch.py), read the same by a
-client's ``watch`` and a node cache following its upstream."""
+"""The revision watch's lines (client/wire/watch.py) and the one backoff (client/wire/backoff.py),
+as a client's ``watch`` and a node cache following its upstream use them."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import io
 
 import pytest
 
-from weightserve.client.wire.watch import ReconnectDelays, parse_event, read_events
+from weightserve.client.wire.backoff import Delays
+from weightserve.client.wire.watch import parse_event, read_events
 
 
 def test_events_are_read_until_the_server_ends_the_watch() -> None:
@@ -34,7 +35,13 @@ def test_a_line_that_is_not_an_event_is_refused(line: bytes) -> None:
 
 
 def test_reconnects_back_off_and_start_again_after_a_connection() -> None:
-    delays = ReconnectDelays(0.05, 0.3)
+    delays = Delays(0.05, 0.3, jitter=False)
     assert [delays.next() for _ in range(5)] == [0.05, 0.1, 0.2, 0.3, 0.3]
-    delays.connected()
+    delays.reset()
     assert delays.next() == 0.05
+
+
+def test_jittered_waits_stay_in_the_upper_half_of_each_step() -> None:
+    delays = Delays(0.1, 0.4)
+    for ceiling in (0.1, 0.2, 0.4, 0.4, 0.4):
+        assert ceiling / 2 <= delays.next() <= ceiling

@@ -1,7 +1,7 @@
 """The revision watch as both sides read it (``GET /v1/models/ID/-/watch``, ``GET /v1/watch``;
 docs/protocol.md, "Publishing revisions"): NDJSON, one event object per line, a heartbeat
-every few seconds, the stream ended by the server's shutdown; and how a watcher reconnects.
-Pure: the connection and its reads stay with the caller's transport.
+every few seconds, the stream ended by the server's shutdown. Pure: the connection and its
+reads stay with the caller's transport; a watcher reconnects with client/wire/backoff.py.
 """
 
 from __future__ import annotations
@@ -34,23 +34,3 @@ def read_events(
         if not line:
             return  # the server ended the watch (shutting down): the caller reconnects
         yield parse_event(line)
-
-
-class ReconnectDelays:
-    """How long a watcher waits before each reconnect: ``first`` seconds after a connection
-    that worked, doubled after each one that did not, up to ``longest``."""
-
-    def __init__(self, first: float, longest: float) -> None:
-        self.first = first
-        self.longest = longest
-        self._next = first
-
-    def connected(self) -> None:
-        """The watch answered: the next failure waits ``first`` again."""
-        self._next = self.first
-
-    def next(self) -> float:
-        """The wait before this reconnect (and the next one doubled)."""
-        wait = self._next
-        self._next = min(wait * 2, self.longest)
-        return wait

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from weightserve.client.errors import NotFound, WeightserveError
-from weightserve.client.wire.watch import ReconnectDelays
+from weightserve.client.wire.backoff import Delays
 from weightserve.service.sources.origin import OriginCatalog
 
 log = logging.getLogger("weightserve.service")
@@ -46,7 +46,7 @@ class UpstreamFollower:
         self._thread.join(wait)  # a watch blocked in a read ends at its next heartbeat
 
     def _run(self) -> None:
-        delays = ReconnectDelays(RETRY_FIRST, RETRY_MAX)
+        delays = Delays(RETRY_FIRST, RETRY_MAX, jitter=False)
         failing = False
         connected_before = False
         while not self._stop.is_set():
@@ -58,7 +58,7 @@ class UpstreamFollower:
                         if failing:
                             log.info("following %s again", self.catalog.description)
                         failing = False
-                        delays.connected()
+                        delays.reset()
                         if connected_before:  # the first: the server listed it at start
                             self._catch_up()
                         connected_before = True

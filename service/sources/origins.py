@@ -24,7 +24,6 @@ import hashlib
 import logging
 import os
 import queue
-import random
 import re
 import threading
 import time
@@ -49,6 +48,7 @@ from weightserve.client.errors import (
 )
 from weightserve.client.transports.base import TLSOptions
 from weightserve.client.transports.http import HttpTransport
+from weightserve.client.wire.backoff import Delays
 from weightserve.client.wire.digests import file_digest
 from weightserve.client.wire.routes import parse_url
 from weightserve.client.wire.watch import WATCH_SILENCE, read_events
@@ -145,10 +145,9 @@ class RetryPolicy:
     longest_wait: float = 2.0
 
     def waits(self) -> Iterator[float]:
-        wait = self.first_wait
+        delays = Delays(self.first_wait, self.longest_wait)  # the project's one backoff
         for _ in range(self.attempts - 1):
-            yield wait * random.uniform(0.5, 1.0)
-            wait = min(wait * 2, self.longest_wait)
+            yield delays.next()
 
 
 class Origin(Protocol):

@@ -77,11 +77,7 @@ class ArrowStreamResponse(Response):
         if self.length < DIRECT_WRITE_MIN_BYTES:
             return await self._send_whole(scope, send)
 
-        async def wait_disconnect() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-
-        gone = asyncio.ensure_future(wait_disconnect())
+        gone = _client_gone(receive)
         lease = self.lease
         pause_at = PAUSE_EVERY_BYTES
         idle = _TaskIdleCut(lease)
@@ -202,11 +198,7 @@ class LeasedStreamResponse(Response):
         self.pieces = pieces
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        async def wait_disconnect() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-
-        gone = asyncio.ensure_future(wait_disconnect())
+        gone = _client_gone(receive)
         lease = self.lease
         idle: _TaskIdleCut | None = None
         try:
@@ -242,6 +234,16 @@ class LeasedStreamResponse(Response):
                 close()
         finally:
             self.lease.close()
+
+
+def _client_gone(receive: Any) -> asyncio.Future[None]:
+    """Done once the client disconnects (the ASGI ``http.disconnect``): cancel it at the end."""
+
+    async def wait_disconnect() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    return asyncio.ensure_future(wait_disconnect())
 
 
 def whole_body(messages: Iterator) -> tuple[bytes, int]:
@@ -702,11 +704,7 @@ class GrowingFileResponse(Response):
         self.waits = waits
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        async def wait_disconnect() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-
-        gone = asyncio.ensure_future(wait_disconnect())
+        gone = _client_gone(receive)
         sent = 0
         try:
             await send({"type": "http.response.start", "status": self.status_code,

@@ -79,7 +79,7 @@ class StreamLease:
         assert self._held is not None, "admit first: the stream slot comes before the holds"
         with contextlib.ExitStack() as stack:
             stack.enter_context(self.state.catalog.using(model.id))
-            stack.enter_context(model.holding(files))  # type: ignore[arg-type]
+            stack.enter_context(model.holding(files))
             self._held.push(stack.pop_all())
 
     def watch_idle(self, cut: Callable[[], None]) -> IdleWatch:

@@ -34,6 +34,7 @@ from weightserve.client.errors import (
     WeightserveError,
 )
 from weightserve.client.transports.base import Transport
+from weightserve.client.wire.digests import file_digest
 from weightserve.client.wire.routes import ServerAddress
 
 STATE_FILE = ".weightserve-pull.json"  # which file content each .partial holds
@@ -131,7 +132,7 @@ class FilePull:
                     "away or choose another --out"
                 )
             if target.exists():
-                if target.stat().st_size == f.size and _file_digest(target) == f.etag:
+                if target.stat().st_size == f.size and file_digest(target) == f.etag:
                     p.keep, p.have = True, f.size
                 elif target not in replaceable:
                     conflicts.append(target)
@@ -339,14 +340,6 @@ def destination_error(e: OSError, path: Path, missing: int | None = None) -> Des
         f"cannot write {path}: {e.strerror or e}; fix that and run the pull again: it goes on "
         "where it stopped"
     )
-
-
-def _file_digest(path: Path) -> str:
-    hasher = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        while block := f.read(8 * _BLOCK):
-            hasher.update(block)
-    return hasher.hexdigest()
 
 
 def _read_state(dest: Path, model_id: str) -> dict[str, str]:

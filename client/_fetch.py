@@ -28,6 +28,7 @@ from weightserve.client.transports.base import DataTransport, StreamParams
 from weightserve.client.transports.handoff import Handoff, HandoffClient
 from weightserve.client.transports.planes import PlaneChooser, Planes
 from weightserve.client.wire.dtypes import numpy_dtype, wire_dtype
+from weightserve.client.wire.hints import did_you_mean
 from weightserve.client.wire.schema import ChunkHeader
 
 # Loads below this many bytes use one stream: a second one costs a small load a connection, a
@@ -289,10 +290,7 @@ class TensorFetcher:
         wanted = list(names)
         for n in wanted:
             if n not in self.info.tensors:
-                from difflib import get_close_matches
-
-                close = get_close_matches(n, list(self.info.tensors), n=1)
-                hint = f" Did you mean {close[0]!r}?" if close else ""
+                hint = did_you_mean(n, self.info.tensors)
                 raise TensorNotFound(f"No weight named {n!r} in model {self.id!r}.{hint}")
         return wanted
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from weightserve.client.errors import InvalidRequest, ServerUnreachable, TransportError
 from weightserve.client.transports.base import ControlTransport
+from weightserve.client.wire.backoff import Delays
 from weightserve.client.wire.delta_plan import element_bytes, header_line, plan_delta
 from weightserve.client.wire.dtypes import from_numpy_dtype, wire_dtype
 from weightserve.client.wire.safetensors_layout import LayoutEntry, safetensors_header
@@ -220,13 +221,13 @@ def watch(
     (None: never)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     anchor = since
-    pause = WATCH_RETRY_FIRST
+    delays = Delays(WATCH_RETRY_FIRST, WATCH_RETRY_MAX, jitter=False)
     while deadline is None or time.monotonic() < deadline:
         connected = False
         try:
             for event in _events(transport, model_id, anchor, deadline):
                 connected = True
-                pause = WATCH_RETRY_FIRST
+                delays.reset()
                 if event.get("event") == "hello" and anchor is None:
                     anchor = event.get("main") or None
                 elif event.get("event") == "revision":
@@ -239,8 +240,8 @@ def watch(
             if not connected:
                 raise  # never answered (TLS, a wrong port): waiting will not fix it
         left = None if deadline is None else deadline - time.monotonic()
+        pause = delays.next()
         time.sleep(pause if left is None else max(0.0, min(pause, left)))
-        pause = min(pause * 2, WATCH_RETRY_MAX)
 
 
 def _events(

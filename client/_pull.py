@@ -10,7 +10,6 @@ memory stays flat whatever the model's size, and the result opens with
 from __future__ import annotations
 
 import contextlib
-import json
 import mmap
 import os
 from collections.abc import Callable
@@ -23,9 +22,9 @@ from weightserve.client._download import PARTIAL_SUFFIX, destination_error, prep
 from weightserve.client._retry import OnWait
 from weightserve.client.errors import ConversionRefused, DestinationError
 from weightserve.client.wire.dtypes import wire_dtype
+from weightserve.client.wire.safetensors_layout import LayoutEntry
+from weightserve.client.wire.safetensors_layout import safetensors_header as layout_header
 from weightserve.client.wire.schema import ChunkHeader
-
-_ALIGN = 8  # safetensors pads the header so tensor data starts 8-byte aligned
 
 
 def source_metadata(model: RemoteModel) -> dict[str, str]:
@@ -44,29 +43,22 @@ def source_metadata(model: RemoteModel) -> dict[str, str]:
 
 def safetensors_header(model: RemoteModel, names: list[str]) -> tuple[bytes, dict[str, int]]:
     """The header bytes (length prefix included) and each tensor's offset in the file."""
-    header: dict[str, object] = {}
-    offsets: dict[str, int] = {}
-    position = 0
+    entries = []
     for name in names:
         t = model.tensors[name]
-        code = wire_dtype(t.dtype).safetensors
-        if code is None:
+        if wire_dtype(t.dtype).safetensors is None:
             raise ConversionRefused(
                 f"tensor {name!r}: dtype {t.dtype} has no safetensors code; pull the original "
                 "files instead (without --to)"
             )
-        header[name] = {
-            "dtype": code,
-            "shape": list(t.shape),
-            "data_offsets": [position, position + t.nbytes],
-        }
-        offsets[name] = position
-        position += t.nbytes
-    header["__metadata__"] = source_metadata(model)
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-(8 + len(raw)) % _ALIGN)
-    data_start = 8 + len(raw)
-    return len(raw).to_bytes(8, "little") + raw, {n: data_start + o for n, o in offsets.items()}
+        entries.append(LayoutEntry(name, t.dtype, tuple(t.shape), t.nbytes))
+    header = layout_header(entries, source_metadata(model))
+    offsets: dict[str, int] = {}
+    position = len(header)
+    for e in entries:
+        offsets[e.name] = position
+        position += e.nbytes
+    return header, offsets
 
 
 def pull_to_safetensors(

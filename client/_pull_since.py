@@ -14,14 +14,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from weightserve.client._download import (
     PARTIAL_SUFFIX,
     DownloadableModel,
     FilePull,
     PlannedFile,
-    _file_digest,
     _safe_relative,
     destination_error,
 )
@@ -30,17 +27,18 @@ from weightserve.client._retry import OnWait, call_with_retry
 from weightserve.client._update import TensorUpdate, iter_updates
 from weightserve.client.errors import RevisionNotFound, WeightserveError
 from weightserve.client.transports.base import carries
+from weightserve.client.wire.digests import file_digest
 from weightserve.client.wire.file_patch import (
     SAFETENSORS_SUFFIX,
+    Places,
     SafetensorsLayout,
-    apply_update,
+    apply_to_files,
     close_mapping,
-    copy_range,
     header_length,
     local_layout,
+    open_patched_copy,
     parse_safetensors_header,
     patchable,
-    update_line_bytes,
 )
 from weightserve.client.wire.routes import split_revision, with_revision
 
@@ -242,43 +240,24 @@ class PullSince:
                 patched.planned.partial.unlink(missing_ok=True)
             raise
 
-    def _open_copies(self) -> dict[str, list[tuple[_Patched, np.ndarray]]]:
-        """Each file's ``.partial``: the target's header, then the local data copied
-        without reading it through this process; the tensors' places in them by name."""
-        places: dict[str, list[tuple[_Patched, np.ndarray]]] = {}
+    def _open_copies(self) -> Places:
+        """Each file's ``.partial``, started from the local file (``open_patched_copy``);
+        the tensors' places in them by name."""
+        places: Places = {}
         for patched in self.patchable:
             p = patched.planned
-            size = p.file.size
             try:
-                with open(p.target, "rb") as src, open(p.partial, "w+b") as dst:
-                    dst.truncate(size)
-                    dst.write(patched.remote.header)
-                    dst.flush()
-                    copy_range(
-                        src.fileno(), dst.fileno(), patched.local.data_start,
-                        patched.remote.data_start, size - patched.remote.data_start,
-                    )  # fmt: skip
-                    patched.mapping = mmap.mmap(dst.fileno(), size) if size else None
+                patched.mapping, views = open_patched_copy(
+                    p.target, p.partial, patched.local, patched.remote, p.file.size
+                )
             except OSError as e:
                 raise destination_error(e, p.partial) from e
-            if patched.mapping is None:
-                continue
-            data = np.frombuffer(patched.mapping, dtype=np.uint8)
-            start = patched.remote.data_start
-            for name, (_, _, begin, end) in patched.remote.tensors.items():
-                view = data[start + begin : start + end]
-                places.setdefault(name, []).append((patched, view))
+            for name, view in views.items():
+                places.setdefault(name, []).append((patched.applied, view))
         return places
 
-    def _apply(
-        self, updates: Iterator[TensorUpdate], places: dict[str, list[tuple[_Patched, np.ndarray]]]
-    ) -> None:
-        for update in updates:
-            self._count(update_line_bytes(update.header) + update.wire_bytes)
-            for patched, view in places.get(update.name, ()):
-                # An update of another size is not this tensor's: the file's digest says so.
-                if apply_update(view, update):
-                    patched.applied.add(update.name)
+    def _apply(self, updates: Iterator[TensorUpdate], places: Places) -> None:
+        apply_to_files(updates, places, self._count)
 
     def _finish(self, patched: _Patched) -> None:
         p = patched.planned
@@ -289,7 +268,7 @@ class PullSince:
         except OSError as e:
             raise destination_error(e, p.partial) from e
         complete = patched.applied >= set(patched.remote.tensors)
-        if not complete or _file_digest(p.partial) != p.file.etag:
+        if not complete or file_digest(p.partial) != p.file.etag:
             # A local file that was not revision ``since``'s, or a cut stream.
             log.warning(
                 "%s does not match the server's %s after patching; fetching it whole",

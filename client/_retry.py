@@ -28,6 +28,7 @@ from weightserve.client.errors import (
     TransportError,
     WeightserveError,
 )
+from weightserve.client.wire.backoff import Delays
 
 log = logging.getLogger("weightserve.client")
 
@@ -88,10 +89,12 @@ class Backoff:
         self.budget = budget
         self.tries = 0
         self._deadline: float | None = None
+        self._delays = Delays(FIRST_WAIT, LONGEST_WAIT)
 
     def reset(self) -> None:
         self.tries = 0
         self._deadline = None
+        self._delays.reset()
 
     def next_wait(self, exc: BaseException) -> float | None:
         """Seconds to wait before trying again after ``exc`` (a retryable error, see
@@ -104,8 +107,7 @@ class Backoff:
         left = self._deadline - now
         if left <= 0:
             return None
-        ceiling = min(LONGEST_WAIT, FIRST_WAIT * 2**self.tries)
-        wait = random.uniform(ceiling / 2, ceiling)
+        wait = self._delays.next()
         hint = getattr(exc, "retry_after", None)
         if hint:
             wait = max(wait, hint * random.uniform(1.0, 1.5))

@@ -6,25 +6,24 @@ does not match (a wrong base), never left wrong.
 
 from __future__ import annotations
 
-import json
 import warnings
 from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import xxhash
 
-from weightserve.client.errors import InvalidRequest, ServerUnreachable
+from weightserve.client.errors import ServerUnreachable
 from weightserve.client.transports.base import ControlTransport, LineStream
 from weightserve.client.wire.delta import (
     PATCH,
     SAME,
     WHOLE,
+    DeltaCut,
     DeltaHeader,
     TensorUpdate,
-    patch_positions,
-    patch_values,
+    read_updates,
 )
 from weightserve.client.wire.dtypes import from_numpy_dtype, numpy_dtype
 from weightserve.client.wire.file_patch import apply_update
@@ -39,14 +38,6 @@ class UpdateTarget:
     base: str  # the commit the server diffed against; "" when it no longer holds ``since``
 
 
-class UpdateStream(Protocol):
-    """What the delta stream is read from: a transport's ``LineStream``, or its body kept
-    in memory."""
-
-    def readline(self) -> bytes: ...
-    def read(self, n: int) -> bytes: ...
-
-
 def iter_updates(
     transport: ControlTransport, model_id: str, since: str, revision: str | None = None
 ) -> tuple[UpdateTarget, Iterator[TensorUpdate]]:
@@ -57,7 +48,7 @@ def iter_updates(
     def updates() -> Iterator[TensorUpdate]:
         try:
             yield from read_updates(stream)
-        except ServerUnreachable as e:
+        except (ServerUnreachable, DeltaCut) as e:
             raise ServerUnreachable(f"the update of {model_id!r} was cut off: {e}") from e
         finally:
             stream.close()
@@ -77,28 +68,6 @@ def open_updates(
         base=stream.header("x-weightserve-delta-base"),
     )
     return target, stream
-
-
-def read_updates(stream: UpdateStream) -> Iterator[TensorUpdate]:
-    """The delta stream's tensors, decoded one by one as they are read."""
-    while line := stream.readline():
-        header = DeltaHeader.from_json(_json(line))
-        payload = _read_exactly(stream, header.payload_bytes)
-        if header.kind == PATCH:
-            raw = memoryview(payload)  # sliced without copies
-            positions_raw = raw[: header.positions_bytes]
-            values_raw = raw[header.positions_bytes :]
-            yield TensorUpdate(
-                header.name,
-                PATCH,
-                header,
-                positions=patch_positions(header, positions_raw),
-                values=patch_values(header, values_raw),
-            )
-        elif header.kind == WHOLE:
-            yield TensorUpdate(header.name, WHOLE, header, data=payload)
-        else:
-            yield TensorUpdate(header.name, SAME, header)
 
 
 def apply_updates(
@@ -228,17 +197,3 @@ def _put_back(state: MutableMapping[str, Any], name: str, value: Any, data: np.n
 
 def _new_array(header: DeltaHeader, data: bytes) -> np.ndarray:
     return np.frombuffer(bytearray(data), dtype=numpy_dtype(header.dtype)).reshape(header.shape)
-
-
-def _read_exactly(stream: UpdateStream, n: int) -> bytes:
-    data = stream.read(n) if n else b""
-    if len(data) != n:
-        raise ServerUnreachable(f"the delta stream ended {n - len(data)} bytes short")
-    return data
-
-
-def _json(line: bytes) -> dict[str, Any]:
-    found = json.loads(line)
-    if not isinstance(found, dict):
-        raise InvalidRequest("the delta stream holds something other than a tensor's header")
-    return found

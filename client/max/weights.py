@@ -18,7 +18,6 @@ fetch a prefix in one go.
 from __future__ import annotations
 
 import copy
-import difflib
 import threading
 import zlib
 from collections.abc import Iterator
@@ -36,6 +35,7 @@ from weightserve.client.receive.stream import aligned_empty
 from weightserve.client.receive.window import DEFAULT_WINDOW_BYTES
 from weightserve.client.transports.base import DEFAULT_READ_TIMEOUT, TLSOptions
 from weightserve.client.wire.dtypes import from_numpy_dtype, numpy_dtype, wire_dtype
+from weightserve.client.wire.hints import closest_name
 from weightserve.client.wire.routes import parse_url
 
 __all__ = ["RandomWeights", "RemoteWeights", "WeightsClosed"]
@@ -54,8 +54,8 @@ def _missing(fmt: str, name: str, names: Any) -> KeyError:
         return _MissingWeight(
             f"Could not find weight named {name}. Please check that the name is correct."
         )
-    close = difflib.get_close_matches(name, names, n=1)
-    hint = f" Did you mean '{close[0]}'?" if close else ""
+    close = closest_name(name, names)
+    hint = f" Did you mean '{close}'?" if close is not None else ""  # MAX's words exactly
     title = _FORMAT_TITLES.get(fmt, fmt)
     return _MissingWeight(f"'{name}' is not a weight in the {title} checkpoint.{hint}")
 

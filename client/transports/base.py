@@ -75,12 +75,13 @@ class LineStream(Protocol):
         """One header of the answer ("" when it has none)."""
         ...
 
-    def readline(self, silence: float | None = None) -> bytes:
-        """The next line with its newline; b"" once the server ended the answer."""
+    def readline(self, limit: int = -1, /, *, silence: float | None = None) -> bytes:
+        """The next line with its newline (at most ``limit`` bytes of it, when given, as
+        ``io`` readers do); b"" once the server ended the answer."""
         ...
 
-    def read(self, n: int) -> bytes:
-        """Up to ``n`` bytes (fewer only at the end)."""
+    def read(self, n: int = -1, /) -> bytes:
+        """Up to ``n`` bytes (fewer only at the end; all that is left when negative)."""
         ...
 
     def close(self) -> None: ...

@@ -69,6 +69,7 @@ class GrpcTransport(RefusesControl):
     ) -> None:
         import grpc
 
+        from weightserve.client.wire.grpc_methods import ENCODED_RESPONSES, METHODS
         from weightserve.client.wire.proto.weightserve.v1 import weightserve_pb2 as pb
 
         self._grpc, self._pb = grpc, pb
@@ -112,52 +113,29 @@ class GrpcTransport(RefusesControl):
             self.channel = grpc.secure_channel(target, creds, options=options)
         else:
             self.channel = grpc.insecure_channel(target, options=options)
-        service = "/weightserve.v1.WeightService/"
-        self._list = self.channel.unary_unary(
-            service + "ListModels",
-            request_serializer=pb.ListModelsRequest.SerializeToString,
-            response_deserializer=pb.ListModelsResponse.FromString,
-        )
-        self._get = self.channel.unary_unary(
-            service + "GetModel",
-            request_serializer=pb.GetModelRequest.SerializeToString,
-            response_deserializer=pb.ModelInfo.FromString,
-        )
-        self._info = self.channel.unary_unary(
-            service + "GetServerInfo",
-            request_serializer=pb.GetServerInfoRequest.SerializeToString,
-            response_deserializer=pb.ServerInfo.FromString,
-        )
-        self._stream = self.channel.unary_stream(
-            service + "StreamTensors",
-            request_serializer=pb.TensorRequest.SerializeToString,
-            response_deserializer=_arrow_data_payload,
-        )
-        self._list_files = self.channel.unary_unary(
-            service + "ListFiles",
-            request_serializer=pb.GetModelRequest.SerializeToString,
-            response_deserializer=pb.FileList.FromString,
-        )
-        self._read_file = self.channel.unary_stream(
-            service + "ReadFile",
-            request_serializer=pb.FileRequest.SerializeToString,
-            response_deserializer=_arrow_data_payload,  # FileChunk has ArrowData's layout
-        )
-        self._list_revisions = self.channel.unary_unary(
-            service + "ListRevisions",
-            request_serializer=pb.GetModelRequest.SerializeToString,
-            response_deserializer=pb.RevisionList.FromString,
-        )
-        self._watch_revisions = self.channel.unary_stream(
-            service + "WatchRevisions",
-            request_serializer=pb.WatchRequest.SerializeToString,
-            response_deserializer=pb.RevisionEvent.FromString,
-        )
-        self._get_tensor = self.channel.unary_unary(
-            service + "GetTensor",
-            request_serializer=pb.GetTensorRequest.SerializeToString,
-            response_deserializer=pb.TensorData.FromString,
-        )
+        channel = self.channel
+
+        def stub(name: str, payload: Callable[[bytes], Any] | None = None) -> Any:
+            """The channel's callable for method ``name`` (client/wire/grpc_methods.py);
+            ``payload`` reads an encoded response (ENCODED_RESPONSES) instead of its class."""
+            method = METHODS[name]
+            make = channel.unary_stream if method.server_streaming else channel.unary_unary
+            deserialize = payload if name in ENCODED_RESPONSES else method.response.FromString
+            return make(
+                method.path,
+                request_serializer=method.request.SerializeToString,
+                response_deserializer=deserialize,
+            )
+
+        self._list = stub("ListModels")
+        self._get = stub("GetModel")
+        self._info = stub("GetServerInfo")
+        self._stream = stub("StreamTensors", _arrow_data_payload)
+        self._list_files = stub("ListFiles")
+        self._read_file = stub("ReadFile", _arrow_data_payload)  # FileChunk: ArrowData's layout
+        self._list_revisions = stub("ListRevisions")
+        self._watch_revisions = stub("WatchRevisions")
+        self._get_tensor = stub("GetTensor")
         self._unary_tensors = True  # False once the server says it has no GetTensor
         # (model, tensor) -> bytes, from model_info and too_large answers: a tensor known to
         # be large is streamed at once, without a GetTensor asked in vain first.

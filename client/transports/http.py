@@ -577,15 +577,15 @@ class _HttpLines:
     def header(self, name: str) -> str:
         return self._resp.getheader(name) or ""
 
-    def readline(self, silence: float | None = None) -> bytes:
+    def readline(self, limit: int = -1, /, *, silence: float | None = None) -> bytes:
         with self._errors:
             if silence is not None and self._conn.sock is not None:
                 self._conn.sock.settimeout(silence)
-            return self._resp.readline()
+            return self._resp.readline(limit)
 
-    def read(self, n: int) -> bytes:
+    def read(self, n: int = -1, /) -> bytes:
         with self._errors:
-            return self._resp.read(n)
+            return self._resp.read(n if n >= 0 else None)
 
     def close(self) -> None:
         self._conn.close()

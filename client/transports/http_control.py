@@ -4,7 +4,6 @@ carries them over its requests; a watch's silence is bounded here."""
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -13,8 +12,7 @@ from urllib.parse import quote, urlencode
 from weightserve.client.errors import ServerUnreachable
 from weightserve.client.transports.base import CONTROL_VERBS, LineStream
 from weightserve.client.wire.routes import MAIN_REVISION, UPLOADS_ROUTE, http_model_path
-
-WATCH_SILENCE = 20.0  # seconds without a line (the server sends one every 5) before reconnecting
+from weightserve.client.wire.watch import WATCH_SILENCE, read_events
 
 
 class HttpControl:
@@ -83,22 +81,22 @@ class HttpControl:
     ) -> Iterator[dict[str, Any]]:
         deadline = None if timeout is None else time.monotonic() + timeout
         lines = self.open_watch(model, since)
+        silence = WATCH_SILENCE
+
+        def before_read() -> bool:
+            nonlocal silence
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            # Silence longer than a few heartbeats: the connection is dead, reconnect.
+            silence = WATCH_SILENCE if left is None else min(WATCH_SILENCE, left)
+            return True
+
         try:
-            while True:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return
-                # Silence longer than a few heartbeats: the connection is dead, reconnect.
-                silence = WATCH_SILENCE if left is None else min(WATCH_SILENCE, left)
-                try:
-                    line = lines.readline(silence)
-                except ServerUnreachable:
-                    if deadline is not None and time.monotonic() >= deadline:
-                        return
-                    raise
-                if not line:
-                    return  # the server ended the watch (shutting down): reconnect
-                yield json.loads(line)
+            yield from read_events(lambda: lines.readline(silence=silence), before_read)
+        except ServerUnreachable:
+            if deadline is None or time.monotonic() < deadline:
+                raise
         finally:
             lines.close()
 

@@ -73,7 +73,8 @@ def numpy_dtype(name: str) -> np.dtype:
         return np.dtype(spec.numpy_name)
     import ml_dtypes
 
-    return np.dtype(getattr(ml_dtypes, spec.numpy_name))
+    found: np.dtype = np.dtype(getattr(ml_dtypes, spec.numpy_name))
+    return found
 
 
 def from_numpy_dtype(dtype: np.dtype) -> str:

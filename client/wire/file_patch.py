@@ -1,6 +1,7 @@
-"""A safetensors file patched in place of a fetch, the pieces both the client's ``pull --since``
-and a node cache's fill use: a file's tensor layout from its header, the local data copied in
-the kernel, and one tensor's update (client/wire/delta.py) written into its bytes.
+"""A safetensors file patched in place of a fetch, the one patcher both the client's
+``pull --since`` and a node cache's fill use: a file's tensor layout from its header, the new
+file started from the held one (its data copied in the kernel), and the delta stream's updates
+(client/wire/delta.py) written into its tensors' bytes.
 """
 
 from __future__ import annotations
@@ -10,12 +11,14 @@ import errno
 import json
 import mmap
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from weightserve.client.wire.delta import PATCH, WHOLE, DeltaHeader, TensorUpdate, apply_patch
+from weightserve.client.wire.delta_plan import header_line
 
 SAFETENSORS_SUFFIX = ".safetensors"
 # A header larger than this is no header a writer makes: the file is fetched whole instead.
@@ -108,9 +111,50 @@ def apply_update(view: np.ndarray, update: TensorUpdate) -> bool:
     return True
 
 
+def open_patched_copy(
+    held: Path, partial: Path, local: SafetensorsLayout, remote: SafetensorsLayout, size: int
+) -> tuple[mmap.mmap | None, dict[str, np.ndarray]]:
+    """Start ``partial`` (``size`` bytes) from the ``held`` file: the new header, then the
+    held data copied without reading it through this process. Its writable mapping (None for
+    an empty file; ``close_mapping`` it) and each tensor's bytes in it, by name."""
+    with open(held, "rb") as src, open(partial, "w+b") as dst:
+        dst.truncate(size)
+        dst.write(remote.header)
+        dst.flush()
+        count = size - remote.data_start
+        copy_range(src.fileno(), dst.fileno(), local.data_start, remote.data_start, count)
+        mapping = mmap.mmap(dst.fileno(), size) if size else None
+    if mapping is None:
+        return None, {}
+    data = np.frombuffer(mapping, dtype=np.uint8)
+    start = remote.data_start
+    views = {
+        name: data[start + begin : start + end]
+        for name, (_, _, begin, end) in remote.tensors.items()
+    }
+    return mapping, views
+
+
+# Where a tensor's update goes: per name, each file's set of tensors applied and its bytes.
+Places = dict[str, list[tuple[set[str], np.ndarray]]]
+
+
+def apply_to_files(
+    updates: Iterable[TensorUpdate], places: Places, received: Callable[[int], None]
+) -> None:
+    """Write each update into every place of its tensor, noting it applied there (an update
+    of another size is not this tensor's: the file's digest then says so); ``received`` is
+    told what each tensor's update took on the wire."""
+    for update in updates:
+        received(update_line_bytes(update.header) + update.wire_bytes)
+        for applied, view in places.get(update.name, ()):
+            if apply_update(view, update):
+                applied.add(update.name)
+
+
 def update_line_bytes(header: DeltaHeader) -> int:
     """What a tensor's header line took on the wire (its newline included)."""
-    return len(json.dumps(header.to_json(), separators=(",", ":"))) + 1
+    return len(header_line(header))
 
 
 def close_mapping(mapping: mmap.mmap | None) -> None:

@@ -1,8 +1,11 @@
-"""The safetensors layout both sides write when a revision is published: a header naming each
-tensor's dtype, shape and byte range, then the tensors' bytes in the header's order.
+"""The one safetensors header writer, for every file either side writes (a publish, a patch
+applied on the server, a pull's converted file): a header naming each tensor's dtype, shape
+and byte range, then the tensors' bytes in the header's order.
 
 The format's own rules: 8 bytes of little-endian header length, then the JSON header padded
-with spaces to a multiple of 8 (so every tensor's bytes start aligned), then the data.
+with spaces to a multiple of 8 (so every tensor's bytes start aligned), then the data. The
+JSON is written as the format's reference writer (``safetensors.numpy.save``) writes it,
+byte for byte: compact, ``__metadata__`` first, names in UTF-8, never escaped to ASCII.
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ def safetensors_header(
     entries: Iterable[LayoutEntry], metadata: dict[str, str] | None = None
 ) -> bytes:
     """The header (length prefix included) of a file whose data holds ``entries``' bytes back
-    to back, in order. A dtype the format has no code for is refused by name."""
+    to back, in order, with ``metadata`` (an empty one written as such, none for None). A
+    dtype the format has no code for is refused by name."""
     header: dict[str, object] = {}
-    if metadata:
+    if metadata is not None:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     offset = 0
     for e in entries:

@@ -24,13 +24,11 @@ from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
-
 from weightserve.client.wire.delta import WHOLE
 from weightserve.client.wire.delta_plan import DeltaEntry, element_bytes, header_line, plan_delta
-from weightserve.client.wire.dtypes import wire_dtype
 from weightserve.service.readers.base import TensorEntry
 from weightserve.service.serving.metrics import Metrics
+from weightserve.service.serving.streams import gathered_bytes
 from weightserve.service.sources.model import Model
 from weightserve.service.sources.revision_stores import KeptDeltas, KeptDeltaWriter
 
@@ -60,17 +58,13 @@ def _diff_pool() -> ThreadPoolExecutor:
 
 
 def tensor_bytes(model: Model, entry: TensorEntry) -> memoryview:
-    """The tensor's bytes as served (C-contiguous), a view of its file's mapping."""
-    view = model.mapped(entry.file).view()[entry.offset : entry.offset + entry.nbytes]
-    if entry.strides is None:
-        return view
-    itemsize = wire_dtype(entry.dtype).itemsize
-    strided = np.lib.stride_tricks.as_strided(
-        np.frombuffer(model.mapped(entry.file).view(), np.uint8)[entry.offset :],
-        shape=(*entry.shape, itemsize),
-        strides=(*(s * itemsize for s in entry.strides), 1),
-    )
-    return memoryview(np.ascontiguousarray(strided).reshape(-1).data)
+    """The tensor's bytes as served (C-contiguous): a view of its file's mapping, checked to
+    be the version the stream holds before it is read, or a strided tensor gathered as the
+    tensor streams gather it."""
+    if entry.strides is not None:
+        return gathered_bytes(model, entry)
+    model.mapped(entry.file).ensure_unchanged(entry.offset + entry.nbytes)
+    return model.raw_view(entry)
 
 
 def plan_entry(name: str, target: Model, base: Model | None) -> DeltaEntry:
@@ -87,7 +81,12 @@ def plan_entry(name: str, target: Model, base: Model | None) -> DeltaEntry:
         old = tensor_bytes(base, old_entry)
     # Quantized blocks are patched as bytes.
     size = 1 if entry.encoding is not None else element_bytes(entry.dtype)
-    return plan_delta(name, entry.dtype, entry.shape, tensor_bytes(target, entry), old, size)
+    planned = plan_delta(name, entry.dtype, entry.shape, tensor_bytes(target, entry), old, size)
+    # The digest and the patch are of one version of the files: checked after reading them.
+    target.mapped(entry.file).ensure_unchanged(entry.offset + entry.nbytes)
+    if old_entry is not None and old is not None and base is not None:
+        base.mapped(old_entry.file).ensure_unchanged(old_entry.offset + old_entry.nbytes)
+    return planned
 
 
 class DeltaCache:

@@ -9,12 +9,12 @@ indexed file version before it is handed out.
 
 from __future__ import annotations
 
-import difflib
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from weightserve.client.errors import FileNotFound, RangeNotSatisfiable, RevisionMismatch
+from weightserve.client.wire.hints import did_you_mean
 from weightserve.service.serving.auth import Access
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.sources.model import Model, RepoFile
@@ -64,10 +64,7 @@ def repo_file(model: Model, name: str) -> RepoFile:
     found = files.get(name)
     if found is not None:
         return found
-    message = f"No file {name!r} in model {model.id!r}."
-    close = difflib.get_close_matches(name, list(files), n=1)
-    if close:
-        message += f" Did you mean {close[0]!r}?"
+    message = f"No file {name!r} in model {model.id!r}.{did_you_mean(name, files)}"
     raise FileNotFound(message + " The model's files are listed at its files route.")
 
 

@@ -73,6 +73,15 @@ class StreamLease:
             self._held = stack.pop_all()
         self.model_id = model.id
 
+    def hold(self, model: Model, files: Iterable[object]) -> None:
+        """Also keep ``model`` from eviction and hold its ``files`` until the lease is
+        released (a second model a call reads, such as a delta's base); after ``admit``."""
+        assert self._held is not None, "admit first: the stream slot comes before the holds"
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self.state.catalog.using(model.id))
+            stack.enter_context(model.holding(files))
+            self._held.push(stack.pop_all())
+
     def watch_idle(self, cut: Callable[[], None]) -> IdleWatch:
         """Arm the idle cut: ``cut`` is called once the client took nothing for
         ``idle_timeout``. The watch stops when the lease closes (or when closed sooner)."""

@@ -193,6 +193,14 @@ def _source_bytes(model: Model, p: PlannedTensor) -> memoryview:
         if p.byte_offset + p.nbytes > len(whole):
             raise ModelUnavailable(f"model {model.id!r}: {entry.file.name} shrank since indexing")
         return whole[p.byte_offset : p.byte_offset + p.nbytes]
+    return gathered_bytes(model, entry, p.index)
+
+
+def gathered_bytes(
+    model: Model, entry: TensorEntry, index: tuple[slice, ...] | None = None
+) -> memoryview:
+    """A strided tensor's bytes (or ``index``'s part of them) gathered into one C-ordered
+    buffer, its file checked unchanged before and after the gather reads the mapping."""
     itemsize = wire_dtype(entry.dtype).itemsize
     mapped = model.mapped(entry.file)
     raw = np.frombuffer(mapped.view(), dtype=np.uint8)
@@ -207,8 +215,8 @@ def _source_bytes(model: Model, p: PlannedTensor) -> memoryview:
         strides=(*(s * itemsize for s in strides), 1),
         writeable=False,
     )
-    if p.index:
-        elements = elements[(*p.index, slice(None))]
+    if index:
+        elements = elements[(*index, slice(None))]
     gathered = np.ascontiguousarray(elements).data.cast("B")
     mapped.ensure_unchanged(mapped.size)  # so the copy is of one version (see MappedFile.digest)
     return gathered

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from weightserve.client.errors import NotFound, WeightserveError
+from weightserve.client.wire.backoff import Delays
 from weightserve.service.sources.origin import OriginCatalog
 
 log = logging.getLogger("weightserve.service")
@@ -45,7 +46,7 @@ class UpstreamFollower:
         self._thread.join(wait)  # a watch blocked in a read ends at its next heartbeat
 
     def _run(self) -> None:
-        pause = RETRY_FIRST
+        delays = Delays(RETRY_FIRST, RETRY_MAX, jitter=False)
         failing = False
         connected_before = False
         while not self._stop.is_set():
@@ -56,7 +57,8 @@ class UpstreamFollower:
                     if event.get("event") == "hello":
                         if failing:
                             log.info("following %s again", self.catalog.description)
-                        failing, pause = False, RETRY_FIRST
+                        failing = False
+                        delays.reset()
                         if connected_before:  # the first: the server listed it at start
                             self._catch_up()
                         connected_before = True
@@ -75,8 +77,7 @@ class UpstreamFollower:
                         "the watch of %s broke (%s); reconnecting", self.catalog.description, e
                     )
                 failing = True
-            self._stop.wait(pause)
-            pause = min(pause * 2, RETRY_MAX)
+            self._stop.wait(delays.next())
 
     def _catch_up(self) -> None:
         """After a reconnect: list the origin again and follow every held model it has moved

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import difflib
 import json
 import logging
 import os
@@ -48,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from weightserve.client.errors import CheckpointError, ModelNotFound, ModelUnavailable
+from weightserve.client.wire.hints import did_you_mean
 from weightserve.client.wire.routes import MAIN_REVISION, RESERVED_PART, split_revision
 from weightserve.service.readers.base import FormatReader
 from weightserve.service.sources.base import Problem
@@ -662,7 +662,4 @@ class Catalog:
             raise ModelUnavailable(f"model {model_id!r} is refused: {problem.reason}")
         msg = f"No model {model_id!r} under the model root."
         visible = [m for m in self.models if may_read is None or may_read(m)]
-        close = difflib.get_close_matches(model_id, visible, n=1)
-        if close:
-            msg += f" Did you mean {close[0]!r}?"
-        raise ModelNotFound(msg)
+        raise ModelNotFound(msg + did_you_mean(model_id, visible))

@@ -4,7 +4,6 @@ per file its streams read."""
 from __future__ import annotations
 
 import contextlib
-import difflib
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -12,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from weightserve.client.errors import ModelUnavailable, TensorNotFound
+from weightserve.client.wire.hints import did_you_mean
 from weightserve.service.readers.base import ModelContents, TensorEntry
 from weightserve.service.sources.mapped import MappedFile
 from weightserve.service.sources.revisions import (
@@ -194,8 +194,4 @@ class Model:
 
 
 def missing_tensor_message(model_id: str, name: str, names: Iterable[str]) -> str:
-    msg = f"No weight named {name!r} in model {model_id!r}."
-    close = difflib.get_close_matches(name, list(names), n=1)
-    if close:
-        msg += f" Did you mean {close[0]!r}?"
-    return msg
+    return f"No weight named {name!r} in model {model_id!r}.{did_you_mean(name, names)}"

@@ -15,7 +15,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import contextvars
-import difflib
 import logging
 import threading
 from collections.abc import Callable, Collection, Iterator
@@ -32,6 +31,7 @@ from weightserve.client.errors import (
     RevisionNotFound,
     WeightserveError,
 )
+from weightserve.client.wire.hints import did_you_mean
 from weightserve.client.wire.routes import MAIN_REVISION, split_revision, with_revision
 from weightserve.service.sources.base import Problem
 from weightserve.service.sources.headers import HeaderImages
@@ -480,10 +480,7 @@ class OriginCatalog:
             msg = f"No model {model_id!r} at the origin {self.origin.description}."
             known = [*self.models, *self.remote]
             visible = [m for m in known if may_read is None or may_read(m)]
-            close = difflib.get_close_matches(model_id, visible, n=1)
-            if close:
-                msg += f" Did you mean {close[0]!r}?"
-            raise ModelNotFound(msg)
+            raise ModelNotFound(msg + did_you_mean(model_id, visible))
         files = remote.files if remote is not None else None
         if cached and (
             files is None

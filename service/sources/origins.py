@@ -21,11 +21,9 @@ import concurrent.futures
 import contextlib
 import errno
 import hashlib
-import json
 import logging
 import os
 import queue
-import random
 import re
 import threading
 import time
@@ -36,7 +34,6 @@ from typing import Any, Protocol, TypeVar
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import pyarrow.fs as pafs
-import xxhash
 
 from weightserve.client._update import TensorUpdate, UpdateTarget, iter_updates
 from weightserve.client.errors import (
@@ -51,7 +48,10 @@ from weightserve.client.errors import (
 )
 from weightserve.client.transports.base import TLSOptions
 from weightserve.client.transports.http import HttpTransport
+from weightserve.client.wire.backoff import Delays
+from weightserve.client.wire.digests import file_digest
 from weightserve.client.wire.routes import parse_url
+from weightserve.client.wire.watch import WATCH_SILENCE, read_events
 from weightserve.service.sources.layout import split_gguf_model
 
 log = logging.getLogger("weightserve.service")
@@ -68,8 +68,6 @@ GCS_RETRY_SECONDS = 20  # how long the GCS client retries unless the URI says ot
 # Longest silence tolerated from an upstream weightserve before a read is abandoned and
 # retried (--origin-stall-seconds).
 UPSTREAM_READ_TIMEOUT = 30.0
-# Silence on the upstream's watch after which it is taken for dead (it sends a line every 5 s).
-WATCH_HEARTBEAT_TIMEOUT = 20.0
 # An S3 ETag of a single-part upload: the MD5 of the object's bytes (a multipart one has "-N").
 _MD5_ETAG = re.compile(r"[0-9a-f]{32}")
 
@@ -147,10 +145,9 @@ class RetryPolicy:
     longest_wait: float = 2.0
 
     def waits(self) -> Iterator[float]:
-        wait = self.first_wait
+        delays = Delays(self.first_wait, self.longest_wait)  # the project's one backoff
         for _ in range(self.attempts - 1):
-            yield wait * random.uniform(0.5, 1.0)
-            wait = min(wait * 2, self.longest_wait)
+            yield delays.next()
 
 
 class Origin(Protocol):
@@ -522,7 +519,7 @@ class FileSystemOrigin:
     def matches(self, file: OriginFile, path: Path) -> bool | None:
         if self._local or not _MD5_ETAG.fullmatch(file.version):
             return None
-        return _file_digest(path, hashlib.md5(usedforsecurity=False)) == file.version
+        return file_digest(path, hashlib.md5(usedforsecurity=False)) == file.version
 
     # -- object versions: what pyarrow.fs cannot ask for (a HEAD or GET of a VersionId) ------
 
@@ -729,14 +726,14 @@ class UpstreamOrigin:
         """The upstream's announcements of new revisions of every model (``GET /v1/watch``),
         one connection, until it ends or breaks (service/sources/follow.py reconnects)."""
         conn, resp = self.requests.call("watch", lambda: self.transport.open_lines("/v1/watch"))
+
+        def before_read() -> bool:
+            if conn.sock is not None:  # heartbeats come every few seconds
+                conn.sock.settimeout(max(self.stall_seconds, WATCH_SILENCE))
+            return True
+
         try:
-            while True:
-                if conn.sock is not None:  # heartbeats come every few seconds
-                    conn.sock.settimeout(max(self.stall_seconds, WATCH_HEARTBEAT_TIMEOUT))
-                line = resp.readline()
-                if not line:
-                    return
-                yield json.loads(line)
+            yield from read_events(resp.readline, before_read)
         finally:
             conn.close()
 
@@ -903,7 +900,7 @@ class UpstreamOrigin:
             ) from e
 
     def matches(self, file: OriginFile, path: Path) -> bool | None:
-        return _file_digest(path, xxhash.xxh3_128()) == file.version
+        return file_digest(path) == file.version
 
     def version_id(self, file: OriginFile) -> str | None:
         return None  # an upstream serves the revisions it holds: ask it for ID@R
@@ -994,7 +991,7 @@ def _fetch_checked(
     """``_fetch_parts``, then the whole file's xxh3-128 (returned), which must be
     ``expected``: else ``dest`` is removed and ``mismatch(digest)`` raised."""
     _fetch_parts(dest, size, copy_part, concurrency, part_bytes)
-    digest = _xxh3_128_file(dest)
+    digest = file_digest(dest)
     if digest != expected:
         _remove(dest)
         raise mismatch(digest)
@@ -1017,18 +1014,6 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     while data:
         written = os.pwrite(fd, data, offset)
         data, offset = data[written:], offset + written
-
-
-def _xxh3_128_file(path: Path) -> str:
-    return _file_digest(path, xxhash.xxh3_128())
-
-
-def _file_digest(path: Path, h: Any) -> str:
-    """The hex digest of the file's bytes by ``h`` (a hashlib or xxhash object)."""
-    with open(path, "rb") as f:
-        while block := f.read(16 << 20):
-            h.update(block)
-    return str(h.hexdigest())
 
 
 def _remove(path: Path) -> None:

@@ -13,21 +13,19 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from weightserve.client.errors import WeightserveError
 from weightserve.client.wire.delta import TensorUpdate
 from weightserve.client.wire.file_patch import (
     SAFETENSORS_SUFFIX,
+    Places,
     SafetensorsLayout,
-    apply_update,
+    apply_to_files,
     close_mapping,
-    copy_range,
     header_length,
     local_layout,
+    open_patched_copy,
     parse_safetensors_header,
     patchable,
-    update_line_bytes,
 )
 from weightserve.service.sources.origins import Origin, OriginFile, UpstreamOrigin
 from weightserve.service.sources.past_revisions import model_file_name
@@ -166,36 +164,19 @@ def _build(
         raise
 
 
-def _open_copies(building: list[_Building]) -> dict[str, list[tuple[_Building, np.ndarray]]]:
-    """Each file's copy: the new header, then the held data copied without reading it
-    through this process; the tensors' places in them by name."""
-    places: dict[str, list[tuple[_Building, np.ndarray]]] = {}
+def _open_copies(building: list[_Building]) -> Places:
+    """Each file's copy, started from the held one (``open_patched_copy``); the tensors'
+    places in them by name."""
+    places: Places = {}
     for b in building:
-        size = b.file.size
-        with open(b.held, "rb") as src, open(b.partial, "w+b") as dst:
-            dst.truncate(size)
-            dst.write(b.remote.header)
-            dst.flush()
-            count = size - b.remote.data_start
-            copy_range(src.fileno(), dst.fileno(), b.local.data_start, b.remote.data_start, count)
-            b.mapping = mmap.mmap(dst.fileno(), size)
-        data = np.frombuffer(b.mapping, dtype=np.uint8)
-        for name, (_, _, begin, end) in b.remote.tensors.items():
-            view = data[b.remote.data_start + begin : b.remote.data_start + end]
-            places.setdefault(name, []).append((b, view))
+        b.mapping, views = open_patched_copy(b.held, b.partial, b.local, b.remote, b.file.size)
+        for name, view in views.items():
+            places.setdefault(name, []).append((b.applied, view))
     return places
 
 
-def _apply(
-    origin: UpstreamOrigin,
-    updates: Iterator[TensorUpdate],
-    places: dict[str, list[tuple[_Building, np.ndarray]]],
-) -> None:
-    for update in updates:
-        origin.requests.received(PATCH_BYTES, update_line_bytes(update.header) + update.wire_bytes)
-        for b, view in places.get(update.name, ()):
-            if apply_update(view, update):
-                b.applied.add(update.name)
+def _apply(origin: UpstreamOrigin, updates: Iterator[TensorUpdate], places: Places) -> None:
+    apply_to_files(updates, places, lambda n: origin.requests.received(PATCH_BYTES, n))
 
 
 def _close(b: _Building) -> None:

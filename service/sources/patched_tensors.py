@@ -8,15 +8,13 @@ in the kernel, patches are written into the mapped output one tensor at a time.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import numpy as np
-import pyarrow as pa
 import xxhash
 
 from weightserve.client.errors import CheckpointError, InvalidRequest, RevisionMismatch
@@ -24,21 +22,19 @@ from weightserve.client.wire.delta import (
     PATCH,
     SAME,
     WHOLE,
+    DeltaCut,
     DeltaHeader,
     apply_patch,
-    patch_positions,
-    patch_values,
+    decode_patch,
+    read_header,
 )
-from weightserve.client.wire.file_patch import SourceEnded
-from weightserve.client.wire.file_patch import copy_range as copy_file_range
+from weightserve.client.wire.file_patch import SourceEnded, copy_range
 from weightserve.client.wire.safetensors_layout import LayoutEntry, safetensors_header
 from weightserve.service.readers.base import TensorEntry
 from weightserve.service.sources.model import Model
 
-MAX_HEADER_LINE = 1 << 20  # one tensor's JSON line; longer is not a delta stream
-CODECS = ("", "zstd")
-ELEMENT_SIZES = (1, 2, 4, 8)
 MISMATCHES_NAMED = 8  # tensors named in a refusal; the rest counted
+ENDED_EARLY = "a tensor's bytes end before the file says they do"
 
 
 @dataclass(frozen=True)
@@ -75,47 +71,23 @@ def apply_patch_file(base: Model, patch: Path, output: Path) -> bool:
 
 
 def _read_parts(source: BinaryIO, size: int, base: Model) -> list[PatchPart]:
-    """Every tensor's header, checked against the base, and where its payload lies."""
+    """Every tensor's header (the delta stream's strict reader), checked against the base,
+    and where its payload lies."""
     parts: list[PatchPart] = []
     names: set[str] = set()
-    while line := source.readline(MAX_HEADER_LINE):
-        if not line.endswith(b"\n"):
-            raise InvalidRequest("the patch holds a header line that is cut off or too long")
-        header = _header(line)
-        if header.name in names:
-            raise InvalidRequest(f"the patch names tensor {header.name!r} twice")
-        names.add(header.name)
+    while True:
+        try:
+            header = read_header(source, names)
+        except DeltaCut:
+            raise InvalidRequest("the patch holds a header line that is cut off") from None
+        if header is None:
+            return parts
         _check_against_base(header, base)
         offset = source.tell()
         if offset + header.payload_bytes > size:
             raise InvalidRequest(f"the patch ends inside tensor {header.name!r}'s bytes")
         parts.append(PatchPart(header, offset))
         source.seek(header.payload_bytes, os.SEEK_CUR)
-    return parts
-
-
-def _header(line: bytes) -> DeltaHeader:
-    try:
-        body: Any = json.loads(line)
-        header = DeltaHeader.from_json(body) if isinstance(body, dict) else None
-    except (ValueError, TypeError) as e:
-        raise InvalidRequest(f"the patch holds a header that is not a tensor's: {e}") from None
-    if header is None or not isinstance(header.name, str) or not header.name:
-        raise InvalidRequest("the patch holds a header that is not a tensor's")
-    numbers = (header.nbytes, header.count, header.positions_bytes, header.values_bytes,
-               header.values_raw_bytes)  # fmt: skip
-    if header.kind not in (SAME, PATCH, WHOLE) or any(
-        not isinstance(n, int) or n < 0 for n in numbers
-    ):
-        raise InvalidRequest(f"tensor {header.name!r}: the patch's header is malformed")
-    if header.kind == PATCH and (
-        header.element_bytes not in ELEMENT_SIZES
-        or header.gap_bytes not in ELEMENT_SIZES
-        or header.values_codec not in CODECS
-        or header.values_raw_bytes != header.count * header.element_bytes
-    ):
-        raise InvalidRequest(f"tensor {header.name!r}: the patch's element encoding is malformed")
-    return header
 
 
 def _check_against_base(header: DeltaHeader, base: Model) -> None:
@@ -161,14 +133,21 @@ def _write_unpatched(base: Model, source: BinaryIO, changed: list[PatchPart], ou
     with open(output, "wb") as out:
         out.write(header)
         out.flush()
+        at = len(header)
         for part in changed:
             if part.header.kind == WHOLE:
-                copy_range(source.fileno(), out.fileno(), part.offset, part.header.nbytes, "patch")
+                try:
+                    copy_range(source.fileno(), out.fileno(), part.offset, at, part.header.nbytes)
+                except SourceEnded:
+                    raise CheckpointError("patch", ENDED_EARLY) from None
             else:
                 entry: TensorEntry = base.contents.tensors[part.header.name]
                 with open(entry.file, "rb") as held:
-                    copy_range(held.fileno(), out.fileno(), entry.offset, entry.nbytes,
-                               entry.file.name)  # fmt: skip
+                    try:
+                        copy_range(held.fileno(), out.fileno(), entry.offset, at, entry.nbytes)
+                    except SourceEnded:
+                        raise CheckpointError(entry.file.name, ENDED_EARLY) from None
+            at += part.header.nbytes
     return len(header)
 
 
@@ -200,30 +179,6 @@ def _decode(source: BinaryIO, part: PatchPart) -> tuple[np.ndarray, np.ndarray]:
     """A patch's positions and values, checked to lie inside the tensor."""
     header = part.header
     source.seek(part.offset)
-    positions_raw = source.read(header.positions_bytes)
-    values_raw = source.read(header.values_bytes)
-    try:
-        positions = patch_positions(header, positions_raw)
-        values = patch_values(header, values_raw)
-    except (pa.ArrowException, OSError, ValueError) as e:  # pyarrow reports bad zstd as OSError
-        raise InvalidRequest(f"tensor {header.name!r}: the patch cannot be decoded: {e}") from None
-    elements = header.nbytes // header.element_bytes
-    if (
-        positions.size != header.count
-        or values.size != header.count
-        or (positions.size and (int(positions.min()) < 0 or int(positions.max()) >= elements))
-    ):
-        raise InvalidRequest(f"tensor {header.name!r}: the patch's positions lie outside it")
-    return positions, values
-
-
-def copy_range(source: int, target: int, offset: int, length: int, name: str) -> None:
-    """``length`` bytes of ``source`` from ``offset`` appended to ``target`` at its position
-    (moved past them), in the kernel where it can; a source that ends early is a checkpoint
-    error naming ``name``."""
-    at = os.lseek(target, 0, os.SEEK_CUR)
-    try:
-        copy_file_range(source, target, offset, at, length)
-    except SourceEnded:
-        raise CheckpointError(name, "a tensor's bytes end before the file says they do") from None
-    os.lseek(target, at + length, os.SEEK_SET)
+    return decode_patch(
+        header, source.read(header.positions_bytes), source.read(header.values_bytes)
+    )

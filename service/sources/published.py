@@ -33,6 +33,7 @@ from weightserve.client.errors import (
     ResourceExhausted,
     RevisionNotFound,
 )
+from weightserve.client.wire.file_patch import SourceEnded, copy_range
 from weightserve.client.wire.routes import REVISION_SEPARATOR, split_revision
 from weightserve.client.wire.safetensors_layout import LayoutEntry, safetensors_header
 from weightserve.service.readers.base import TensorEntry
@@ -41,7 +42,7 @@ from weightserve.service.sources.base import ModelSource
 from weightserve.service.sources.layout import INDEX_NAME, is_served_name, validate_model_id
 from weightserve.service.sources.local import Catalog
 from weightserve.service.sources.model import Model
-from weightserve.service.sources.patched_tensors import apply_patch_file, copy_range
+from weightserve.service.sources.patched_tensors import ENDED_EARLY, apply_patch_file
 from weightserve.service.sources.revision_stores import (
     INCOMING_PREFIX,
     RevisionStore,
@@ -485,11 +486,16 @@ def _write_safetensors(path: Path, entries: list[TensorEntry]) -> None:
         out.write(header)
         out.flush()
         sources: dict[Path, int] = {}
+        at = len(header)
         try:
             for e in entries:
                 if e.file not in sources:
                     sources[e.file] = os.open(e.file, os.O_RDONLY)
-                copy_range(sources[e.file], out.fileno(), e.offset, e.nbytes, e.file.name)
+                try:
+                    copy_range(sources[e.file], out.fileno(), e.offset, at, e.nbytes)
+                except SourceEnded:
+                    raise CheckpointError(e.file.name, ENDED_EARLY) from None
+                at += e.nbytes
         finally:
             for fd in sources.values():
                 os.close(fd)

@@ -26,7 +26,8 @@ from typing import IO, Any, Protocol
 import pyarrow.fs as pafs
 import xxhash
 
-from weightserve.client.wire.delta import PATCH, DeltaHeader
+from weightserve.client.errors import InvalidRequest
+from weightserve.client.wire.delta import PATCH, parse_header
 from weightserve.client.wire.delta_plan import DeltaEntry, header_line
 from weightserve.service.sources.model import Model
 from weightserve.service.sources.stamps import sync_path
@@ -250,7 +251,7 @@ class KeptDeltas:
             if mapping is None:
                 raise ValueError("the file is empty")
             entries = _parse_kept(mapping, path.name.removesuffix(DELTA_SUFFIX).split(".."))
-        except (ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
+        except (ValueError, KeyError, TypeError, AttributeError, struct.error, InvalidRequest) as e:
             log.warning("kept delta %s removed, computed again: %s", path.name, e)
             with contextlib.suppress(OSError):
                 path.unlink()
@@ -372,7 +373,7 @@ def _parse_kept(mapping: mmap.mmap, pair: list[str]) -> dict[str, DeltaEntry]:
         line_end = mapping.find(b"\n", position, body_end) + 1
         if line_end <= 0:
             raise ValueError("an entry is cut short")
-        header = DeltaHeader.from_json(json.loads(mapping[position:line_end]))
+        header = parse_header(mapping[position:line_end])  # the delta stream's strict rules
         position = line_end
         payload: tuple[memoryview, ...] = ()
         if header.kind == PATCH:

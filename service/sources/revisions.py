@@ -16,20 +16,17 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import mmap
 import os
 import sqlite3
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-import xxhash
-
+from weightserve.client.wire.digests import fd_digest
 from weightserve.service.sources.stamps import FileStamp, file_stamp
 
 log = logging.getLogger("weightserve.revisions")
 
-HASH_BLOCK = 16 << 20  # bytes hashed per step: big enough to run at memory speed
 REVISION_CHARS = 16
 COMMIT_CHARS = 40  # the revision as a commit id, what Hub clients expect
 
@@ -40,24 +37,18 @@ class FileChanged(OSError):
 
 def hash_file(path: Path, stamp: FileStamp) -> str:
     """xxh3-128 of the whole file, if it is still the version ``stamp`` names afterwards."""
-    h = xxhash.xxh3_128()
+
+    def covered(end: int) -> None:  # a truncation under the mapping would be SIGBUS
+        if os.fstat(f.fileno()).st_size < end:
+            raise FileChanged(f"{path.name} was truncated while being hashed")
+
     with open(path, "rb") as f:
         if file_stamp(os.fstat(f.fileno())) != stamp:
             raise FileChanged(f"{path.name} changed before it could be hashed")
-        if stamp.size:
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-                view = memoryview(mapped)
-                try:
-                    for start in range(0, len(view), HASH_BLOCK):
-                        # A truncation under the mapping would be SIGBUS: check the size first.
-                        if os.fstat(f.fileno()).st_size < min(start + HASH_BLOCK, len(view)):
-                            raise FileChanged(f"{path.name} was truncated while being hashed")
-                        h.update(view[start : start + HASH_BLOCK])
-                finally:
-                    view.release()
+        digest = fd_digest(f.fileno(), stamp.size, before_block=covered)
         if file_stamp(os.fstat(f.fileno())) != stamp:
             raise FileChanged(f"{path.name} changed while it was being hashed")
-    return h.hexdigest()
+    return digest
 
 
 class DigestStore:

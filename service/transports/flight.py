@@ -35,14 +35,14 @@ from weightserve.client.errors import (
     ModelUnavailable,
     WeightserveError,
 )
-from weightserve.client.transports.flight import (
+from weightserve.client.wire.errors import WireError
+from weightserve.client.wire.flight_lean import (
     FORMAT_HEADER,
     LEAN_CHUNK_BYTES,
     LEAN_FORMAT,
     LEAN_SCHEMA,
     encode_chunk_header,
 )
-from weightserve.client.wire.errors import WireError
 from weightserve.client.wire.schema import DEFAULT_CHUNK_BYTES, TENSOR_SCHEMA, ChunkHeader
 from weightserve.service.serving.auth import authorize
 from weightserve.service.serving.lease import StreamLease

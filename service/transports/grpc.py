@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from weightserve.client.errors import InvalidRequest, ResourceExhausted, WeightserveError
 from weightserve.client.wire.errors import WireError
+from weightserve.client.wire.grpc_methods import ENCODED_RESPONSES, METHODS, SERVICE_NAME
 from weightserve.client.wire.proto.weightserve.v1 import weightserve_pb2 as pb
 from weightserve.client.wire.schema import MAX_GRPC_MESSAGE_BYTES
 from weightserve.service.serving import files
@@ -46,8 +47,6 @@ from weightserve.service.transports.listener import (
     remove_socket_file,
     url_host,
 )
-
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WeightService"].full_name
 
 # GetTensor: the largest tensor it sends when the request names no limit, and in any case.
 GET_TENSOR_DEFAULT_BYTES = 1 << 20
@@ -395,53 +394,21 @@ def create_grpc_server(
     workers = max_workers or state.limits.max_streams + 8 + GRPC_WATCHES
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=options)
     service = WeightService(state)
-    handlers = {
-        "ListModels": grpc.unary_unary_rpc_method_handler(
-            service.ListModels,
-            request_deserializer=pb.ListModelsRequest.FromString,
-            response_serializer=pb.ListModelsResponse.SerializeToString,
-        ),
-        "GetModel": grpc.unary_unary_rpc_method_handler(
-            service.GetModel,
-            request_deserializer=pb.GetModelRequest.FromString,
-            response_serializer=pb.ModelInfo.SerializeToString,
-        ),
-        "GetServerInfo": grpc.unary_unary_rpc_method_handler(
-            service.GetServerInfo,
-            request_deserializer=pb.GetServerInfoRequest.FromString,
-            response_serializer=pb.ServerInfo.SerializeToString,
-        ),
-        "ListFiles": grpc.unary_unary_rpc_method_handler(
-            service.ListFiles,
-            request_deserializer=pb.GetModelRequest.FromString,
-            response_serializer=pb.FileList.SerializeToString,
-        ),
-        "ReadFile": grpc.unary_stream_rpc_method_handler(
-            service.ReadFile,
-            request_deserializer=pb.FileRequest.FromString,
-            response_serializer=lambda b: b,  # already encoded FileChunk
-        ),
-        "ListRevisions": grpc.unary_unary_rpc_method_handler(
-            service.ListRevisions,
-            request_deserializer=pb.GetModelRequest.FromString,
-            response_serializer=pb.RevisionList.SerializeToString,
-        ),
-        "WatchRevisions": grpc.unary_stream_rpc_method_handler(
-            service.WatchRevisions,
-            request_deserializer=pb.WatchRequest.FromString,
-            response_serializer=pb.RevisionEvent.SerializeToString,
-        ),
-        "GetTensor": grpc.unary_unary_rpc_method_handler(
-            service.GetTensor,
-            request_deserializer=pb.GetTensorRequest.FromString,
-            response_serializer=pb.TensorData.SerializeToString,
-        ),
-        "StreamTensors": grpc.unary_stream_rpc_method_handler(
-            service.StreamTensors,
-            request_deserializer=pb.TensorRequest.FromString,
-            response_serializer=lambda b: b,  # already encoded ArrowData
-        ),
-    }
+    handlers = {}
+    for name, method in METHODS.items():  # the proto's methods (client/wire/grpc_methods.py)
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if method.server_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        handlers[name] = make(
+            getattr(service, name),
+            request_deserializer=method.request.FromString,
+            # ArrowData and FileChunk messages come encoded once, around the mapping's views.
+            response_serializer=_encoded
+            if name in ENCODED_RESPONSES
+            else method.response.SerializeToString,
+        )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -524,3 +491,7 @@ class GrpcListener:
             self.server.stop(0).wait(wait)
         if self._socket_file is not None:
             remove_socket_file(self._socket_file)
+
+
+def _encoded(message: bytes) -> bytes:
+    return message

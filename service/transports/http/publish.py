@@ -18,19 +18,21 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from weightserve.client.errors import InvalidRequest, ResourceExhausted, RevisionNotFound
 from weightserve.client.wire.delta import DELTA_MEDIA_TYPE
 from weightserve.client.wire.routes import MAIN_REVISION, UPLOADS_ROUTE, with_revision
 from weightserve.service.serving.feed import DRAIN_CHECK_SECONDS, EVERY_MODEL, HEARTBEAT_SECONDS
+from weightserve.service.serving.lease import StreamLease
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.sources.base import RevisionLog
 from weightserve.service.sources.model import Model
 from weightserve.service.sources.published import Publisher, Upload
 from weightserve.service.transports.http.common import OPERATION_KEY, AccessCheck, off_loop
 from weightserve.service.transports.http.routes import get_and_head
+from weightserve.service.transports.http.streaming import LeasedStreamResponse
 
 PUBLISH_OPERATION = "publish"
 WRITE_BLOCK = 8 << 20  # bytes gathered before one write to disk, off the event loop
@@ -297,29 +299,34 @@ def add_publish_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -
         """What a worker holding revision `since` needs to hold `revision` (default `main`):
         per tensor, one JSON line (`kind` `same`, `patch` or `whole`) and its bytes
         (docs/protocol.md, "Delta updates"). A `since` the server no longer holds gives every
-        tensor whole (`x-weightserve-delta-base` empty)."""
+        tensor whole (`x-weightserve-delta-base` empty). A data route: it takes a stream slot
+        as the tensor streams do, and holds both revisions' files while it runs."""
         http.scope[OPERATION_KEY] = "stream"
+        return await run_in_threadpool(_start_delta, http, model, since, revision)
 
-        def plan() -> tuple[Model, Model | None]:
-            caller = access(http)
-            target = state.readable_model(caller, with_revision(model, revision))
-            try:
-                base = state.readable_model(caller, with_revision(model, since))
-            except RevisionNotFound:
-                base = None
-            return target, base
-
-        target, base = await run_in_threadpool(plan)
+    def _start_delta(http: Request, model: str, since: str, revision: str) -> Response:
+        caller = access(http)
+        target = state.readable_model(caller, with_revision(model, revision))
+        try:
+            base: Model | None = state.readable_model(caller, with_revision(model, since))
+        except RevisionNotFound:
+            base = None
         headers = {
             "x-weightserve-revision": target.revision,
             "x-weightserve-commit": target.commit,
             "x-weightserve-delta-base": base.commit if base is not None else "",
         }
-        return StreamingResponse(
-            iterate_in_threadpool(state.deltas.stream(target, base)),
-            media_type=DELTA_MEDIA_TYPE,
-            headers=headers,
-        )
+        client = caller.client_key(http.client.host if http.client else "")
+        with StreamLease(state, "http", counted=False) as lease:
+            lease.admit(target, {e.file for e in target.tensors.values()}, client)
+            if base is not None:
+                lease.hold(base, {e.file for e in base.tensors.values()})
+            if http.method == "HEAD":
+                # The status and headers a GET gets (a full server answers 429 here too),
+                # no body, and the slot free again at once.
+                return Response(headers=headers, media_type=DELTA_MEDIA_TYPE)
+            pieces = state.deltas.stream(target, base)
+            return LeasedStreamResponse(lease.handed_over(), pieces, headers, DELTA_MEDIA_TYPE)
 
     @app.post(f"{MODEL}/holds", tags=["publish"])
     async def hold(http: Request, model: str) -> Response:

@@ -77,11 +77,7 @@ class ArrowStreamResponse(Response):
         if self.length < DIRECT_WRITE_MIN_BYTES:
             return await self._send_whole(scope, send)
 
-        async def wait_disconnect() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-
-        gone = asyncio.ensure_future(wait_disconnect())
+        gone = _client_gone(receive)
         lease = self.lease
         pause_at = PAUSE_EVERY_BYTES
         idle = _TaskIdleCut(lease)
@@ -177,6 +173,77 @@ class ArrowStreamResponse(Response):
         await send_whole(
             scope, send, self.lease, self.raw_headers, body, data_bytes, self.status_code
         )  # a 206 of the files API too
+
+
+class LeasedStreamResponse(Response):
+    """A body of no length known in advance (the delta stream: its patches are computed as it
+    goes), sent chunked under the stream's lease like any data route's: the pieces are taken
+    on the threadpool, mapped bytes checked still mapped before they are sent, the idle cut
+    armed, the bytes counted; the pieces' iterator is closed before the lease ends (what it
+    still reads of the files is done while they are held)."""
+
+    def __init__(
+        self,
+        lease: StreamLease,
+        pieces: Iterator[bytes | memoryview],
+        headers: dict[str, str],
+        media_type: str,
+    ) -> None:
+        # Not Response.__init__: it would send Content-Length 0 for a body it is not given.
+        self.status_code = 200
+        self.media_type = media_type
+        self.background = None
+        self.init_headers(headers)
+        self.lease = lease
+        self.pieces = pieces
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        gone = _client_gone(receive)
+        lease = self.lease
+        idle: _TaskIdleCut | None = None
+        try:
+            idle = _TaskIdleCut(lease)
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            while not gone.done():
+                piece = await anyio.to_thread.run_sync(next, self.pieces, None)
+                if piece is None:
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    lease.finished()
+                    break
+                if isinstance(piece, memoryview) and isinstance(piece.obj, mmap.mmap):
+                    _ensure_still_mapped(piece.obj)  # before the send reads it (SIGBUS)
+                await send({"type": "http.response.body", "body": piece, "more_body": True})
+                lease.progress(len(piece))
+            else:
+                scope[ERROR_KEY] = "Cancelled"
+        except asyncio.CancelledError:
+            _cut_idle(scope, lease, idle)
+        except WeightserveError as e:  # e.g. a file changed while its patch was computed
+            scope[ERROR_KEY] = type(e).__name__
+            log.warning("delta stream of model %s broke: %s", lease.model_id, e)
+        finally:
+            gone.cancel()
+            # On a thread: closing the iterator waits for the diffs it started. Shielded, so a
+            # second cancellation still leaves the lease closed once they are done.
+            await asyncio.shield(asyncio.get_running_loop().run_in_executor(None, self._end))
+
+    def _end(self) -> None:
+        try:
+            close = getattr(self.pieces, "close", None)
+            if close is not None:
+                close()
+        finally:
+            self.lease.close()
+
+
+def _client_gone(receive: Any) -> asyncio.Future[None]:
+    """Done once the client disconnects (the ASGI ``http.disconnect``): cancel it at the end."""
+
+    async def wait_disconnect() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    return asyncio.ensure_future(wait_disconnect())
 
 
 def whole_body(messages: Iterator) -> tuple[bytes, int]:
@@ -637,11 +704,7 @@ class GrowingFileResponse(Response):
         self.waits = waits
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        async def wait_disconnect() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-
-        gone = asyncio.ensure_future(wait_disconnect())
+        gone = _client_gone(receive)
         sent = 0
         try:
             await send({"type": "http.response.start", "status": self.status_code,

@@ -178,11 +178,11 @@ def test_a_relay_reads_a_server_through_public_names(tmp_path: Path) -> None:
                 source.close()
             watch = server.open_watch(None, None)
             try:
-                hello = json.loads(watch.readline(10))
+                hello = json.loads(watch.readline(silence=10))
                 assert hello["event"] == "hello", hello
                 with Client(srv.http_url) as c:
                     second = c.publish("team/m", _weights(2), base=first.commit)
-                while (event := json.loads(watch.readline(10)))["event"] != "revision":
+                while (event := json.loads(watch.readline(silence=10)))["event"] != "revision":
                     pass
                 assert event["commit"] == second.commit
             finally:
@@ -231,7 +231,7 @@ def test_a_line_stream_cut_or_silent_is_server_unreachable(cut: str) -> None:
         lines = transport.open_watch("m", None)
         try:
             with pytest.raises(ServerUnreachable, match="the answer was cut off") as caught:
-                while lines.readline(0.3):
+                while lines.readline(silence=0.3):
                     pass
         finally:
             lines.close()

@@ -7,6 +7,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
@@ -20,9 +21,13 @@ POLL_SECONDS = 0.5  # how often a prefetch's progress is asked for
 
 
 def add_cache_parser(
-    sub: Any, parser_class: type[argparse.ArgumentParser], token_help: str
+    sub: Any,
+    parser_class: type[argparse.ArgumentParser],
+    token_help: str,
+    retry: tuple[Callable[[str], float], str | None, str],
 ) -> None:
-    """The ``cache`` subcommand and its actions, on the ``weightserve`` command's subparsers."""
+    """The ``cache`` subcommand and its actions, on the ``weightserve`` command's subparsers;
+    ``retry`` is --retry-seconds' (type, default, help), as the other commands take it."""
     cache = sub.add_parser(
         "cache",
         help="warm, evict or re-verify a model in a node cache",
@@ -42,6 +47,7 @@ def add_cache_parser(
         p.add_argument("url", help="the node's server, http://HOST:PORT")
         p.add_argument("model", metavar="ID[@R]", help="model id, optionally at a revision")
         p.add_argument("--token", default=None, help=token_help)
+        p.add_argument("--retry-seconds", type=retry[0], default=retry[1], help=retry[2])
         if action == "prefetch":
             p.add_argument("--quiet", action="store_true", help="no progress bar")
             p.add_argument(
@@ -58,6 +64,7 @@ def admin_path(model_id: str, action: str | None = None) -> str:
 
 def run_cache(args: argparse.Namespace) -> int:
     # Imported when run, as the other commands do: `weightserve --help` stays quick.
+    from weightserve.client._retry import wait_for_server
     from weightserve.client.transports.http import HttpTransport
     from weightserve.client.wire.routes import parse_url
 
@@ -67,6 +74,7 @@ def run_cache(args: argparse.Namespace) -> int:
         args.command_parser.error(str(e))
     if address.transport != "http" or in_url is not None:
         args.command_parser.error(f"give the node's server as http://HOST:PORT, not {args.url!r}")
+    wait_for_server(address, args.retry_seconds)
     token = args.token or os.environ.get("WEIGHTSERVE_TOKEN")
     transport = HttpTransport(address, token=token)
     try:

@@ -13,10 +13,12 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from weightserve.client._cache_cli import add_cache_parser
+from weightserve.client._extras import install_hint
+from weightserve.client._retry import COMMAND_START_SECONDS
 from weightserve.client.arg_types import positive_int
-from weightserve.client.errors import WeightserveError
+from weightserve.client.errors import TOKEN_HINT_CLI, Unauthenticated, WeightserveError
 
-_SERVER_EXTRA = "pip install 'weightserve[server]'"
+_SERVER_EXTRA = install_hint("server")
 
 
 class _CommandParser(argparse.ArgumentParser):
@@ -66,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="weightserve",
         description="Serve model weights as Arrow streams over HTTP, gRPC and Arrow Flight, and fetch them.",
     )
+    parser.add_argument(
+        "--version", "-V", action="version", version=f"weightserve {_package_version()}"
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
     serve = sub.add_parser(
         "serve",
@@ -86,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     retry_env = "WEIGHTSERVE_RETRY_SECONDS"
     retry_help = (
         "how long to keep trying a busy, restarting or unreachable server, with jittered "
-        f"backoff; 0: never (env {retry_env}; default 60)"
+        f"backoff; 0: never (env {retry_env}; default: {COMMAND_START_SECONDS:g} s for a server "
+        "that refuses the first connection, 60 s for an outage after it answered)"
     )
     retry_default = os.environ.get(retry_env) or None  # a string: argparse parses it too
     revision_help = (
@@ -173,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     publish.add_argument("--message", "-m", default="", help="what changed")
     publish.add_argument("--token", default=None, help=token_help)
+    publish.add_argument(
+        "--retry-seconds", type=_retry_seconds, default=retry_default, help=retry_help
+    )
     publish.add_argument("--quiet", action="store_true", help="no progress bar")
     publish.set_defaults(func=_publish)
 
@@ -189,17 +198,38 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=float, default=None, help="stop after this many seconds (default: never)"
     )
     watch.add_argument("--token", default=None, help=token_help)
+    watch.add_argument(
+        "--retry-seconds", type=_retry_seconds, default=retry_default, help=retry_help
+    )
     watch.set_defaults(func=_watch)
-    add_cache_parser(sub, _CommandParser, token_help)
+    add_cache_parser(sub, _CommandParser, token_help, (_retry_seconds, retry_default, retry_help))
     sub.add_parser(
         "max",
         add_help=False,  # `weightserve max --help` is MAX's help
         help="run MAX's command line (max generate, max serve ...) on a model URL",
         description="weightserve max ARGS...: MAX's `max ARGS...`, where --model-path may be "
         "http://HOST:PORT/v1/models/MODEL or grpc://HOST:PORT/MODEL; the weights stay on the "
-        "server (needs: pip install 'weightserve[max]' 'max[serve]').",
+        f"server (needs MAX: {install_hint('max', 'max[serve]')}).",
     )
     return parser
+
+
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("weightserve")
+    except PackageNotFoundError:  # run from a tree that was never installed
+        return "(version unknown: not installed)"
+
+
+def reach_server(args: argparse.Namespace) -> None:
+    """Wait for the server of ``args.url`` as ``--retry-seconds`` says (by default a short
+    while): called by each command once its arguments are checked, before it talks to it."""
+    from weightserve.client._retry import wait_for_server
+    from weightserve.client.wire.routes import parse_url
+
+    wait_for_server(parse_url(args.url)[0], args.retry_seconds)
 
 
 def _no_server(args: argparse.Namespace) -> int:
@@ -220,6 +250,7 @@ def _ls(args: argparse.Namespace) -> int:
     _, model_id = parse_url(args.url)
     if model_id is None and args.revision is not None:
         args.command_parser.error("--revision names a revision of one model: give a model URL")
+    reach_server(args)
     with Client(args.url, token=args.token, retry_seconds=args.retry_seconds) as client:
         if model_id is None:
             models, problems = client.list_models()
@@ -271,6 +302,7 @@ def _pull(args: argparse.Namespace) -> int:
     # The default directory is named by the model, not by the revision asked for.
     name = split_revision(model_id)[0].rstrip("/").split("/")[-1]
     out_dir = Path(args.out) if args.out else Path(name)
+    reach_server(args)
     with Client(args.url, token=args.token, retry_seconds=args.retry_seconds) as client:
         options = FetchOptions(parallel=args.parallel, verify=args.verify)
         model = client.model(model_id, options, revision=args.revision)
@@ -307,8 +339,9 @@ def _publish(args: argparse.Namespace) -> int:
     if not args.dir.is_dir():
         args.command_parser.error(f"{args.dir} is not a directory")
     total = sum(p.stat().st_size for p in args.dir.rglob("*") if p.is_file())
+    reach_server(args)
     with (
-        Client(args.url, token=args.token) as client,
+        Client(args.url, token=args.token, retry_seconds=args.retry_seconds) as client,
         _progress(args, model_id, total) as (sent, _, _),
     ):
         revision = publish_directory(
@@ -333,7 +366,8 @@ def _watch(args: argparse.Namespace) -> int:
     _, model_id = parse_url(args.url)
     if model_id is None:
         return args.command_parser.error("give a model URL, e.g. http://HOST:PORT/v1/models/MODEL")
-    with Client(args.url, token=args.token) as client:
+    reach_server(args)
+    with Client(args.url, token=args.token, retry_seconds=args.retry_seconds) as client:
         for rev in watch(client.transport, model_id, args.since, args.timeout):
             when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(rev.created))
             print(f"{rev.commit}  {when}  {_size(rev.bytes):>10}  {rev.message}", flush=True)
@@ -455,7 +489,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except WeightserveError as e:
-        print(f"weightserve {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        hint = f" ({TOKEN_HINT_CLI})" if isinstance(e, Unauthenticated) else ""
+        print(f"weightserve {args.command}: {type(e).__name__}: {e}{hint}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from weightserve.client._extras import import_torch
 from weightserve.client._models import TensorInfo
 from weightserve.client.receive.stream import ALIGNMENT, aligned_empty
 from weightserve.client.transports.handoff import writable_alias
@@ -46,7 +47,7 @@ class StagingRing:
     and from memory of their own (a same-node handoff's views among them)."""
 
     def __init__(self, nbytes: int, device: Any) -> None:
-        import torch  # optional: only device loads need it
+        torch = import_torch()  # optional: only device loads need it
 
         self._torch = torch
         self.device = torch.device(device)
@@ -156,7 +157,7 @@ def torch_dtype(info: TensorInfo) -> tuple[Any, tuple[int, ...]]:
     """The torch dtype and shape a served tensor takes on a device: its own where torch has
     that dtype, else its raw bytes as ``fetch`` gives them (uint8: GGML blocks in their byte
     shape, packed sub-byte types flat)."""
-    import torch
+    torch = import_torch()
 
     spec = wire_dtype(info.dtype)
     dtype = getattr(torch, info.dtype, None)
@@ -183,7 +184,7 @@ def load_to_device(
     them, each written into ``into[name]`` where given, else into a new tensor on ``device``.
     Every ``into`` tensor is checked before any byte moves, so a refusal leaves them all as
     they were."""
-    import torch
+    torch = import_torch()
 
     layouts = {name: torch_dtype(tensors[name]) for name in names}
     for name, target in (into or {}).items():

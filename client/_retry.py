@@ -5,7 +5,8 @@ A refusal that says it is temporary (``retry_after`` set: a stream limit reached
 shutting down), a server that cannot be reached and a stream that broke are retried; every
 other error is final. The budget (``retry_seconds``; ``WEIGHTSERVE_RETRY_SECONDS``; 60 s by
 default) is how long one outage may last: long enough for a pod to restart, and it starts
-again once data flows.
+again once data flows. A ``weightserve`` command first waits for the server to accept a
+connection (``wait_for_server``) only briefly unless told, so a wrong URL fails in seconds.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import os
 import random
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from weightserve.client.errors import (
     DataCorruption,
@@ -30,10 +31,17 @@ from weightserve.client.errors import (
 )
 from weightserve.client.wire.backoff import Delays
 
+if TYPE_CHECKING:
+    from weightserve.client.wire.routes import ServerAddress
+
 log = logging.getLogger("weightserve.client")
 
 RETRY_ENV = "WEIGHTSERVE_RETRY_SECONDS"
 DEFAULT_RETRY_SECONDS = 60.0
+# How long a ``weightserve`` command waits for a server that refuses its first connection
+# when neither --retry-seconds nor the variable says: a mistyped URL fails in seconds. Once the
+# server has answered, an outage gets the budget above as in the library.
+COMMAND_START_SECONDS = 2.0
 FIRST_WAIT = 0.25  # seconds before the first retry, doubled on each further one...
 LONGEST_WAIT = 5.0  # ...up to this (a server's own hint may ask for longer)
 
@@ -128,7 +136,7 @@ class Backoff:
         """``exc`` (same class) saying how long it was retried and how to wait longer."""
         message = (
             f"{exc} (gave up after retrying for {self.budget:g} s; to wait longer, set "
-            f"retry_seconds or {RETRY_ENV})"
+            f"retry_seconds (the command line's --retry-seconds) or {RETRY_ENV})"
         )
         again = copy.copy(exc)  # the same class and attributes (retry_after), a new message
         again.args = (message,)
@@ -156,3 +164,34 @@ def call_with_retry(
             if on_wait is not None:
                 on_wait(reason, wait)
             time.sleep(wait)
+
+
+def wait_for_server(address: ServerAddress, budget: float | None) -> None:
+    """The command line's first step: return once ``address`` accepts a connection;
+    ServerUnreachable after ``budget`` seconds of refusals (None: ``COMMAND_START_SECONDS``),
+    naming --retry-seconds (a server still starting needs a longer one)."""
+    import socket
+
+    if budget is None:
+        budget = COMMAND_START_SECONDS
+    backoff = Backoff(budget)
+    timeout = max(1.0, min(budget, 10.0))  # a host that drops packets answers nothing
+    while True:
+        try:
+            if address.socket_path is not None:
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.settimeout(timeout)
+                    s.connect(address.socket_path)
+            else:
+                socket.create_connection((address.host, address.port), timeout=timeout).close()
+            return
+        except OSError as e:
+            error = ServerUnreachable(f"cannot reach weightserve at {address.url}: {e}")
+        wait = backoff.next_wait(error)
+        if wait is None:
+            tried = f"gave up after retrying for {budget:g} s; " if budget else ""
+            raise ServerUnreachable(
+                f"{error} ({tried}is it running? To wait for a server that is starting, give "
+                f"--retry-seconds N or set {RETRY_ENV})"
+            )
+        time.sleep(wait)

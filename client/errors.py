@@ -189,6 +189,17 @@ class WeightsClosed(WeightserveError, RuntimeError):
     Client only."""
 
 
+# Said with a refused token on this side: the server's own message speaks of its protocol's
+# header, while a client user gives the token as one of these.
+TOKEN_HINT = (
+    "give the server's token as Client(..., token=...) or in the WEIGHTSERVE_TOKEN "
+    "environment variable"
+)
+TOKEN_HINT_CLI = (
+    "give the server's token with --token or the WEIGHTSERVE_TOKEN environment variable"
+)
+
+
 # One table: exception class -> (HTTP status, gRPC status code name). Subclasses inherit the
 # row of their nearest listed ancestor (the client-only classes: WeightserveError's, never
 # used). A test checks every class above resolves to a row.
@@ -257,6 +268,9 @@ def error_from_wire(
     cls = ERROR_CLASSES.get(class_name, WeightserveError)
     exc = cls.__new__(cls)
     Exception.__init__(exc, message)
+    if isinstance(exc, Unauthenticated) and hasattr(exc, "add_note"):  # Python >= 3.11
+        # Shown under a traceback, kept out of the message (the same on both sides).
+        exc.add_note(TOKEN_HINT)
     if retry_after is not None:
         exc.retry_after = retry_after
     return exc

@@ -257,6 +257,8 @@ _METAVARS: dict[Callable[[str], object], str] = {
     file_mode: "MODE",
     user_ids: "UIDS",
 }
+# Settings whose plain-string value is not a file.
+_METAVARS_BY_DEST = {"cache_dir": "DIR", "origin_token": "TOKEN"}
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -273,7 +275,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                 s.flag, type=s.value, action="append", default=None, metavar="MODEL", help=help_text
             )
         else:
-            metavar = _METAVARS.get(s.value, s.dest.split("_")[-1].upper())
+            metavar = _METAVARS_BY_DEST.get(s.dest) or _METAVARS.get(
+                s.value, s.dest.split("_")[-1].upper()
+            )
             parser.add_argument(s.flag, type=s.value, default=None, metavar=metavar, help=help_text)
 
 

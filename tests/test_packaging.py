@@ -21,9 +21,11 @@ from pathlib import Path
 
 import pytest
 
+from weightserve.client._extras import install_hint
+
 REPO = Path(__file__).resolve().parents[1]
 SERVER_ONLY = ("fastapi", "uvicorn", "starlette", "safetensors", "gguf", "prometheus_client")
-NEEDS_EXTRA = "weightserve serve needs the server extra: pip install 'weightserve[server]'\n"
+NEEDS_EXTRA = f"weightserve serve needs the server extra: {install_hint('server')}\n"
 COPY_IGNORE = shutil.ignore_patterns(
     ".git", ".venv", ".venv-max", "venv", "*.egg-info", "build", "dist", "__pycache__",
     ".*_cache", ".bench-cache", ".grpc-tools", "*.pyc",
@@ -148,7 +150,7 @@ def test_fresh_venv_cli(installed: Installed) -> None:
         assert served.stdout == ""
     serve_help = run([installed.weightserve, "serve", "--help"], cwd=installed.work)
     assert serve_help.returncode == 0
-    assert "pip install 'weightserve[server]'" in " ".join(serve_help.stdout.split())
+    assert install_hint("server") in " ".join(serve_help.stdout.split())
     # ls and pull still refuse unknown options.
     bad = run([installed.weightserve, "ls", "http://127.0.0.1:1", "--nope"], cwd=installed.work)
     assert bad.returncode == 2 and "unrecognized arguments: --nope" in bad.stderr

@@ -20,13 +20,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from weightserve.client._extras import install_hint
 from weightserve.client.wire.routes import is_url, parse_url
 
 __all__ = ["run_max"]
 
 # MAX 26.7's spellings of the option that names the model (``--model`` is an alias).
 MODEL_FLAGS = ("--model-path", "--model")
-MAX_EXTRAS = "pip install 'weightserve[max]' 'max[serve]'"
+MAX_EXTRAS = install_hint("max", "max[serve]")
 # Where the side files of URL models go, kept between runs (default: a temporary directory
 # removed when MAX exits).
 MODELS_DIR_ENV = "WEIGHTSERVE_MAX_DIR"
@@ -125,7 +126,8 @@ def _main() -> None:
         from max._entrypoints.pipelines import main
 
         sys.argv = ["max", *sys.argv[1:]]
-        main()
+        # Click would name the program after this module (python -m ...): name the command.
+        main(prog_name="weightserve max")
 
 
 # Run as MAX's process (``__main__``) or imported again by name in a process MAX spawned

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from weightserve.client._extras import install_hint
 from weightserve.client.max import weight_types as _weight_types
 from weightserve.client.transports.handoff import writable_alias
 from weightserve.client.wire.dtypes import wire_dtype
@@ -203,5 +204,5 @@ def backend(use_max: bool | None = None) -> Backend:
     if use_max is None:
         use_max = max_available()
     elif use_max and not max_available():
-        raise ImportError("use_max=True needs the max package (pip install 'weightserve[max]')")
+        raise ImportError(f"use_max=True needs the max package: {install_hint('max')}")
     return _backend(bool(use_max))

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from weightserve.client._client import Client, FetchOptions
+from weightserve.client._extras import install_hint
 from weightserve.client.max.compat import max_available
 from weightserve.client.max.weights import RemoteWeights
 from weightserve.client.transports.base import DEFAULT_READ_TIMEOUT, TLSOptions
@@ -165,9 +166,8 @@ def load_weights(
         )
     if use_max is False or not max_available():
         raise ImportError(
-            "loading local checkpoint files needs the max package (pip install"
-            " 'weightserve[max]'); without it, serve them with `weightserve serve DIR` and"
-            " pass the model URL"
+            f"loading local checkpoint files needs the max package ({install_hint('max')});"
+            " without it, serve them with `weightserve serve DIR` and pass the model URL"
         )
     from max.graph.weights import load_weights as max_load_weights
 

@@ -21,8 +21,8 @@ from weightserve.client._arg_types import (
     switch,
 )
 from weightserve.service.serving.state import Limits
-from weightserve.service.sources.node_cache import parse_size
-from weightserve.service.sources.origins import (
+from weightserve.service.sources.cache.node_cache import parse_size
+from weightserve.service.sources.origin.upstream import (
     DEFAULT_CONCURRENCY,
     DEFAULT_PART_BYTES,
     UPSTREAM_READ_TIMEOUT,

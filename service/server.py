@@ -24,19 +24,19 @@ from weightserve.service.config import default_of
 from weightserve.service.serving.auth import TokenStore
 from weightserve.service.serving.state import Limits, ServiceState
 from weightserve.service.sources.base import ModelSource
-from weightserve.service.sources.follow import UpstreamFollower
-from weightserve.service.sources.local import Catalog
-from weightserve.service.sources.node_cache import NodeCache
-from weightserve.service.sources.origin import OriginCatalog
-from weightserve.service.sources.origins import FileSystemOrigin, OriginFile, open_origin
-from weightserve.service.sources.published import Publisher
-from weightserve.service.sources.revision_stores import (
+from weightserve.service.sources.cache.node_cache import NodeCache
+from weightserve.service.sources.local.catalog import Catalog
+from weightserve.service.sources.origin.catalog import OriginCatalog
+from weightserve.service.sources.origin.follow import UpstreamFollower
+from weightserve.service.sources.origin.upstream import FileSystemOrigin, OriginFile, open_origin
+from weightserve.service.sources.publishing.publisher import Publisher
+from weightserve.service.sources.revisions.content import DigestStore
+from weightserve.service.sources.revisions.stores import (
     DELTAS_DIR,
     RECORDS_DIR,
     BucketStore,
     DirectoryStore,
 )
-from weightserve.service.sources.revisions import DigestStore
 from weightserve.service.transports.flight import FlightListener
 from weightserve.service.transports.grpc import GrpcListener
 from weightserve.service.transports.handoff import HandoffListener, HandoffServer
@@ -67,7 +67,7 @@ class ServerConfig:
     limits: Limits | None = None
     token_file: str | None = None  # bearer tokens, one per line (see service/serving/auth.py)
     protect_metrics: bool = False  # /metrics needs a token too
-    # Publishing (service/sources/published.py): open to all only with allow_publish, else
+    # Publishing (service/sources/publishing/publisher.py): open to all only with allow_publish, else
     # to tokens granted publish=PATTERN; uploads bounded; older revisions removed.
     allow_publish: bool = False
     max_upload_bytes: int = default_of("max_upload_bytes")
@@ -78,7 +78,7 @@ class ServerConfig:
     # How often the root is searched for new or removed models.
     rescan_seconds: float = default_of("rescan")
     watch: bool = True  # rescan on file-system events too (inotify), not only periodically
-    # A node cache over an upstream weightserve watches its announcements (follow.py).
+    # A node cache over an upstream weightserve watches its announcements (sources/origin/follow.py).
     follow: bool = True
     # Where file content digests are remembered across restarts (file-digests.sqlite); None:
     # in memory only, so each start reads every file once to compute revisions.
@@ -100,7 +100,7 @@ class ServerConfig:
     # Who may connect is decided by who can reach the directory.
     uds_mode: int = default_of("uds_mode")
     uds_uids: tuple[int, ...] = ()  # if given, only these user ids get descriptors
-    # Memory for the handoff's sealed snapshots (service/sources/snapshots.py); None: a
+    # Memory for the handoff's sealed snapshots (service/sources/files/snapshots.py); None: a
     # quarter of what the server may use, 0: none (clients copy).
     handoff_snapshot_bytes: int | None = None
 
@@ -286,7 +286,7 @@ class WeightServer:
             self.state.deltas.kept = store.deltas  # patches between them kept beside them
             self.state.revision_log = self.state.publisher
         # A node cache announces a model's revision once it holds it, and follows an
-        # upstream weightserve by watching it (service/sources/follow.py).
+        # upstream weightserve by watching it (service/sources/origin/follow.py).
         self._follower: UpstreamFollower | None = None
         if isinstance(self.catalog, OriginCatalog):
             self.catalog.on_revision = self.state.feed.announce

@@ -32,7 +32,7 @@ from weightserve.client.wire.dtypes import wire_dtype
 from weightserve.service.readers.base import TensorEntry
 from weightserve.service.serving.metrics import Metrics
 from weightserve.service.sources.model import Model
-from weightserve.service.sources.revision_stores import KeptDeltas, KeptDeltaWriter
+from weightserve.service.sources.revisions.stores import KeptDeltas, KeptDeltaWriter
 
 log = logging.getLogger("weightserve.delta")
 

@@ -19,8 +19,8 @@ from weightserve.service.serving.idle import IdleCutter
 from weightserve.service.serving.metrics import Metrics, NodeCacheCollector
 from weightserve.service.sources.base import ModelSource, RevisionLog
 from weightserve.service.sources.model import Model
-from weightserve.service.sources.published import Publisher
-from weightserve.service.sources.revision_stores import revision_record
+from weightserve.service.sources.publishing.publisher import Publisher
+from weightserve.service.sources.revisions.stores import revision_record
 
 
 @dataclass

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from weightserve.client.errors import OriginUnavailable
+from weightserve.service.sources.cache.node_cache import CacheStats
 from weightserve.service.sources.model import Model
-from weightserve.service.sources.node_cache import CacheStats
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class CacheControls(Protocol):
 
 class RevisionLog(Protocol):
     """The revisions a server announces to watchers (the watch routes): a local root's
-    published ones (service/sources/published.py), or the newest a node cache holds."""
+    published ones (service/sources/publishing/publisher.py), or the newest a node cache holds."""
 
     def revisions(self, model_id: str) -> list[dict[str, Any]]:
         """Records ``{commit, parent, created, bytes, message, metadata}``, ``main`` first."""
@@ -63,9 +63,9 @@ class ModelSource(Protocol):
     The local catalog (a directory) and the origin catalog (an origin filled into a node
     cache, served through a local catalog of the cache) implement it; callers ask it, never
     which source they hold. ``get("ID@R")`` answers revision R of a model from the revisions
-    the source holds (service/sources/pinning.py): a source that keeps older revisions' files
+    the source holds (service/sources/revisions/pinning.py): a source that keeps older revisions' files
     offers them there. ``describe`` answers metadata before a fill. Revisions are
-    published into a local root (service/sources/published.py) and announced to watchers
+    published into a local root (service/sources/publishing/publisher.py) and announced to watchers
     by a ``RevisionLog``.
     """
 

@@ -28,7 +28,7 @@ from weightserve.service.serving.feed import DRAIN_CHECK_SECONDS, EVERY_MODEL, H
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.sources.base import RevisionLog
 from weightserve.service.sources.model import Model
-from weightserve.service.sources.published import Publisher, Upload
+from weightserve.service.sources.publishing.publisher import Publisher, Upload
 from weightserve.service.transports.http.common import OPERATION_KEY, AccessCheck, off_loop
 from weightserve.service.transports.http.routes import get_and_head
 

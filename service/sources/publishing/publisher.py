@@ -1,6 +1,6 @@
 """Published revisions: new weights a trainer sends, stored as ordinary checkpoint files in
 the Hugging Face hub cache's layout, under a local root or in the bucket a node serves
-(service/sources/revision_stores.py), which the catalogs already serve.
+(service/sources/revisions/stores.py), which the catalogs already serve.
 
 ``models--ORG--NAME/snapshots/COMMIT/`` holds each revision's files (served as
 ``ORG/NAME@COMMIT``), ``refs/main`` names the newest (served as ``ORG/NAME``), and
@@ -39,15 +39,15 @@ from weightserve.service.readers.base import TensorEntry
 from weightserve.service.readers.safetensors import SafetensorsReader
 from weightserve.service.sources.base import ModelSource
 from weightserve.service.sources.layout import INDEX_NAME, is_served_name, validate_model_id
-from weightserve.service.sources.local import Catalog
+from weightserve.service.sources.local.catalog import Catalog
 from weightserve.service.sources.model import Model
-from weightserve.service.sources.patched_tensors import apply_patch_file, copy_range
-from weightserve.service.sources.revision_stores import (
+from weightserve.service.sources.publishing.patched_tensors import apply_patch_file, copy_range
+from weightserve.service.sources.revisions.content import DigestStore
+from weightserve.service.sources.revisions.stores import (
     INCOMING_PREFIX,
     RevisionStore,
     revision_record,
 )
-from weightserve.service.sources.revisions import DigestStore
 
 log = logging.getLogger("weightserve.publish")
 

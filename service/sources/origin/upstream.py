@@ -96,8 +96,8 @@ class ObjectVersion(OriginFile):
 
 ORIGIN_REQUEST_KINDS = ("list", "head", "get", "watch")  # watch: a follower's connection
 # What bytes taken from the origin were for: a model's fill, the header reads that describe a
-# model not cached (service/sources/headers.py), a side file fetched alone, an upstream's
-# delta stream and new headers a changed file was built from (service/sources/patched_files.py).
+# model not cached (service/sources/origin/headers.py), a side file fetched alone, an upstream's
+# delta stream and new headers a changed file was built from (service/sources/cache/patched_files.py).
 ORIGIN_BYTE_KINDS = ("fill", "header", "file", "patch")
 
 
@@ -727,7 +727,7 @@ class UpstreamOrigin:
 
     def events(self) -> Iterator[dict[str, Any]]:
         """The upstream's announcements of new revisions of every model (``GET /v1/watch``),
-        one connection, until it ends or breaks (service/sources/follow.py reconnects)."""
+        one connection, until it ends or breaks (service/sources/origin/follow.py reconnects)."""
         conn, resp = self.requests.call("watch", lambda: self.transport.open_lines("/v1/watch"))
         try:
             while True:

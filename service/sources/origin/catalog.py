@@ -1,5 +1,5 @@
 """A catalog whose models come from an origin (object storage, an upstream weightserve) through
-the node's fill cache (service/sources/node_cache.py).
+the node's fill cache (service/sources/cache/node_cache.py).
 
 The origin's listing names the models, by the local root's rules applied to file names alone:
 a directory holding weight files (``*.safetensors``, ``*.bin``, ``*.pt``, ``*.pth``) is a model
@@ -34,7 +34,13 @@ from weightserve.client.errors import (
 )
 from weightserve.client.wire.routes import MAIN_REVISION, split_revision, with_revision
 from weightserve.service.sources.base import Problem
-from weightserve.service.sources.headers import HeaderImages
+from weightserve.service.sources.cache.node_cache import (
+    CacheDigests,
+    CacheStats,
+    EvictionRefused,
+    LandedFile,
+    NodeCache,
+)
 from weightserve.service.sources.layout import (
     base_model_id,
     checkpoint_format,
@@ -45,17 +51,10 @@ from weightserve.service.sources.layout import (
     validate_model_id,
     weight_format,
 )
-from weightserve.service.sources.local import Catalog
+from weightserve.service.sources.local.catalog import Catalog
 from weightserve.service.sources.model import Model
-from weightserve.service.sources.node_cache import (
-    CacheDigests,
-    CacheStats,
-    EvictionRefused,
-    LandedFile,
-    NodeCache,
-)
-from weightserve.service.sources.origins import Origin, OriginFile
-from weightserve.service.sources.past_revisions import (
+from weightserve.service.sources.origin.headers import HeaderImages
+from weightserve.service.sources.origin.past_revisions import (
     PAST_COPIES,
     PastFile,
     PastRevision,
@@ -63,13 +62,14 @@ from weightserve.service.sources.past_revisions import (
     model_file_name,
     revision_of,
 )
-from weightserve.service.sources.pinning import pick_revision
-from weightserve.service.sources.revision_stores import revision_record
-from weightserve.service.sources.revisions import (
+from weightserve.service.sources.origin.upstream import Origin, OriginFile
+from weightserve.service.sources.revisions.content import (
     COMMIT_CHARS,
     REVISION_CHARS,
     content_revision,
 )
+from weightserve.service.sources.revisions.pinning import pick_revision
+from weightserve.service.sources.revisions.stores import revision_record
 
 log = logging.getLogger("weightserve.service")
 
@@ -157,7 +157,7 @@ def hub_repo_models(
     files: list[OriginFile], read_ref: Callable[[OriginFile], str] | None
 ) -> tuple[dict[str, list[OriginFile]], set[str]]:
     """Repositories in the hub cache's layout (revisions published into a bucket,
-    service/sources/published.py): each is its model id with ``refs/main`` and the files of
+    service/sources/publishing/publisher.py): each is its model id with ``refs/main`` and the files of
     the snapshot it names (so the node's copy is laid out as the local catalog reads a hub
     cache), offered only once that snapshot is listed: the pointer is written last. Also
     every name inside such a repository, taken out of the other rules."""
@@ -764,7 +764,7 @@ class OriginCatalog:
         with self.cache.using(base):
             yield
 
-    # -- revisions announced to watchers (a RevisionLog; service/sources/follow.py) -----------
+    # -- revisions announced to watchers (a RevisionLog; service/sources/origin/follow.py) -----------
 
     def revisions(self, model_id: str) -> list[dict[str, Any]]:
         """The revision the node holds of the model (a node keeps its newest), or for one not

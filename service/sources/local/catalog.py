@@ -51,6 +51,7 @@ from weightserve.client.errors import CheckpointError, ModelNotFound, ModelUnava
 from weightserve.client.wire.routes import MAIN_REVISION, RESERVED_PART, split_revision
 from weightserve.service.readers.base import FormatReader
 from weightserve.service.sources.base import Problem
+from weightserve.service.sources.files.stamps import FileStamp, current_stamps
 from weightserve.service.sources.layout import (
     CHECKPOINT_SUFFIXES,
     GGUF_SUFFIXES,
@@ -69,9 +70,8 @@ from weightserve.service.sources.layout import (
     weight_sets,
 )
 from weightserve.service.sources.model import Model
-from weightserve.service.sources.pinning import pick_revision
-from weightserve.service.sources.revisions import DigestStore
-from weightserve.service.sources.stamps import FileStamp, current_stamps
+from weightserve.service.sources.revisions.content import DigestStore
+from weightserve.service.sources.revisions.pinning import pick_revision
 
 log = logging.getLogger("weightserve.catalog")
 
@@ -133,7 +133,7 @@ class Catalog:
         self._model_dirs: set[Path] = set()
         self._lock = threading.Lock()
         # Streams reading each model's directory (``using``): a published revision being
-        # streamed is kept from retention (service/sources/published.py).
+        # streamed is kept from retention (service/sources/publishing/publisher.py).
         self._streamed: dict[Path, int] = {}
         self.scan()
 

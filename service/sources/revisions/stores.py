@@ -28,8 +28,8 @@ import xxhash
 
 from weightserve.client.wire.delta import PATCH, DeltaHeader
 from weightserve.client.wire.delta_plan import DeltaEntry, header_line
+from weightserve.service.sources.files.stamps import sync_path
 from weightserve.service.sources.model import Model
-from weightserve.service.sources.stamps import sync_path
 
 log = logging.getLogger("weightserve.publish")
 

@@ -51,13 +51,13 @@ from weightserve.client.errors import (
     ResourceExhausted,
     WeightserveError,
 )
+from weightserve.service.sources.cache.patched_files import build_from_patches
+from weightserve.service.sources.files.stamps import FileStamp, file_stamp, sync_path
 from weightserve.service.sources.layout import hub_repo_file, split_gguf_model
-from weightserve.service.sources.patched_files import build_from_patches
-from weightserve.service.sources.revisions import DigestStore, FileChanged, hash_file
-from weightserve.service.sources.stamps import FileStamp, file_stamp, sync_path
+from weightserve.service.sources.revisions.content import DigestStore, FileChanged, hash_file
 
 if TYPE_CHECKING:
-    from weightserve.service.sources.origins import Origin, OriginFile
+    from weightserve.service.sources.origin.upstream import Origin, OriginFile
 
 log = logging.getLogger("weightserve.node_cache")
 

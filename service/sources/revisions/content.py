@@ -25,7 +25,7 @@ from pathlib import Path
 
 import xxhash
 
-from weightserve.service.sources.stamps import FileStamp, file_stamp
+from weightserve.service.sources.files.stamps import FileStamp, file_stamp
 
 log = logging.getLogger("weightserve.revisions")
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from weightserve.client.errors import NotFound, WeightserveError
-from weightserve.service.sources.origin import OriginCatalog
+from weightserve.service.sources.origin.catalog import OriginCatalog
 
 log = logging.getLogger("weightserve.service")
 

@@ -22,7 +22,8 @@ from weightserve.client.errors import (
     OriginUnavailable,
     ResourceExhausted,
 )
-from weightserve.service.sources.cache.node_cache import NodeCache, parse_size
+from weightserve.service.config import parse_size
+from weightserve.service.sources.cache.node_cache import NodeCache
 from weightserve.service.sources.origin.upstream import Origin, OriginFile, open_origin
 
 LIMIT = 1 << 20

@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from weightserve.client.errors import WeightserveError, status_for
-from weightserve.service.sources.cache.node_cache import EVICTION_REASONS, CacheStats
+from weightserve.service.sources.cache.stats import EVICTION_REASONS, CacheStats
 from weightserve.service.sources.origin.upstream import ORIGIN_BYTE_KINDS, ORIGIN_REQUEST_KINDS
 
 

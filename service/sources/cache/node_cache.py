@@ -30,7 +30,6 @@ import functools
 import json
 import logging
 import os
-import re
 import secrets
 import shutil
 import threading
@@ -52,6 +51,7 @@ from weightserve.client.errors import (
     WeightserveError,
 )
 from weightserve.service.sources.cache.patched_files import build_from_patches
+from weightserve.service.sources.cache.stats import CacheStats
 from weightserve.service.sources.files.stamps import FileStamp, file_stamp, sync_path
 from weightserve.service.sources.layout import hub_repo_file, split_gguf_model
 from weightserve.service.sources.revisions.content import DigestStore, FileChanged, hash_file
@@ -82,67 +82,12 @@ DEFAULT_CACHE_FRACTION = 0.9
 # 64 MiB, for the state files, the header images and whoever else writes there.
 DISK_RESERVE_FRACTION = 0.01
 DISK_RESERVE_MAX_BYTES = 64 << 20
+
+
 # Why a model was evicted: the --cache-size bound, a full file system, an operator's evict.
-EVICTION_REASONS = ("size", "disk_full", "operator")
-
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", re.IGNORECASE)
-_UNITS = {
-    "": 1,
-    "b": 1,
-    **{p + s: 1000**i for i, p in enumerate("kmgtpe", 1) for s in ("", "b")},
-    **{p + s: 1024**i for i, p in enumerate("kmgtpe", 1) for s in ("i", "ib")},
-}
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes from ``500GiB``, ``1.5TB``, ``64Mi`` or a plain number of bytes.
-
-    Binary units (KiB, MiB, GiB, TiB, or Ki, Mi, Gi as Kubernetes writes them) are powers of
-    1024, decimal ones (KB, MB, GB, TB, or K, M, G) powers of 1000; case does not matter.
-    """
-    if isinstance(text, int):
-        return text
-    match = _SIZE.fullmatch(text)
-    unit = match.group(2).lower() if match else ""
-    if not match or unit not in _UNITS:
-        raise ValueError(
-            f"{text!r} is not a size: write a number of bytes, optionally with a unit "
-            "such as 500GiB, 64MiB or 2TB"
-        )
-    return int(float(match.group(1)) * _UNITS[unit])
-
-
 class EvictionRefused(ResourceExhausted):
     """An operator's evict of a model streamed, being filled or pinned (server only: the admin
     route answers it 409 Conflict)."""
-
-
-@dataclass
-class CacheStats:
-    """Counters since start (and two gauges) for the server's metrics."""
-
-    origin_failures: int = 0  # listings and fetches that raised
-    origin_bytes: int = 0
-    fills: int = 0  # fills started; fill_failures of them failed
-    fill_failures: int = 0
-    fill_seconds: float = 0.0
-    hits: int = 0  # ensure() found the model whole
-    misses: int = 0  # ensure() filled the model or waited for a fill
-    evictions: int = 0
-    evicted_bytes: int = 0
-    # The same by reason (EVICTION_REASONS).
-    evictions_by_reason: dict[str, int] = field(default_factory=dict)
-    evicted_bytes_by_reason: dict[str, int] = field(default_factory=dict)
-    corrupt_files: int = 0  # cached files found not to match their fill record (dropped)
-    # The origin's own requests by (kind, outcome), set by snapshot(): origins.OriginRequests.
-    origin_requests: dict[tuple[str, str], int] = field(default_factory=dict)
-    # Bytes taken from the origin by what for (origins.ORIGIN_BYTE_KINDS), set by snapshot():
-    # ``fill`` is origin_bytes, the others the metadata of models not cached.
-    origin_bytes_by_kind: dict[str, int] = field(default_factory=dict)
-    bytes_used: int = 0  # gauge, set by snapshot()
-    models_cached: int = 0  # gauge, set by snapshot()
-    bound_bytes: int = 0  # gauge, set by snapshot(): CacheRoom.bound
-    disk_free_bytes: int = 0  # gauge, set by snapshot(): CacheRoom.disk_free
 
 
 @dataclass(frozen=True)

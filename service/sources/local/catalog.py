@@ -45,7 +45,6 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 from pathlib import Path
-from typing import Any
 
 from weightserve.client.errors import CheckpointError, ModelNotFound, ModelUnavailable
 from weightserve.client.wire.routes import MAIN_REVISION, RESERVED_PART, split_revision
@@ -100,11 +99,7 @@ class Catalog:
     model file by file, so the models of a fill in progress must not be.
     """
 
-    fills_on_request = False  # every model already lies under the root
     watch_files = True  # files are put there by other hands: a watcher rescans sooner
-    origin_error = None  # no origin to list
-    cache_stats = None  # no node cache
-    cache_controls = None  # nothing for an operator to prefetch, evict or verify
 
     def __init__(
         self,
@@ -113,6 +108,7 @@ class Catalog:
         recheck_seconds: float = 1.0,
         digests: DigestStore | None = None,
         whole_models: Callable[[], Iterable[str]] | None = None,
+        on_refused: Callable[[Problem], None] | None = None,
     ):
         self.root = Path(root).resolve()
         self.recheck_seconds = recheck_seconds
@@ -126,7 +122,7 @@ class Catalog:
         # Refused models with their files as they were: not parsed (or logged) again until
         # a file changes, so a hostile 256 MiB pickle is walked once, not every rescan.
         self._refused: dict[str, tuple[dict[Path, FileStamp], Problem]] = {}
-        self.on_refused: Callable[[Problem], None] | None = None  # metrics: a new refusal
+        self.on_refused = on_refused  # told of each new refusal (the metrics count them)
         # Other weight sets of a directory (``ID:VARIANT``): indexed on their first request.
         self.variants: dict[str, tuple[str, Path, list[Path]]] = {}
         self._found_variants: dict[str, tuple[str, Path, list[Path]]] = {}
@@ -618,12 +614,6 @@ class Catalog:
     @property
     def listed(self) -> Collection[str]:
         return self.models.keys()
-
-    def remote_summaries(self, may_read: Callable[[str], bool]) -> list[dict[str, Any]]:
-        return []  # every model offered is indexed here
-
-    def listing_fields(self, model: Model) -> dict[str, Any]:
-        return {}  # the model as indexed is all there is
 
     def close(self) -> None:
         pass  # mappings close with their last stream

@@ -36,7 +36,6 @@ from weightserve.client.wire.routes import MAIN_REVISION, split_revision, with_r
 from weightserve.service.sources.base import Problem
 from weightserve.service.sources.cache.node_cache import (
     CacheDigests,
-    CacheStats,
     EvictionRefused,
     LandedFile,
     NodeCache,
@@ -244,7 +243,6 @@ class OriginCatalog:
     again.
     """
 
-    fills_on_request = True
     watch_files = False  # the cache changes only by its own fills and evictions
 
     def __init__(
@@ -252,8 +250,11 @@ class OriginCatalog:
         cache: NodeCache,
         recheck_seconds: float = 1.0,
         fill_wait_seconds: float = FILL_WAIT_SECONDS,
+        on_refused: Callable[[Problem], None] | None = None,
+        on_revision: Callable[[str, dict[str, Any]], None] | None = None,
     ) -> None:
         self.cache = cache
+        self._on_refused = on_refused
         self.origin: Origin = cache.origin
         self.fill_wait_seconds = fill_wait_seconds
         self.remote: dict[str, RemoteModel] = {}
@@ -265,7 +266,7 @@ class OriginCatalog:
         self._fill_errors: dict[str, BaseException] = {}  # why each model's last fill failed
         self._refs: dict[tuple[str, str], str] = {}  # (refs/main object, version) -> commit
         # Watchers are told of a model's revision once the node holds it (RevisionLog).
-        self.on_revision: Callable[[str, dict[str, Any]], None] | None = None
+        self.on_revision = on_revision
         self._announced: dict[str, str] = {}  # model id -> the commit last announced
         self._upstream_records: dict[tuple[str, str], dict[str, Any]] = {}
         self._list_origin()
@@ -282,6 +283,7 @@ class OriginCatalog:
             recheck_seconds=recheck_seconds,
             digests=CacheDigests(cache),
             whole_models=cache.cached_models,
+            on_refused=on_refused,
         )
         # An evicted model's mappings are let go at once: until then its space stays used.
         cache.on_evict = self._let_go_evicted
@@ -309,14 +311,6 @@ class OriginCatalog:
         return self.local.variants
 
     @property
-    def on_refused(self) -> Callable[[Problem], None] | None:
-        return self.local.on_refused
-
-    @on_refused.setter
-    def on_refused(self, callback: Callable[[Problem], None] | None) -> None:
-        self.local.on_refused = callback
-
-    @property
     def pending_revisions(self) -> int:
         return self.local.pending_revisions
 
@@ -336,10 +330,6 @@ class OriginCatalog:
     @property
     def listed(self) -> Collection[str]:
         return self.remote.keys()
-
-    @property
-    def cache_stats(self) -> Callable[[], CacheStats]:
-        return self.cache.snapshot
 
     def close(self) -> None:
         self.cache.close()  # a restarted server may take the directory over
@@ -367,7 +357,12 @@ class OriginCatalog:
                 log.warning("origin %s cannot be listed: %s", self.origin.description, e)
             self.origin_error = e
         else:
-            self.remote, self.remote_problems = group_models(listing, self._read_ref)
+            remote, problems = group_models(listing, self._read_ref)
+            told, self.remote, self.remote_problems = self.remote_problems, remote, problems
+            if self._on_refused is not None:  # counted once, as the cache's refusals are
+                for model_id, problem in problems.items():
+                    if told.get(model_id) != problem:
+                        self._on_refused(problem)
             if self.origin_error is not None:
                 log.info("origin %s can be listed again", self.origin.description)
             self.origin_error = None
@@ -835,10 +830,6 @@ class OriginCatalog:
         return record
 
     # -- operator controls (the admin routes, service/transports/http/admin.py) ---------------
-
-    @property
-    def cache_controls(self) -> OriginCatalog:
-        return self
 
     def cache_state(self, model_id: str) -> dict[str, Any]:
         """The model's state in the cache: ``cached``, ``filling`` (bytes done of total) or

@@ -48,7 +48,7 @@ def add_admin_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -> 
     def controls(http: Request, model: str) -> CacheControls:
         http.scope[OPERATION_KEY] = ADMIN_OPERATION
         access(http).check_admin(model, on_this_node=_on_this_node(http))
-        found = state.catalog.cache_controls
+        found = state.served.cache_controls
         if found is None:
             raise InvalidRequest(
                 f"this server serves {state.catalog.description}, a local directory: there is "

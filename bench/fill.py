@@ -41,7 +41,7 @@ from bench.procs import cpu_seconds
 from bench.procs import write_json_atomically as write_json
 from bench.s3 import ACCESS_KEY, SECRET_KEY, S3Server, running_seaweedfs
 from weightserve.service.sources.cache.node_cache import NodeCache, parse_size
-from weightserve.service.sources.origin.upstream import open_origin
+from weightserve.service.sources.origin.opening import open_origin
 
 RESULTS = REPO / "bench" / "results" / "fill-latest.json"
 PREFIX = "models"

@@ -22,7 +22,7 @@ from weightserve.client._arg_types import (
     switch,
 )
 from weightserve.service.serving.state import Limits
-from weightserve.service.sources.origin.upstream import (
+from weightserve.service.sources.origin.base import (
     DEFAULT_CONCURRENCY,
     DEFAULT_PART_BYTES,
     UPSTREAM_READ_TIMEOUT,

@@ -29,14 +29,12 @@ from weightserve.service.serving.state import Limits, ServiceState
 from weightserve.service.sources.base import ModelSource, Problem
 from weightserve.service.sources.cache.node_cache import NodeCache
 from weightserve.service.sources.local.catalog import Catalog
+from weightserve.service.sources.origin.base import OriginFile
 from weightserve.service.sources.origin.catalog import OriginCatalog
 from weightserve.service.sources.origin.follow import UpstreamFollower
-from weightserve.service.sources.origin.upstream import (
-    FileSystemOrigin,
-    OriginFile,
-    UpstreamOrigin,
-    open_origin,
-)
+from weightserve.service.sources.origin.objects import FileSystemOrigin
+from weightserve.service.sources.origin.opening import open_origin
+from weightserve.service.sources.origin.upstream import UpstreamOrigin
 from weightserve.service.sources.publishing.publisher import Publisher
 from weightserve.service.sources.revisions.content import DigestStore
 from weightserve.service.sources.revisions.stores import (

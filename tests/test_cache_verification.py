@@ -31,7 +31,7 @@ from weightserve.client.errors import ModelUnavailable
 from weightserve.service.server import WeightServer
 from weightserve.service.sources.cache.node_cache import CacheDigests, NodeCache
 from weightserve.service.sources.files.stamps import file_stamp
-from weightserve.service.sources.origin.upstream import open_origin
+from weightserve.service.sources.origin.opening import open_origin
 
 LIMIT = 1 << 20
 

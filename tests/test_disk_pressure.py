@@ -26,7 +26,7 @@ from weightserve.client.errors import CacheTooSmall
 from weightserve.service.server import ServerConfig, WeightServer
 from weightserve.service.sources.cache.node_cache import NodeCache
 from weightserve.service.sources.origin.catalog import OriginCatalog
-from weightserve.service.sources.origin.upstream import open_origin
+from weightserve.service.sources.origin.opening import open_origin
 
 MIB = 1 << 20
 DISK = 20 * MIB

@@ -26,8 +26,9 @@ from weightserve.client import Client
 from weightserve.client._cli import main as cli_main
 from weightserve.service.server import ServerConfig, WeightServer
 from weightserve.service.sources.cache.node_cache import NodeCache
+from weightserve.service.sources.origin.base import Origin, OriginFile
 from weightserve.service.sources.origin.catalog import OriginCatalog
-from weightserve.service.sources.origin.upstream import Origin, OriginFile, open_origin
+from weightserve.service.sources.origin.opening import open_origin
 
 MODELS = ["big", "org/sharded"]
 

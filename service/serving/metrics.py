@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 
 from weightserve.client.errors import WeightserveError, status_for
 from weightserve.service.sources.cache.stats import EVICTION_REASONS, CacheStats
-from weightserve.service.sources.origin.upstream import ORIGIN_BYTE_KINDS, ORIGIN_REQUEST_KINDS
+from weightserve.service.sources.origin.base import ORIGIN_BYTE_KINDS, ORIGIN_REQUEST_KINDS
 
 
 class Metrics:

@@ -57,7 +57,7 @@ from weightserve.service.sources.layout import hub_repo_file, split_gguf_model
 from weightserve.service.sources.revisions.content import DigestStore, FileChanged, hash_file
 
 if TYPE_CHECKING:
-    from weightserve.service.sources.origin.upstream import Origin, OriginFile
+    from weightserve.service.sources.origin.base import Origin, OriginFile
 
 log = logging.getLogger("weightserve.node_cache")
 

@@ -30,8 +30,9 @@ from weightserve.client.wire.file_patch import (
     update_line_bytes,
 )
 from weightserve.service.sources.files.stamps import file_stamp
+from weightserve.service.sources.origin.base import Origin, OriginFile
 from weightserve.service.sources.origin.past_revisions import model_file_name
-from weightserve.service.sources.origin.upstream import Origin, OriginFile, UpstreamOrigin
+from weightserve.service.sources.origin.upstream import UpstreamOrigin
 from weightserve.service.sources.revisions.content import COMMIT_CHARS, content_revision, hash_file
 
 log = logging.getLogger("weightserve.node_cache")

@@ -52,6 +52,7 @@ from weightserve.service.sources.layout import (
 )
 from weightserve.service.sources.local.catalog import Catalog
 from weightserve.service.sources.model import Model
+from weightserve.service.sources.origin.base import Origin, OriginFile
 from weightserve.service.sources.origin.headers import HeaderImages
 from weightserve.service.sources.origin.past_revisions import (
     PAST_COPIES,
@@ -61,7 +62,6 @@ from weightserve.service.sources.origin.past_revisions import (
     model_file_name,
     revision_of,
 )
-from weightserve.service.sources.origin.upstream import Origin, OriginFile
 from weightserve.service.sources.revisions.content import (
     COMMIT_CHARS,
     REVISION_CHARS,

@@ -32,7 +32,7 @@ from weightserve.service.sources.files.stamps import FileStamp, file_stamp
 from weightserve.service.sources.layout import INDEX_NAME, checkpoint_format, hub_repo_file
 from weightserve.service.sources.local.catalog import MAX_INDEX_BYTES, Catalog
 from weightserve.service.sources.model import Model
-from weightserve.service.sources.origin.upstream import Origin, OriginFile
+from weightserve.service.sources.origin.base import Origin, OriginFile
 from weightserve.service.sources.revisions.content import DigestStore, FileChanged, hash_file
 
 # The first read of a safetensors file: the whole header of a small checkpoint; a larger one

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from weightserve.service.sources.origin.upstream import ObjectVersion
+from weightserve.service.sources.origin.base import ObjectVersion
 from weightserve.service.sources.revisions.content import COMMIT_CHARS, content_revision
 from weightserve.service.sources.revisions.pinning import MIN_PREFIX_CHARS
 

@@ -40,7 +40,8 @@ from bench.checkpoint import CACHE, MODEL_ID, REPO, Checkpoint, quick
 from bench.procs import cpu_seconds
 from bench.procs import write_json_atomically as write_json
 from bench.s3 import ACCESS_KEY, SECRET_KEY, S3Server, running_seaweedfs
-from weightserve.service.sources.cache.node_cache import NodeCache, parse_size
+from weightserve.service.config import parse_size
+from weightserve.service.sources.cache.node_cache import NodeCache
 from weightserve.service.sources.origin.opening import open_origin
 
 RESULTS = REPO / "bench" / "results" / "fill-latest.json"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Why a model was evicted: the --cache-size bound, a full file system, an operator's evict.
 EVICTION_REASONS = ("size", "disk_full", "operator")
 
 

@@ -27,23 +27,15 @@ from typing import Protocol, TypeVar
 from urllib.parse import urlsplit
 
 T = TypeVar("T")
-
-
 DEFAULT_CONCURRENCY = 8
 
 
 DEFAULT_PART_BYTES = 16 << 20
-
-
 # An upstream's answer is received in pieces of this size: memory per worker stays bounded
 # whatever the part size.
 RECEIVE_BYTES = 1 << 20
-
-
 # HEADs (new or changed objects) or model listings (revision changed) in flight while listing.
 LIST_CONCURRENCY = 16
-
-
 # Longest silence tolerated from an upstream weightserve before a read is abandoned and
 # retried (--origin-stall-seconds).
 UPSTREAM_READ_TIMEOUT = 30.0
@@ -70,8 +62,6 @@ class ObjectVersion(OriginFile):
 
 
 ORIGIN_REQUEST_KINDS = ("list", "head", "get", "watch")  # watch: a follower's connection
-
-
 # What bytes taken from the origin were for: a model's fill, the header reads that describe a
 # model not cached (service/sources/origin/headers.py), a side file fetched alone, an upstream's
 # delta stream and new headers a changed file was built from (service/sources/cache/patched_files.py).

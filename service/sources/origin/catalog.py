@@ -34,12 +34,10 @@ from weightserve.client.errors import (
 )
 from weightserve.client.wire.routes import MAIN_REVISION, split_revision, with_revision
 from weightserve.service.sources.base import Problem
-from weightserve.service.sources.cache.node_cache import (
-    CacheDigests,
-    EvictionRefused,
-    LandedFile,
-    NodeCache,
-)
+from weightserve.service.sources.cache.integrity import CacheDigests
+from weightserve.service.sources.cache.landing import LandedFile
+from weightserve.service.sources.cache.node_cache import NodeCache
+from weightserve.service.sources.cache.room import EvictionRefused
 from weightserve.service.sources.layout import (
     base_model_id,
     checkpoint_format,

@@ -47,8 +47,6 @@ log = logging.getLogger("weightserve.service")
 
 
 T = TypeVar("T")
-
-
 GCS_RETRY_SECONDS = 20  # how long the GCS client retries unless the URI says otherwise
 
 

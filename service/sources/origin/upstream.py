@@ -51,8 +51,6 @@ log = logging.getLogger("weightserve.service")
 
 
 T = TypeVar("T")
-
-
 # Silence on the upstream's watch after which it is taken for dead (it sends a line every 5 s).
 WATCH_HEARTBEAT_TIMEOUT = 20.0
 

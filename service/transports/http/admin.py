@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from weightserve.client.errors import InvalidRequest
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.sources.base import CacheControls
-from weightserve.service.sources.cache.node_cache import EvictionRefused
+from weightserve.service.sources.cache.room import EvictionRefused
 from weightserve.service.transports.http.common import (
     OPERATION_KEY,
     AccessCheck,

@@ -307,8 +307,8 @@ def _origin_served(config: ServerConfig, catalog: OriginCatalog, events: _Source
     return Served(
         catalog,
         publisher=publisher,
-        revision_log=catalog,
-        cache_controls=catalog,
+        revision_log=catalog.revision_log,
+        cache_controls=catalog.admin,
         cache_stats=catalog.cache.snapshot,
         follower=follower,
     )

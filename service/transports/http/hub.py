@@ -60,7 +60,7 @@ from weightserve.service.serving import files
 from weightserve.service.serving.auth import Access
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.sources.model import Model
-from weightserve.service.sources.origin.catalog import FillInProgress, following_fills
+from weightserve.service.sources.origin.fill_wait import FillInProgress, following_fills
 from weightserve.service.transports.http.common import ERROR_KEY, OPERATION_KEY, AccessCheck
 from weightserve.service.transports.http.files import FILE_OPERATION, OCTET_STREAM, file_response
 from weightserve.service.transports.http.routes import get_and_head

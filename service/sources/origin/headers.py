@@ -30,7 +30,8 @@ from weightserve.service.readers.safetensors import MAX_HEADER_BYTES as ST_MAX_H
 from weightserve.service.sources.files.mapped import MappedFile
 from weightserve.service.sources.files.stamps import FileStamp, file_stamp
 from weightserve.service.sources.layout import INDEX_NAME, checkpoint_format, hub_repo_file
-from weightserve.service.sources.local.catalog import MAX_INDEX_BYTES, Catalog
+from weightserve.service.sources.local.catalog import Catalog
+from weightserve.service.sources.local.discovery import MAX_INDEX_BYTES
 from weightserve.service.sources.model import Model
 from weightserve.service.sources.origin.base import Origin, OriginFile
 from weightserve.service.sources.revisions.content import DigestStore, FileChanged, hash_file

@@ -52,7 +52,7 @@ from weightserve.service.sources.origin.fill_wait import (
     FillInProgress,
 )
 from weightserve.service.sources.origin.headers import HeaderImages
-from weightserve.service.sources.origin.listing import RemoteModel, group_models
+from weightserve.service.sources.origin.listing import PublishedRefs, RemoteModel, group_models
 from weightserve.service.sources.origin.past_copies import PastCopies
 from weightserve.service.sources.origin.past_revisions import (
     RevisionHistory,
@@ -100,7 +100,7 @@ class OriginCatalog:
         self._fills_lock = threading.Lock()
         self._ensured: dict[str, tuple[OriginFile, ...]] = {}  # the listing each fill matched
         self._fill_errors: dict[str, BaseException] = {}  # why each model's last fill failed
-        self._refs: dict[tuple[str, str], str] = {}  # (refs/main object, version) -> commit
+        self.refs = PublishedRefs(self.origin)
         # Watchers are told of a model's revision once the node holds it (its RevisionLog).
         self.revision_log = HeldRevisions(self, on_revision)
         self._list_origin()
@@ -191,7 +191,7 @@ class OriginCatalog:
                 log.warning("origin %s cannot be listed: %s", self.origin.description, e)
             self.origin_error = e
         else:
-            remote, problems = group_models(listing, self._read_ref)
+            remote, problems = group_models(listing, self.refs.read)
             told, self.remote, self.remote_problems = self.remote_problems, remote, problems
             if self._on_refused is not None:  # counted once, as the cache's refusals are
                 for model_id, problem in problems.items():
@@ -202,20 +202,6 @@ class OriginCatalog:
             self.origin_error = None
 
     # -- lookup ------------------------------------------------------------------------------
-
-    def _read_ref(self, pointer: OriginFile) -> str:
-        """The commit a published repository's ``refs/main`` object names (read once per
-        version of it); "" when it cannot be read."""
-        key = (pointer.name, pointer.version)
-        found = self._refs.get(key)
-        if found is None:
-            try:
-                found = self.origin.read_range(pointer, 0, 256).decode("ascii").strip()
-            except (WeightserveError, OSError, UnicodeDecodeError) as e:
-                log.warning("cannot read %s at the origin: %s", pointer.name, e)
-                return ""
-            self._refs[key] = found
-        return found
 
     def state_of(self, model_id: str) -> str:
         """``filling``; ``cached`` (held as the origin lists it now, or as it was last listed

@@ -11,6 +11,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from weightserve.client.errors import WeightserveError
 from weightserve.service.sources.base import Problem
 from weightserve.service.sources.layout import (
     checkpoint_format,
@@ -20,7 +21,7 @@ from weightserve.service.sources.layout import (
     is_weight_file,
     weight_format,
 )
-from weightserve.service.sources.origin.base import OriginFile
+from weightserve.service.sources.origin.base import Origin, OriginFile
 
 log = logging.getLogger("weightserve.service")
 
@@ -120,3 +121,26 @@ def group_models(
     grouped.update(published)
     models = {model_id: RemoteModel(model_id, tuple(fs)) for model_id, fs in grouped.items()}
     return models, problems
+
+
+class PublishedRefs:
+    """The commits the ``refs/main`` objects of repositories published into the origin name,
+    read once per version of each."""
+
+    def __init__(self, origin: Origin) -> None:
+        self.origin = origin
+        self._refs: dict[tuple[str, str], str] = {}  # (refs/main object, version) -> commit
+
+    def read(self, pointer: OriginFile) -> str:
+        """The commit a published repository's ``refs/main`` object names (read once per
+        version of it); "" when it cannot be read."""
+        key = (pointer.name, pointer.version)
+        found = self._refs.get(key)
+        if found is None:
+            try:
+                found = self.origin.read_range(pointer, 0, 256).decode("ascii").strip()
+            except (WeightserveError, OSError, UnicodeDecodeError) as e:
+                log.warning("cannot read %s at the origin: %s", pointer.name, e)
+                return ""
+            self._refs[key] = found
+        return found

@@ -382,6 +382,7 @@ class WeightServer:
             allow_publish=config.allow_publish,
             metrics=metrics,
             feed=feed,
+            uds=uds_paths(config.uds)["http"] if config.uds else None,
         )
         self.listeners: list[Listener] = []  # those started (or starting), in start order
         self._http: UvicornListener | None = None
@@ -495,7 +496,6 @@ class WeightServer:
         planned: list[Listener] = [self._http]
         paths = uds_paths(c.uds) if c.uds else None
         if paths is not None:
-            self.state.uds = paths["http"]
             planned.append(
                 UvicornListener(
                     app,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +19,7 @@ from weightserve.service.serving.delta import DeltaCache
 from weightserve.service.serving.feed import RevisionFeed
 from weightserve.service.serving.idle import IdleCutter
 from weightserve.service.serving.metrics import Metrics, NodeCacheCollector
-from weightserve.service.sources.base import ModelSource, Problem
+from weightserve.service.sources.base import ModelSource
 from weightserve.service.sources.model import Model
 from weightserve.service.sources.revisions.stores import revision_record
 from weightserve.service.sources.served import Served
@@ -53,10 +53,11 @@ class ServiceState:
         allow_publish: bool = False,
         metrics: Metrics | None = None,
         feed: RevisionFeed | None = None,
+        uds: str | None = None,
     ) -> None:
         """``served``: the composed whole (a bare source serves alone). ``metrics`` and
         ``feed`` are given when the source's callbacks (refusals counted, revisions
-        announced) were built to reach them."""
+        announced) were built to reach them; ``uds``: the same-node HTTP socket."""
         self.served = served if isinstance(served, Served) else Served(served)
         self.catalog = self.served.source
         self.publisher = self.served.publisher
@@ -79,7 +80,7 @@ class ServiceState:
         self.instance = uuid.uuid4().hex
         self.http_port = 0
         self.grpc_port = 0
-        self.uds: str | None = None  # the same-node HTTP socket (--uds), as this server sees it
+        self.uds = uds  # the same-node HTTP socket (--uds), as this server sees it
         self._streams = 0
         self._lock = threading.Lock()
         self._stream_ended = threading.Condition(self._lock)
@@ -87,11 +88,6 @@ class ServiceState:
         if self.served.cache_stats is not None:
             self.metrics.registry.register(NodeCacheCollector(self.served.cache_stats))
         self.refresh_gauges()
-
-    @staticmethod
-    def refusal_counter(metrics: Metrics) -> Callable[[Problem], None]:
-        """The ``on_refused`` callback a source is built with: each refusal counted once."""
-        return lambda problem: metrics.model_refusals.inc()
 
     def refresh_gauges(self) -> None:
         self.metrics.models.set(len(self.catalog.models))

@@ -74,7 +74,7 @@ class CacheAdmin:
     def cache_state(self, model_id: str) -> dict[str, Any]:
         """The model's state in the cache: ``cached``, ``filling`` (bytes done of total) or
         ``remote``, whether it is pinned, and why its last fill failed (``error``). ``ID@R``
-        of a past revision served from a copy (``_past``) is that copy's state."""
+        of a past revision served from a copy (``PastCopies.serve``) is that copy's state."""
         past = self.catalog.past.named_by_operator(model_id)
         if past is not None:
             return self._copy_state(past)
@@ -107,7 +107,7 @@ class CacheAdmin:
         before a fill (not found, refused, origin down) is raised here; so is
         RevisionNotFound for ``ID@R`` where the origin lists content digests (elsewhere the
         fill is what the origin holds now, and a load of R checks it). A past revision
-        served from a copy (``_past``) has that copy filled."""
+        served from a copy (``PastCopies.serve``) has that copy filled."""
         plain, revision = split_revision(validate_model_id(model_id))
         base = base_model_id(plain)
         past = self.catalog.past.named(base, revision)
@@ -137,7 +137,7 @@ class CacheAdmin:
     def evict(self, model_id: str) -> dict[str, Any]:
         """Remove the model from the cache now; EvictionRefused while it is streamed, being
         filled or pinned, ModelNotFound when the cache does not hold it. ``ID@R`` of a past
-        revision served from a copy (``_past``) evicts that copy."""
+        revision served from a copy (``PastCopies.serve``) evicts that copy."""
         past = self.catalog.past.named_by_operator(model_id)
         if past is not None:
             freed = self.catalog.cache.evict(past.copy_id)

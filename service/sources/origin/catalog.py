@@ -267,7 +267,7 @@ class OriginCatalog:
         return summaries
 
     def get(self, model_id: str, may_read: Callable[[str], bool] | None = None) -> Model:
-        """The model, filled into the cache first if it is not there (see ``_fill``)."""
+        """The model, filled into the cache first if it is not there (see ``fill``)."""
         plain, revision = split_revision(validate_model_id(model_id))
         base = base_model_id(plain)  # ID@R: the local catalog picks R
         past = self.past.serve(plain, base, revision, may_read)

@@ -124,7 +124,7 @@ class UpstreamOrigin:
 
     def events(self) -> Iterator[dict[str, Any]]:
         """The upstream's announcements of new revisions of every model (``GET /v1/watch``),
-        one connection, until it ends or breaks (service/sources/origin/follow.py reconnects)."""
+        one connection, until it ends or breaks (service/sources/follow.py reconnects)."""
         conn, resp = self.requests.call("watch", lambda: self.transport.open_lines("/v1/watch"))
         try:
             while True:

@@ -40,8 +40,9 @@ from bench.checkpoint import CACHE, MODEL_ID, REPO, RESULTS_DIR, Checkpoint, qui
 from bench.procs import cpu_seconds
 from bench.procs import write_json_atomically as write_json
 from bench.s3 import ACCESS_KEY, SECRET_KEY, S3Server, running_seaweedfs
-from weightserve.service.sources.node_cache import NodeCache, parse_size
-from weightserve.service.sources.origins import open_origin
+from weightserve.service.config import parse_size
+from weightserve.service.sources.cache.node_cache import NodeCache
+from weightserve.service.sources.origin.opening import open_origin
 
 RESULTS = RESULTS_DIR / "fill-latest.json"
 PREFIX = "models"

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from weightserve.service.config import SETTINGS_BY_DEST, ConfigError, apply_environment
 from weightserve.service.logs import configure_logging
 from weightserve.service.serving.state import Limits
+from weightserve.service.sources.base import FillsOnRequest
 from weightserve.service.sources.layout import GGUF_SUFFIXES, PYTORCH_SUFFIXES, SAFETENSORS_SUFFIXES
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ def run_serve(args: argparse.Namespace) -> int:
         setting = SETTINGS_BY_DEST.get(e.setting)
         return _cannot_start(f"{setting.label}: {e}" if setting else str(e))
     catalog = server.catalog
-    if catalog.fills_on_request:
+    if isinstance(catalog, FillsOnRequest):
         print(
             f"weightserve: {len(catalog.listed)} models from {catalog.description}, "
             f"{len(catalog.models)} cached in {catalog.root}",
@@ -168,7 +169,7 @@ def _configured_server(args: argparse.Namespace) -> WeightServer:
     check_listeners(config)  # before the scan: a taken port is the only line on stderr
     server = WeightServer(config)
     catalog = server.catalog
-    if catalog.fills_on_request:  # an empty cache is no mistake: models come on request
+    if isinstance(catalog, FillsOnRequest):  # an empty cache is no mistake: models come on request
         if catalog.origin_error is not None:
             log.warning(
                 "%s; cached models are served, the others once it can be listed",

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from weightserve.client._arg_types import (
+from weightserve.client.arg_types import (
     non_empty,
     non_negative_seconds,
     one_of,
@@ -21,12 +22,37 @@ from weightserve.client._arg_types import (
     switch,
 )
 from weightserve.service.serving.state import Limits
-from weightserve.service.sources.node_cache import parse_size
-from weightserve.service.sources.origins import (
+from weightserve.service.sources.origin.base import (
     DEFAULT_CONCURRENCY,
     DEFAULT_PART_BYTES,
     UPSTREAM_READ_TIMEOUT,
 )
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", re.IGNORECASE)
+_UNITS = {
+    "": 1,
+    "b": 1,
+    **{p + s: 1000**i for i, p in enumerate("kmgtpe", 1) for s in ("", "b")},
+    **{p + s: 1024**i for i, p in enumerate("kmgtpe", 1) for s in ("i", "ib")},
+}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from ``500GiB``, ``1.5TB``, ``64Mi`` or a plain number of bytes.
+
+    Binary units (KiB, MiB, GiB, TiB, or Ki, Mi, Gi as Kubernetes writes them) are powers of
+    1024, decimal ones (KB, MB, GB, TB, or K, M, G) powers of 1000; case does not matter.
+    """
+    if isinstance(text, int):
+        return text
+    match = _SIZE.fullmatch(text)
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _UNITS:
+        raise ValueError(
+            f"{text!r} is not a size: write a number of bytes, optionally with a unit "
+            "such as 500GiB, 64MiB or 2TB"
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
 
 
 @dataclass(frozen=True)

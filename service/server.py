@@ -14,29 +14,36 @@ import ssl
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import uvicorn
 
 from weightserve.client.errors import ModelUnavailable, WeightserveError
-from weightserve.client.transports.base import TLSOptions
+from weightserve.client.remote import TLSOptions
 from weightserve.service.config import default_of
 from weightserve.service.serving.auth import TokenStore
+from weightserve.service.serving.feed import RevisionFeed
+from weightserve.service.serving.metrics import Metrics
 from weightserve.service.serving.state import Limits, ServiceState
-from weightserve.service.sources.base import ModelSource
-from weightserve.service.sources.follow import UpstreamFollower
-from weightserve.service.sources.local import Catalog
-from weightserve.service.sources.node_cache import NodeCache
-from weightserve.service.sources.origin import OriginCatalog
-from weightserve.service.sources.origins import FileSystemOrigin, OriginFile, open_origin
-from weightserve.service.sources.published import Publisher
-from weightserve.service.sources.revision_stores import (
+from weightserve.service.sources.base import ModelSource, Problem
+from weightserve.service.sources.cache.node_cache import NodeCache
+from weightserve.service.sources.local.catalog import Catalog
+from weightserve.service.sources.origin.base import OriginFile
+from weightserve.service.sources.origin.catalog import OriginCatalog
+from weightserve.service.sources.origin.follow import UpstreamFollower
+from weightserve.service.sources.origin.objects import FileSystemOrigin
+from weightserve.service.sources.origin.opening import open_origin
+from weightserve.service.sources.origin.upstream import UpstreamOrigin
+from weightserve.service.sources.publishing.publisher import Publisher
+from weightserve.service.sources.revisions.content import DigestStore
+from weightserve.service.sources.revisions.stores import (
     DELTAS_DIR,
     RECORDS_DIR,
     BucketStore,
     DirectoryStore,
 )
-from weightserve.service.sources.revisions import DigestStore
+from weightserve.service.sources.served import Served
 from weightserve.service.transports.flight import FlightListener
 from weightserve.service.transports.grpc import GrpcListener
 from weightserve.service.transports.handoff import HandoffListener, HandoffServer
@@ -67,7 +74,7 @@ class ServerConfig:
     limits: Limits | None = None
     token_file: str | None = None  # bearer tokens, one per line (see service/serving/auth.py)
     protect_metrics: bool = False  # /metrics needs a token too
-    # Publishing (service/sources/published.py): open to all only with allow_publish, else
+    # Publishing (service/sources/publishing/publisher.py): open to all only with allow_publish, else
     # to tokens granted publish=PATTERN; uploads bounded; older revisions removed.
     allow_publish: bool = False
     max_upload_bytes: int = default_of("max_upload_bytes")
@@ -78,7 +85,7 @@ class ServerConfig:
     # How often the root is searched for new or removed models.
     rescan_seconds: float = default_of("rescan")
     watch: bool = True  # rescan on file-system events too (inotify), not only periodically
-    # A node cache over an upstream weightserve watches its announcements (follow.py).
+    # A node cache over an upstream weightserve watches its announcements (sources/origin/follow.py).
     follow: bool = True
     # Where file content digests are remembered across restarts (file-digests.sqlite); None:
     # in memory only, so each start reads every file once to compute revisions.
@@ -100,7 +107,7 @@ class ServerConfig:
     # Who may connect is decided by who can reach the directory.
     uds_mode: int = default_of("uds_mode")
     uds_uids: tuple[int, ...] = ()  # if given, only these user ids get descriptors
-    # Memory for the handoff's sealed snapshots (service/sources/snapshots.py); None: a
+    # Memory for the handoff's sealed snapshots (service/sources/files/snapshots.py); None: a
     # quarter of what the server may use, 0: none (clients copy).
     handoff_snapshot_bytes: int | None = None
 
@@ -206,7 +213,108 @@ def _token_store(path: str) -> TokenStore:
         ) from None
 
 
-def _origin_catalog(config: ServerConfig) -> OriginCatalog:
+def build_served(
+    config: ServerConfig,
+    metrics: Metrics,
+    feed: RevisionFeed,
+    source: ModelSource | None = None,
+) -> Served:
+    """The source the configuration names and what comes with it, composed once: a local
+    root takes publishes into itself and keeps deltas beside them; a node cache announces the
+    revisions it holds, follows an upstream weightserve, takes publishes into the bucket it
+    serves, and gives the operator its controls. The source's callbacks (refusals counted,
+    revisions announced) reach ``metrics`` and ``feed``, which the serving state is built with.
+    ``source``: one built already (served with what comes with its kind; its callbacks are
+    its own)."""
+    events = _SourceEvents(metrics, feed)
+    if source is None:
+        if is_origin_uri(config.root):
+            source = _origin_catalog(config, events)
+        else:
+            source = Catalog(
+                config.root,
+                # A node cache's digests are its fill records; a local root remembers them here.
+                digests=DigestStore(config.cache_dir) if config.cache_dir else None,
+                on_refused=events.refused,
+            )
+    if isinstance(source, Catalog):
+        return _local_served(config, source, events)
+    if isinstance(source, OriginCatalog):
+        return _origin_served(config, source, events)
+    return Served(source)
+
+
+@dataclass(frozen=True)
+class _SourceEvents:
+    """The callbacks a source and its publisher are built with."""
+
+    metrics: Metrics
+    feed: RevisionFeed
+
+    def refused(self, problem: Problem) -> None:
+        self.metrics.model_refusals.inc()
+
+    def counted(self, event: str) -> None:
+        self.metrics.revisions.labels(event).inc()
+
+    def published(self, model_id: str, record: dict[str, Any]) -> None:
+        """A new revision is main: counted, and every watcher of the model told."""
+        self.counted("published")
+        self.feed.announce(model_id, record)
+
+    def removed(self, model_id: str, commit: str) -> None:
+        self.counted("removed")
+
+
+def _local_served(config: ServerConfig, catalog: Catalog, events: _SourceEvents) -> Served:
+    """A local root: revisions are published into it, the patches between them kept beside
+    them."""
+    store = DirectoryStore(catalog.root)
+    publisher = Publisher(
+        catalog,
+        store,
+        config.max_upload_bytes,
+        config.keep_revisions,
+        on_published=events.published,
+        on_removed=events.removed,
+        digests=catalog.digests,
+        streamed=catalog.streamed,
+    )
+    return Served(catalog, publisher=publisher, revision_log=publisher, kept_deltas=store.deltas)
+
+
+def _origin_served(config: ServerConfig, catalog: OriginCatalog, events: _SourceEvents) -> Served:
+    """A node cache: it announces a model's revision once it holds it, follows an upstream
+    weightserve by watching it (service/sources/origin/follow.py), and takes publishes into
+    the bucket it serves."""
+    origin = catalog.origin
+    follower = None
+    if isinstance(origin, UpstreamOrigin) and config.follow:
+        follower = UpstreamFollower(catalog, origin.events)
+    publisher = None
+    if isinstance(origin, FileSystemOrigin):  # publishes go into the bucket
+        publisher = Publisher(
+            catalog,
+            BucketStore(
+                origin.fs, origin.prefix, catalog.cache.directory / "uploads", origin.description
+            ),
+            config.max_upload_bytes,
+            config.keep_revisions,
+            # Announced by the node once it holds the bytes (OriginCatalog.scan).
+            on_published=lambda model, record: events.counted("published"),
+            on_removed=events.removed,
+        )
+    return Served(
+        catalog,
+        publisher=publisher,
+        revision_log=catalog.revision_log,
+        cache_controls=catalog.admin,
+        cache_stats=catalog.cache.snapshot,
+        follower=follower,
+    )
+
+
+def _origin_catalog(config: ServerConfig, events: _SourceEvents) -> OriginCatalog:
     """The catalog of an origin through the node cache in CACHE_DIR/node-cache; the pinned
     models are filled before it returns."""
     from weightserve.service.demo import default_cache_dir
@@ -241,7 +349,7 @@ def _origin_catalog(config: ServerConfig) -> OriginCatalog:
         ) from None
     except ModelUnavailable as e:  # the directory is another server's
         raise StartupError("cache_dir", str(e)) from None
-    catalog = OriginCatalog(cache)
+    catalog = OriginCatalog(cache, on_refused=events.refused, on_revision=events.feed.announce)
     try:
         cache.warm(None if catalog.origin_error else _listing(catalog))
     except WeightserveError as e:
@@ -262,68 +370,26 @@ class WeightServer:
         _check_tls(config)
         _check_ports_distinct(config)
         tokens = _token_store(config.token_file) if config.token_file else None
-        self.catalog: ModelSource = catalog or (
-            _origin_catalog(config)
-            if is_origin_uri(config.root)
-            else Catalog(
-                config.root,
-                # A node cache's digests are its fill records; a local root remembers them here.
-                digests=DigestStore(config.cache_dir) if config.cache_dir else None,
-            )
+        metrics, feed = Metrics(), RevisionFeed()
+        served = build_served(config, metrics, feed, catalog)
+        self.catalog: ModelSource = served.source
+        self._follower = served.follower
+        self.state = ServiceState(
+            served,
+            config.limits,
+            tokens,
+            config.protect_metrics,
+            allow_publish=config.allow_publish,
+            metrics=metrics,
+            feed=feed,
+            uds=uds_paths(config.uds)["http"] if config.uds else None,
         )
-        self.state = ServiceState(self.catalog, config.limits, tokens, config.protect_metrics)
-        self.state.allow_publish = config.allow_publish
-        if isinstance(self.catalog, Catalog):  # revisions are published into a local root
-            store = DirectoryStore(self.catalog.root)
-            self.state.publisher = Publisher(
-                self.catalog,
-                store,
-                config.max_upload_bytes,
-                config.keep_revisions,
-                on_published=self._published,
-                on_removed=lambda model, commit: self._count_revision("removed"),
-            )
-            self.state.deltas.kept = store.deltas  # patches between them kept beside them
-            self.state.revision_log = self.state.publisher
-        # A node cache announces a model's revision once it holds it, and follows an
-        # upstream weightserve by watching it (service/sources/follow.py).
-        self._follower: UpstreamFollower | None = None
-        if isinstance(self.catalog, OriginCatalog):
-            self.catalog.on_revision = self.state.feed.announce
-            self.state.revision_log = self.catalog
-            events = getattr(self.catalog.origin, "events", None)
-            if events is not None and config.follow:
-                self._follower = UpstreamFollower(self.catalog, events)
-            origin = self.catalog.origin
-            if isinstance(origin, FileSystemOrigin):  # publishes go into the bucket
-                self.state.publisher = Publisher(
-                    self.catalog,
-                    BucketStore(
-                        origin.fs,
-                        origin.prefix,
-                        self.catalog.cache.directory / "uploads",
-                        origin.description,
-                    ),
-                    config.max_upload_bytes,
-                    config.keep_revisions,
-                    # Announced by the node once it holds the bytes (OriginCatalog.scan).
-                    on_published=lambda model, record: self._count_revision("published"),
-                    on_removed=lambda model, commit: self._count_revision("removed"),
-                )
         self.listeners: list[Listener] = []  # those started (or starting), in start order
         self._http: UvicornListener | None = None
         self._grpc: GrpcListener | None = None
         self._flight: FlightListener | None = None
         self._handoff_listener: HandoffListener | None = None
         self._stop_rescan = threading.Event()
-
-    def _count_revision(self, event: str) -> None:
-        self.state.metrics.revisions.labels(event).inc()
-
-    def _published(self, model_id: str, record: dict) -> None:
-        """A new revision is main: counted, and every watcher of the model told."""
-        self._count_revision("published")
-        self.state.feed.announce(model_id, record)
 
     # The ports bound (0: not listening, or not yet).
     @property
@@ -430,7 +496,6 @@ class WeightServer:
         planned: list[Listener] = [self._http]
         paths = uds_paths(c.uds) if c.uds else None
         if paths is not None:
-            self.state.uds = paths["http"]
             planned.append(
                 UvicornListener(
                     app,

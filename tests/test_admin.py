@@ -25,8 +25,8 @@ from weightserve.client._cli import main as cli_main
 from weightserve.client.errors import PermissionDenied
 from weightserve.service.server import WeightServer
 from weightserve.service.serving.auth import Access, parse_tokens
-from weightserve.service.sources.origin import OriginCatalog
-from weightserve.service.sources.stamps import file_stamp
+from weightserve.service.sources.files.stamps import file_stamp
+from weightserve.service.sources.origin.catalog import OriginCatalog
 
 READER = "reader-token"
 OPERATOR = "operator-token"  # may read everything, administer big only

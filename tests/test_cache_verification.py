@@ -29,9 +29,10 @@ from weightserve.client import Client
 from weightserve.client._client import FetchOptions
 from weightserve.client.errors import ModelUnavailable
 from weightserve.service.server import WeightServer
-from weightserve.service.sources.node_cache import CacheDigests, NodeCache
-from weightserve.service.sources.origins import open_origin
-from weightserve.service.sources.stamps import file_stamp
+from weightserve.service.sources.cache.integrity import CacheDigests
+from weightserve.service.sources.cache.node_cache import NodeCache
+from weightserve.service.sources.files.stamps import file_stamp
+from weightserve.service.sources.origin.opening import open_origin
 
 LIMIT = 1 << 20
 

@@ -17,10 +17,10 @@ from tests.support import fixtures_gguf as gx
 from tests.support import fixtures_safetensors as fx
 from weightserve.client.errors import InvalidRequest, ModelNotFound, ModelUnavailable
 from weightserve.service.readers.errors import BadMagic, TruncatedFile
-from weightserve.service.sources.chunk_digests import ChunkDigests, DigestBudget
+from weightserve.service.sources.files.chunk_digests import ChunkDigests, DigestBudget
+from weightserve.service.sources.files.mapped import MappedFile
 from weightserve.service.sources.layout import validate_model_id
-from weightserve.service.sources.local import Catalog
-from weightserve.service.sources.mapped import MappedFile
+from weightserve.service.sources.local.catalog import Catalog
 
 try:
     from tests.support import fixtures_torch as tx

@@ -21,7 +21,7 @@ from weightserve.service.serving.streams import (
     plan_stream,
     stream_messages,
 )
-from weightserve.service.sources.local import Catalog
+from weightserve.service.sources.local.catalog import Catalog
 
 CHUNK = 1 << 20
 NAME = "w"  # 8 MiB: eight chunks

@@ -24,9 +24,9 @@ from tests.test_node_cache import CountingOrigin, files_of, partials, visible_fi
 from weightserve.client import Client
 from weightserve.client.errors import CacheTooSmall
 from weightserve.service.server import ServerConfig, WeightServer
-from weightserve.service.sources.node_cache import NodeCache
-from weightserve.service.sources.origin import OriginCatalog
-from weightserve.service.sources.origins import open_origin
+from weightserve.service.sources.cache.node_cache import NodeCache
+from weightserve.service.sources.origin.catalog import OriginCatalog
+from weightserve.service.sources.origin.opening import open_origin
 
 MIB = 1 << 20
 DISK = 20 * MIB

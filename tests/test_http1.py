@@ -26,7 +26,7 @@ from weightserve.client.transports.http1 import BUFFER_BYTES, RCVLOWAT_BYTES, Ht
 from weightserve.client.wire.routes import parse_url
 from weightserve.service.serving.request import TensorRequest
 from weightserve.service.serving.streams import plan_stream, stream_messages
-from weightserve.service.sources.local import Catalog
+from weightserve.service.sources.local.catalog import Catalog
 from weightserve.service.transports.http.streaming import whole_body
 
 # What a scripted connection does with each request: the bytes to answer, then whether to

@@ -28,7 +28,7 @@ from weightserve.service.serving.streams import (
     plan_stream,
     stream_messages,
 )
-from weightserve.service.sources.local import Catalog
+from weightserve.service.sources.local.catalog import Catalog
 from weightserve.service.transports.http import streaming as http_streaming
 from weightserve.service.transports.http.app import WeightserveApp, create_app
 

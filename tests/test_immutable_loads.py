@@ -41,7 +41,7 @@ from weightserve.client.transports.handoff import HandoffClient, handoff_socket_
 from weightserve.client.wire.handoff import FILE_COPY, FILE_OWNED, FILE_SEALED, encode_frame
 from weightserve.client.wire.handoff import read_frame as read_handoff_frame
 from weightserve.service.server import ServerConfig, WeightServer
-from weightserve.service.sources import snapshots
+from weightserve.service.sources.files import snapshots
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -23,7 +23,8 @@ from weightserve.service.readers.errors import DuplicateTensor, SplitMismatch
 from weightserve.service.server import ServerConfig, WeightServer
 from weightserve.service.serving import views as models_view
 from weightserve.service.sources.layout import RESERVED_CHARACTER
-from weightserve.service.sources.local import OUTSIDE_ROOT, Catalog
+from weightserve.service.sources.local.catalog import Catalog
+from weightserve.service.sources.local.discovery import OUTSIDE_ROOT
 from weightserve.service.sources.model import Model
 
 MAIN = "a1" * 20  # snapshot commits are 40 hex digits

@@ -1,4 +1,4 @@
-"""The node fill cache (service/sources/node_cache.py) over a real local-directory origin: whole
+"""The node fill cache (service/sources/cache/node_cache.py) over a real local-directory origin: whole
 models filled byte-identical, once for concurrent callers, reused after a restart, evicted
 least-recently-used within the size bound, and kept serving while the origin is down."""
 
@@ -22,8 +22,10 @@ from weightserve.client.errors import (
     OriginUnavailable,
     ResourceExhausted,
 )
-from weightserve.service.sources.node_cache import NodeCache, parse_size
-from weightserve.service.sources.origins import Origin, OriginFile, open_origin
+from weightserve.service.config import parse_size
+from weightserve.service.sources.cache.node_cache import NodeCache
+from weightserve.service.sources.origin.base import Origin, OriginFile
+from weightserve.service.sources.origin.opening import open_origin
 
 LIMIT = 1 << 20
 

@@ -21,7 +21,7 @@ from tests.support.s3_server import S3Server
 from tests.test_origin_serving import config, load
 from tests.test_revision_pinning import arrays, values, write_model
 from weightserve.service.server import ServerConfig, WeightServer
-from weightserve.service.sources.origins import FileSystemOrigin
+from weightserve.service.sources.origin.objects import FileSystemOrigin
 
 
 def origin_requests(server: WeightServer) -> Counter[tuple[str, str]]:

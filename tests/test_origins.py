@@ -1,4 +1,4 @@
-"""Origins a node cache fills from (service/sources/origins.py), against real stores: a SeaweedFS S3
+"""Origins a node cache fills from (service/sources/origin/: objects.py, upstream.py), against real stores: a SeaweedFS S3
 server on loopback, a local directory, and an upstream weightserve.
 
 Each origin lists what it holds (names, sizes), fetches byte-identical files with parallel
@@ -20,7 +20,8 @@ from tests.support import fixtures_safetensors
 from tests.support.byte_proxy import ByteCountingProxy
 from tests.support.s3_server import S3Server, free_ports
 from weightserve.client.errors import ModelUnavailable, OriginChanged, OriginUnavailable
-from weightserve.service.sources.origins import Origin, OriginFile, RetryPolicy, open_origin
+from weightserve.service.sources.origin.base import Origin, OriginFile, RetryPolicy
+from weightserve.service.sources.origin.opening import open_origin
 
 # Small parts and several threads: every file is fetched as many ranged reads, out of order.
 PARTS = {"concurrency": 4, "part_bytes": 1000}

@@ -99,7 +99,7 @@ def test_wheel_contents(installed: Installed) -> None:
         "weightserve/client/wire/proto/weightserve/v1/weightserve_pb2.py",
         "weightserve/client/wire/proto/weightserve/v1/weightserve_pb2_grpc.py",
         "weightserve/service/__init__.py",
-        "weightserve/service/sources/local.py",
+        "weightserve/service/sources/local/catalog.py",
         "weightserve/service/readers/safetensors.py",
         "weightserve/service/py.typed",
     ]:

@@ -22,7 +22,7 @@ from weightserve.client._client import Client
 from weightserve.service.readers.base import ModelContents
 from weightserve.service.readers.gguf import GGUFReader
 from weightserve.service.server import ServerConfig, WeightServer
-from weightserve.service.sources.local import Catalog, default_readers
+from weightserve.service.sources.local.catalog import Catalog, default_readers
 
 
 def gguf_bytes(tmp_path: Path) -> tuple[bytes, dict[str, np.ndarray]]:

@@ -36,8 +36,8 @@ from weightserve.client.max.load import load_weights
 from weightserve.client.max.weights import RemoteWeights
 from weightserve.client.wire.routes import parse_url, split_revision, with_revision
 from weightserve.service.server import ServerConfig, WeightServer
-from weightserve.service.sources.local import Catalog
-from weightserve.service.sources.pinning import pick_revision
+from weightserve.service.sources.local.catalog import Catalog
+from weightserve.service.sources.revisions.pinning import pick_revision
 
 PLANES = ("http", "grpc", "flight", "handoff")
 TENSORS = ("a", "b", "c", "d")

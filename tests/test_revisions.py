@@ -34,9 +34,9 @@ from tests.test_faults import (
 from weightserve.client._client import FetchOptions
 from weightserve.client.errors import WeightserveError
 from weightserve.service.server import ServerConfig, WeightServer
-from weightserve.service.sources.local import Catalog
-from weightserve.service.sources.revisions import DigestStore
-from weightserve.service.sources.stamps import file_stamp
+from weightserve.service.sources.files.stamps import file_stamp
+from weightserve.service.sources.local.catalog import Catalog
+from weightserve.service.sources.revisions.content import DigestStore
 
 
 @pytest.fixture(autouse=True)

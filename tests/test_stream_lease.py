@@ -22,7 +22,7 @@ from weightserve.service.server import ServerConfig, WeightServer
 from weightserve.service.serving.lease import StreamLease
 from weightserve.service.serving.request import TensorRequest
 from weightserve.service.serving.state import Limits, ServiceState
-from weightserve.service.sources.local import Catalog
+from weightserve.service.sources.local.catalog import Catalog
 
 MODEL = "m"
 

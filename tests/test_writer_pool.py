@@ -21,7 +21,7 @@ from safetensors.numpy import save_file
 from tests.test_cli import clean_env, start_server
 from tests.test_http_writev import expected_body, fetch, serving
 from weightserve.service.serving.state import Limits, ServiceState
-from weightserve.service.sources.local import Catalog
+from weightserve.service.sources.local.catalog import Catalog
 from weightserve.service.transports.http.streaming import WRITER_THREAD_NAME
 
 BIG = "big.weight"  # 16 MiB: more than a stalled client's socket buffers take

@@ -30,7 +30,7 @@ from weightserve.service.readers.base import TensorEntry
 from weightserve.service.serving.metrics import Metrics
 from weightserve.service.serving.streams import gathered_bytes
 from weightserve.service.sources.model import Model
-from weightserve.service.sources.revision_stores import KeptDeltas, KeptDeltaWriter
+from weightserve.service.sources.revisions.stores import KeptDeltas, KeptDeltaWriter
 
 log = logging.getLogger("weightserve.delta")
 

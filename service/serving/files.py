@@ -18,7 +18,7 @@ from weightserve.client.wire.hints import did_you_mean
 from weightserve.service.serving.auth import Access
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.sources.model import Model, RepoFile
-from weightserve.service.sources.pinning import names_content
+from weightserve.service.sources.revisions.pinning import names_content
 
 # Largest piece handed to a transport at once (a gRPC FileChunk; an HTTP write).
 FILE_CHUNK_BYTES = 2 << 20

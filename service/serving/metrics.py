@@ -16,8 +16,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from weightserve.client.errors import WeightserveError, status_for
-from weightserve.service.sources.node_cache import EVICTION_REASONS, CacheStats
-from weightserve.service.sources.origins import ORIGIN_BYTE_KINDS, ORIGIN_REQUEST_KINDS
+from weightserve.service.sources.cache.stats import EVICTION_REASONS, CacheStats
+from weightserve.service.sources.origin.base import ORIGIN_BYTE_KINDS, ORIGIN_REQUEST_KINDS
 
 
 class Metrics:
@@ -130,7 +130,7 @@ class Metrics:
         return found
 
 
-# The node cache's counters (service/sources/node_cache.py CacheStats): (metric, kind, help, field).
+# The node cache's counters (service/sources/cache/node_cache.py CacheStats): (metric, kind, help, field).
 NODE_CACHE_METRICS = (
     ("weightserve_origin_requests_total", "counter",
      "Requests made to the origin, by kind (list, head, get, watch) and outcome (ok, error)",

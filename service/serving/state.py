@@ -1,5 +1,7 @@
 """What the four transports (HTTP, gRPC, Flight, the same-node handoff) share in one process:
-the catalog, settings, metrics, stream limits and the idle cut."""
+the source and what comes with it (service/sources/served.py), settings, metrics, stream
+limits and the idle cut. Built whole: nothing is set on it afterwards but the ports bound and
+the flags start-up and shutdown turn."""
 
 from __future__ import annotations
 
@@ -17,10 +19,10 @@ from weightserve.service.serving.delta import DeltaCache
 from weightserve.service.serving.feed import RevisionFeed
 from weightserve.service.serving.idle import IdleCutter
 from weightserve.service.serving.metrics import Metrics, NodeCacheCollector
-from weightserve.service.sources.base import ModelSource, RevisionLog
+from weightserve.service.sources.base import ModelSource
 from weightserve.service.sources.model import Model
-from weightserve.service.sources.published import Publisher
-from weightserve.service.sources.revision_stores import revision_record
+from weightserve.service.sources.revisions.stores import revision_record
+from weightserve.service.sources.served import Served
 
 
 @dataclass
@@ -43,25 +45,33 @@ class Limits:
 class ServiceState:
     def __init__(
         self,
-        catalog: ModelSource,
+        served: Served | ModelSource,
         limits: Limits | None = None,
         tokens: TokenStore | None = None,
         protect_metrics: bool = False,
+        *,
+        allow_publish: bool = False,
+        metrics: Metrics | None = None,
+        feed: RevisionFeed | None = None,
+        uds: str | None = None,
     ) -> None:
-        self.catalog = catalog
+        """``served``: the composed whole (a bare source serves alone). ``metrics`` and
+        ``feed`` are given when the source's callbacks (refusals counted, revisions
+        announced) were built to reach them; ``uds``: the same-node HTTP socket."""
+        self.served = served if isinstance(served, Served) else Served(served)
+        self.catalog = self.served.source
+        self.publisher = self.served.publisher
+        self.revision_log = self.served.revision_log
         self.limits = limits or Limits()
         self.tokens = tokens
         self.protect_metrics = protect_metrics
-        self.publisher: Publisher | None = None  # set by the server for a local root
-        self.allow_publish = False  # publishes without a token file (--allow-publish)
-        self.feed = RevisionFeed()  # watchers of published revisions
-        # What the watch routes announce: the publisher, or a node cache's catalog.
-        self.revision_log: RevisionLog | None = None
+        self.allow_publish = allow_publish  # publishes without a token file (--allow-publish)
+        self.feed = feed or RevisionFeed()  # watchers of published revisions
         self._per_client: dict[str, int] = {}
-        self.metrics = Metrics()
-        # Patches between revisions, computed once for all (kept on disk: the server sets
-        # ``deltas.kept`` for a local root it publishes into).
-        self.deltas = DeltaCache(metrics=self.metrics)
+        self.metrics = metrics or Metrics()
+        # Patches between revisions, computed once for all (and kept on disk beside a local
+        # root's published revisions).
+        self.deltas = DeltaCache(metrics=self.metrics, kept=self.served.kept_deltas)
         self.draining = False
         self.warming = False  # content revisions of the models found at start being computed
         self.flight_port = 0  # set when the Flight endpoint runs; GetServerInfo reports it
@@ -70,19 +80,14 @@ class ServiceState:
         self.instance = uuid.uuid4().hex
         self.http_port = 0
         self.grpc_port = 0
-        self.uds: str | None = None  # the same-node HTTP socket (--uds), as this server sees it
+        self.uds = uds  # the same-node HTTP socket (--uds), as this server sees it
         self._streams = 0
         self._lock = threading.Lock()
         self._stream_ended = threading.Condition(self._lock)
         self.idle_cutter = IdleCutter(self.limits.idle_timeout)  # shared by every stream
-        catalog.on_refused = self.on_refused
-        if catalog.cache_stats is not None:
-            self.metrics.registry.register(NodeCacheCollector(catalog.cache_stats))
-        self.metrics.model_refusals.inc(len(catalog.problems))  # those of the first scan
+        if self.served.cache_stats is not None:
+            self.metrics.registry.register(NodeCacheCollector(self.served.cache_stats))
         self.refresh_gauges()
-
-    def on_refused(self, problem: object) -> None:
-        self.metrics.model_refusals.inc()
 
     def refresh_gauges(self) -> None:
         self.metrics.models.set(len(self.catalog.models))

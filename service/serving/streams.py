@@ -33,9 +33,9 @@ from weightserve.service.serving.arrow_writer import (
     schema_message,
 )
 from weightserve.service.serving.request import Shard, TensorRequest
-from weightserve.service.sources.mapped import MappedFile
+from weightserve.service.sources.files.mapped import MappedFile
 from weightserve.service.sources.model import Model
-from weightserve.service.sources.pinning import names_content
+from weightserve.service.sources.revisions.pinning import names_content
 
 # GGML block geometry: elements per block and bytes per block, from the gguf package.
 try:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from weightserve.service.readers.base import TensorEntry
-from weightserve.service.sources.base import ModelSource
+from weightserve.service.sources.base import FillsOnRequest, ModelSource
 from weightserve.service.sources.model import Model
 
 
@@ -65,12 +65,14 @@ def model_list(
     Over a node cache, each model has a ``state`` (``cached``, ``outdated``, ``filling``,
     ``remote``) and the revision the origin lists now, and the origin's models not cached
     yet are listed too."""
+    remote = catalog if isinstance(catalog, FillsOnRequest) else None
     summaries = [
-        {**model_summary(m), **catalog.listing_fields(m)}
+        {**model_summary(m), **(remote.listing_fields(m) if remote is not None else {})}
         for m in catalog.models.values()
         if may_read(m.id)
     ]
-    summaries += catalog.remote_summaries(may_read)
+    if remote is not None:
+        summaries += remote.remote_summaries(may_read)
     return {
         "models": summaries,
         "problems": [

@@ -1,5 +1,9 @@
-"""What the server asks of wherever its models come from (``ModelSource``), and how a source
-reports a model it refuses (``Problem``).
+"""What the server asks of wherever its models come from (``ModelSource``), how a source
+reports a model it refuses (``Problem``), and what only some sources do, each a protocol of its
+own: fills on request (``FillsOnRequest``), an operator's cache controls (``CacheControls``),
+revisions announced (``RevisionLog``; taken by service/sources/publishing/uploads.py's
+``Publishing``). Code that needs one asks the
+composed whole (service/sources/served.py) or checks the protocol, never probes attributes.
 """
 
 from __future__ import annotations
@@ -8,11 +12,10 @@ from collections.abc import Callable, Collection, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from weightserve.client.errors import OriginUnavailable
 from weightserve.service.sources.model import Model
-from weightserve.service.sources.node_cache import CacheStats
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,7 @@ class CacheControls(Protocol):
 
 class RevisionLog(Protocol):
     """The revisions a server announces to watchers (the watch routes): a local root's
-    published ones (service/sources/published.py), or the newest a node cache holds."""
+    published ones (service/sources/publishing/publisher.py), or the newest a node cache holds."""
 
     def revisions(self, model_id: str) -> list[dict[str, Any]]:
         """Records ``{commit, parent, created, bytes, message, metadata}``, ``main`` first."""
@@ -62,15 +65,12 @@ class ModelSource(Protocol):
 
     The local catalog (a directory) and the origin catalog (an origin filled into a node
     cache, served through a local catalog of the cache) implement it; callers ask it, never
-    which source they hold. ``get("ID@R")`` answers revision R of a model from the revisions
-    the source holds (service/sources/pinning.py): a source that keeps older revisions' files
+    which source they hold. Refusals are told to the ``on_refused`` callback each source
+    takes in its constructor. ``get("ID@R")`` answers revision R of a model from the revisions
+    the source holds (service/sources/revisions/pinning.py): a source that keeps older revisions' files
     offers them there. ``describe`` answers metadata before a fill. Revisions are
-    published into a local root (service/sources/published.py) and announced to watchers
-    by a ``RevisionLog``.
+    published (service/sources/publishing/uploads.py) and announced to watchers by a ``RevisionLog``.
     """
-
-    # Told of each new refusal (the metrics count them); None: nobody listens.
-    on_refused: Callable[[Problem], None] | None
 
     @property
     def root(self) -> Path:
@@ -105,31 +105,9 @@ class ModelSource(Protocol):
         ...
 
     @property
-    def fills_on_request(self) -> bool:
-        """Whether models are copied under ``root`` on their first request (an origin through
-        a node cache); listings then tell each model's state (``remote_summaries``)."""
-        ...
-
-    @property
     def watch_files(self) -> bool:
         """Whether files under ``root`` change by other hands than the source's own, so a file
         watcher should rescan when they do."""
-        ...
-
-    @property
-    def origin_error(self) -> OriginUnavailable | None:
-        """Why the origin could not be listed at the last scan; None when it was, or for a
-        source without one."""
-        ...
-
-    @property
-    def cache_stats(self) -> Callable[[], CacheStats] | None:
-        """Reads the node cache's counters for the metrics; None without a node cache."""
-        ...
-
-    @property
-    def cache_controls(self) -> CacheControls | None:
-        """The operator's controls of the node cache; None without one."""
         ...
 
     @property
@@ -173,17 +151,28 @@ class ModelSource(Protocol):
         """Hold the model while a stream reads it (a node cache keeps it from eviction)."""
         ...
 
+    def close(self) -> None:
+        """Let go of what the source holds (a node cache's directory lock)."""
+        ...
+
+
+@runtime_checkable
+class FillsOnRequest(Protocol):
+    """A source whose models are copied under its ``root`` on their first request (an origin
+    through a node cache): listings tell each model's state, and the origin may be out of
+    reach while cached models are served."""
+
+    @property
+    def origin_error(self) -> OriginUnavailable | None:
+        """Why the origin could not be listed at the last scan; None when it was."""
+        ...
+
     def remote_summaries(self, may_read: Callable[[str], bool]) -> list[dict[str, Any]]:
         """The models offered but not indexed here yet, as model summaries with their
-        ``state``; none for a local root."""
+        ``state``."""
         ...
 
     def listing_fields(self, model: Model) -> dict[str, Any]:
         """What a listing adds to (or puts in place of) the summary of a model indexed here:
-        over a node cache its ``state`` and the origin's current revision; nothing for a
-        local root."""
-        ...
-
-    def close(self) -> None:
-        """Let go of what the source holds (a node cache's directory lock)."""
+        its ``state`` and the origin's current revision."""
         ...

@@ -2,7 +2,7 @@
 indexes, variants, split GGUF parts, hub cache folders, and which model ids they form.
 
 Every source applies these same rules: the local catalog to a directory it walks
-(service/sources/local.py), the origin catalog to an origin's listing (service/sources/origin.py),
+(service/sources/local/catalog.py), the origin catalog to an origin's listing (service/sources/origin/catalog.py),
 the node cache and the origins to the files of one model. README.md ("Model layouts") states
 them for users.
 """

@@ -13,15 +13,15 @@ from pathlib import Path
 from weightserve.client.errors import ModelUnavailable, TensorNotFound
 from weightserve.client.wire.hints import did_you_mean
 from weightserve.service.readers.base import ModelContents, TensorEntry
-from weightserve.service.sources.mapped import MappedFile
-from weightserve.service.sources.revisions import (
+from weightserve.service.sources.files.mapped import MappedFile
+from weightserve.service.sources.files.stamps import FileStamp
+from weightserve.service.sources.revisions.content import (
     COMMIT_CHARS,
     REVISION_CHARS,
     DigestStore,
     FileChanged,
     content_revision,
 )
-from weightserve.service.sources.stamps import FileStamp
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class Model:
 
     @property
     def revision(self) -> str:
-        """The content revision (see service/sources/revisions.py): computed on first use, from
+        """The content revision (see service/sources/revisions/content.py): computed on first use, from
         digests remembered per file version, so only a file never seen before is read."""
         if self._revision is None:
             self._revision = self._content_revision()

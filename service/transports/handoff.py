@@ -10,7 +10,7 @@ docs/protocol.md ("Same-node socket and zero-copy handoff").
 A completed load never changes, whatever is written to the root later. So a descriptor is
 handed out for mapping only where its bytes cannot change: a file the source owns (the node
 cache writes its files once and replaces them by rename), or a sealed snapshot of the file
-version (``service/sources/snapshots.py``), made once and shared by every handoff of that
+version (``service/sources/files/snapshots.py``), made once and shared by every handoff of that
 version. Anything else (no room in the snapshot budget, no memfd seals) is marked ``copy``:
 the client copies those ranges out of the descriptor, verifies them and maps nothing.
 
@@ -60,9 +60,13 @@ from weightserve.service.serving.request import from_handoff
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.serving.streams import PlannedTensor, plan_stream, stream_chunks
 from weightserve.service.serving.views import server_version
-from weightserve.service.sources.mapped import RELOAD_RETRY_AFTER
+from weightserve.service.sources.files.mapped import RELOAD_RETRY_AFTER
+from weightserve.service.sources.files.snapshots import (
+    Snapshot,
+    SnapshotStore,
+    default_snapshot_bytes,
+)
 from weightserve.service.sources.model import Model
-from weightserve.service.sources.snapshots import Snapshot, SnapshotStore, default_snapshot_bytes
 from weightserve.service.transports.listener import StartupError, claim_socket_path
 
 log = logging.getLogger("weightserve.handoff")

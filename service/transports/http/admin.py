@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from weightserve.client.errors import InvalidRequest
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.sources.base import CacheControls
-from weightserve.service.sources.node_cache import EvictionRefused
+from weightserve.service.sources.cache.room import EvictionRefused
 from weightserve.service.transports.http.common import (
     OPERATION_KEY,
     AccessCheck,
@@ -48,7 +48,7 @@ def add_admin_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -> 
     def controls(http: Request, model: str) -> CacheControls:
         http.scope[OPERATION_KEY] = ADMIN_OPERATION
         access(http).check_admin(model, on_this_node=_on_this_node(http))
-        found = state.catalog.cache_controls
+        found = state.served.cache_controls
         if found is None:
             raise InvalidRequest(
                 f"this server serves {state.catalog.description}, a local directory: there is "

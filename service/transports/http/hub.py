@@ -60,7 +60,7 @@ from weightserve.service.serving import files
 from weightserve.service.serving.auth import Access
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.sources.model import Model
-from weightserve.service.sources.origin import FillInProgress, following_fills
+from weightserve.service.sources.origin.fill_wait import FillInProgress, following_fills
 from weightserve.service.transports.http.common import ERROR_KEY, OPERATION_KEY, AccessCheck
 from weightserve.service.transports.http.files import FILE_OPERATION, OCTET_STREAM, file_response
 from weightserve.service.transports.http.routes import get_and_head
@@ -68,7 +68,7 @@ from weightserve.service.transports.http.streaming import GrowingFileResponse, H
 
 DEFAULT_REVISION = MAIN_REVISION
 _API_ACTIONS = ("revision", "tree", "paths-info")
-# A commit, or a prefix of at least 12 hex digits of one (service/sources/pinning.py).
+# A commit, or a prefix of at least 12 hex digits of one (service/sources/revisions/pinning.py).
 _COMMIT_LIKE = re.compile(r"[0-9a-fA-F]{12,64}")
 # A Hub revision holding these (``refs/pr/1``) names no model id's revision: by commit only.
 _NOT_IN_IDS = ("/", REVISION_SEPARATOR, VARIANT_SEPARATOR)

@@ -29,7 +29,7 @@ from weightserve.service.serving.lease import StreamLease
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.sources.base import RevisionLog
 from weightserve.service.sources.model import Model
-from weightserve.service.sources.published import Publisher, Upload
+from weightserve.service.sources.publishing.uploads import Publishing, Upload
 from weightserve.service.transports.http.common import OPERATION_KEY, AccessCheck, off_loop
 from weightserve.service.transports.http.routes import get_and_head
 from weightserve.service.transports.http.streaming import LeasedStreamResponse
@@ -53,7 +53,7 @@ async def _json_body(http: Request) -> dict[str, Any]:
     return body
 
 
-async def _receive(http: Request, publisher: Publisher, upload: Upload, name: str | None) -> int:
+async def _receive(http: Request, publisher: Publishing, upload: Upload, name: str | None) -> int:
     """Stream the request body into the upload's file; the bytes written."""
     target = publisher.target(upload, name)
     written = await _receive_into(http, publisher, upload, target, name or "the tensors")
@@ -62,7 +62,7 @@ async def _receive(http: Request, publisher: Publisher, upload: Upload, name: st
 
 
 async def _receive_into(
-    http: Request, publisher: Publisher, upload: Upload, target: Path, label: str
+    http: Request, publisher: Publishing, upload: Upload, target: Path, label: str
 ) -> int:
     """Stream the request body into ``target``; the bytes written."""
     length = http.headers.get("content-length")
@@ -131,7 +131,7 @@ def _line(event: dict[str, Any]) -> bytes:
 def add_publish_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -> None:
     """Routes below ``/v1/models/{model}/-/``: uploads, revisions and holds."""
 
-    def publisher(http: Request, model: str) -> Publisher:
+    def publisher(http: Request, model: str) -> Publishing:
         http.scope[OPERATION_KEY] = PUBLISH_OPERATION
         access(http).check_publish(model, allowed_openly=state.allow_publish)
         if state.publisher is None:

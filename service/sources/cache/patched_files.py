@@ -27,10 +27,11 @@ from weightserve.client.wire.file_patch import (
     parse_safetensors_header,
     patchable,
 )
-from weightserve.service.sources.origins import Origin, OriginFile, UpstreamOrigin
-from weightserve.service.sources.past_revisions import model_file_name
-from weightserve.service.sources.revisions import COMMIT_CHARS, content_revision, hash_file
-from weightserve.service.sources.stamps import file_stamp
+from weightserve.service.sources.files.stamps import file_stamp
+from weightserve.service.sources.origin.base import Origin, OriginFile
+from weightserve.service.sources.origin.past_revisions import model_file_name
+from weightserve.service.sources.origin.upstream import UpstreamOrigin
+from weightserve.service.sources.revisions.content import COMMIT_CHARS, content_revision, hash_file
 
 log = logging.getLogger("weightserve.node_cache")
 
@@ -52,7 +53,7 @@ class _Building:
 
 def commit_of(model_id: str, files: Iterable[tuple[str, int, str]]) -> str:
     """The commit of a model's files given as (origin name, size, version): the upstream's
-    name for that revision (service/sources/revisions.py content_revision)."""
+    name for that revision (service/sources/revisions/content.py content_revision)."""
     named = ((model_file_name(model_id, name), size, version) for name, size, version in files)
     return content_revision(named)[:COMMIT_CHARS]
 

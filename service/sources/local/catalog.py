@@ -5,6 +5,9 @@ Start-up reads headers only (the readers never touch tensor data), so opening a 
 its headers, not its size. A model that fails validation is recorded in
 ``Catalog.problems`` with the file and the rule it breaks; every other model is served.
 
+Where its models are is discovery.py's part (the layout rules below); the catalog indexes
+them (``scan``: a model unchanged keeps its index and mappings) and looks them up (``get``).
+
 How a root is laid out: the model id is the path relative to the root, so ``org/name`` works.
 These are the rules; README.md ("Model layouts") states them for users.
 
@@ -37,49 +40,29 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 from pathlib import Path
-from typing import Any
 
 from weightserve.client.errors import CheckpointError, ModelNotFound, ModelUnavailable
 from weightserve.client.wire.hints import did_you_mean
-from weightserve.client.wire.routes import MAIN_REVISION, RESERVED_PART, split_revision
+from weightserve.client.wire.routes import MAIN_REVISION, split_revision
 from weightserve.service.readers.base import FormatReader
 from weightserve.service.sources.base import Problem
+from weightserve.service.sources.files.stamps import FileStamp, current_stamps
 from weightserve.service.sources.layout import (
-    CHECKPOINT_SUFFIXES,
-    GGUF_SUFFIXES,
-    ID_SEPARATORS,
-    INDEX_NAME,
-    REF_NAME,
-    RESERVED_CHARACTER,
-    RESERVED_DIRECTORY,
-    REVISION_SEPARATOR,
-    WEIGHT_SUFFIXES,
     base_model_id,
-    gguf_models,
-    hub_repo_id,
     validate_model_id,
-    weight_format,
-    weight_sets,
 )
+from weightserve.service.sources.local.discovery import Discovery
 from weightserve.service.sources.model import Model
-from weightserve.service.sources.pinning import pick_revision
-from weightserve.service.sources.revisions import DigestStore
-from weightserve.service.sources.stamps import FileStamp, current_stamps
+from weightserve.service.sources.revisions.content import DigestStore
+from weightserve.service.sources.revisions.pinning import pick_revision
 
 log = logging.getLogger("weightserve.catalog")
-
-MAX_INDEX_BYTES = 64 << 20
-OUTSIDE_ROOT = "symlink points outside the model root"
-# Side files larger than this are not served (weights and their leftovers are exempt): they
-# are configs, tokenizers and templates, not bulk data.
-SIDE_FILE_MAX_BYTES = 256 << 20
 
 
 # Model, RepoFile, Problem and validate_model_id live in model.py, base.py and layout.py;
@@ -100,11 +83,7 @@ class Catalog:
     model file by file, so the models of a fill in progress must not be.
     """
 
-    fills_on_request = False  # every model already lies under the root
     watch_files = True  # files are put there by other hands: a watcher rescans sooner
-    origin_error = None  # no origin to list
-    cache_stats = None  # no node cache
-    cache_controls = None  # nothing for an operator to prefetch, evict or verify
 
     def __init__(
         self,
@@ -113,6 +92,7 @@ class Catalog:
         recheck_seconds: float = 1.0,
         digests: DigestStore | None = None,
         whole_models: Callable[[], Iterable[str]] | None = None,
+        on_refused: Callable[[Problem], None] | None = None,
     ):
         self.root = Path(root).resolve()
         self.recheck_seconds = recheck_seconds
@@ -126,274 +106,18 @@ class Catalog:
         # Refused models with their files as they were: not parsed (or logged) again until
         # a file changes, so a hostile 256 MiB pickle is walked once, not every rescan.
         self._refused: dict[str, tuple[dict[Path, FileStamp], Problem]] = {}
-        self.on_refused: Callable[[Problem], None] | None = None  # metrics: a new refusal
+        self.on_refused = on_refused  # told of each new refusal (the metrics count them)
         # Other weight sets of a directory (``ID:VARIANT``): indexed on their first request.
         self.variants: dict[str, tuple[str, Path, list[Path]]] = {}
-        self._found_variants: dict[str, tuple[str, Path, list[Path]]] = {}
+        self.discovery = Discovery(self.root)
         self._model_dirs: set[Path] = set()
         self._lock = threading.Lock()
         # Streams reading each model's directory (``using``): a published revision being
-        # streamed is kept from retention (service/sources/published.py).
+        # streamed is kept from retention (service/sources/publishing/publisher.py).
         self._streamed: dict[Path, int] = {}
         self.scan()
 
-    # -- discovery ---------------------------------------------------------------------------
-
-    def _inside_root(self, path: Path) -> bool:
-        try:
-            path.resolve().relative_to(self.root)
-            return True
-        except ValueError:
-            return False
-
-    def discover(self) -> dict[str, tuple[str, Path, list[Path]]]:
-        """model id -> (format, path, files), from the directory layout alone: the models
-        served at once. A directory's other weight sets go to ``self.variants`` (served on
-        request); refusals found on the way go to ``self.problems``."""
-        found: dict[str, tuple[str, Path, list[Path]]] = {}
-        self._found_variants = {}
-        hub_repo = hub_repo_id(self.root.name)
-        if hub_repo is not None and (self.root / "snapshots").is_dir():
-            self._discover_hub_repo(self.root, hub_repo, found, (self.root,))
-        else:
-            self._discover_tree(self.root, "", found, (self.root,))
-        self.variants = self._found_variants  # swapped whole: ``get`` reads it unlocked
-        return found
-
-    def _refuse(self, key: str, file: str, reason: str) -> None:
-        self.problems.setdefault(key, Problem(key, file, reason))
-
-    def _add(
-        self,
-        found: dict[str, tuple[str, Path, list[Path]]],
-        model_id: str,
-        entry: tuple[str, Path, list[Path]],
-    ) -> None:
-        """One id, one model: a second layout giving a taken id is refused, named by its path."""
-        taken = found.get(model_id, self._found_variants.get(model_id))
-        if taken is None:
-            found[model_id] = entry
-        elif taken != entry:
-            where = self._relative(str(entry[1]))
-            self._refuse(
-                where,
-                where,
-                f"its model id {model_id!r} is taken by {self._relative(str(taken[1]))}; "
-                "rename one of them",
-            )
-
-    def _discover_tree(
-        self,
-        directory: Path,
-        id_prefix: str,
-        found: dict[str, tuple[str, Path, list[Path]]],
-        visiting: tuple[Path, ...],
-    ) -> None:
-        """The models in ``directory`` (a real directory inside the root) and below it;
-        ``id_prefix`` is its id ('' for the root), ``visiting`` the directories walked down
-        to it (a symlink back to one of them is a loop)."""
-        at_root = id_prefix == ""
-        try:
-            entries = sorted(os.scandir(directory), key=lambda e: e.name)
-        except OSError as e:
-            log.info("%s not searched: %s", directory, e)
-            return
-        files: list[Path] = []
-        escaped_shard = None
-        for entry in entries:
-            name = entry.name
-            if name.startswith("."):
-                continue
-            p = directory / name
-            rel = f"{id_prefix}/{name}" if id_prefix else name
-            is_link = entry.is_symlink()
-            if is_link and not self._inside_root(p):
-                if p.is_dir() or at_root or p.suffix in GGUF_SUFFIXES:  # a model of its own
-                    self._refuse(rel, rel, OUTSIDE_ROOT)
-                elif p.suffix in WEIGHT_SUFFIXES or INDEX_NAME.fullmatch(name):
-                    escaped_shard = escaped_shard or rel  # never serve a model in part
-                continue
-            try:
-                is_dir = p.is_dir()
-            except OSError:
-                continue
-            if not is_dir:
-                if p.is_file():
-                    files.append(p)
-                continue
-            if name == RESERVED_PART:  # no model id may have this part (validate_model_id)
-                self._refuse(rel, rel, RESERVED_DIRECTORY)
-                continue
-            if any(c in name for c in ID_SEPARATORS):
-                self._refuse(rel, rel, RESERVED_CHARACTER)
-                continue
-            real = p.resolve() if is_link else p
-            if real in visiting:
-                self._refuse(rel, rel, "symlink loop: it points to a directory above it")
-                continue
-            hub_repo = hub_repo_id(name)
-            if hub_repo is not None and (real / "snapshots").is_dir():
-                if name.startswith("models--"):  # datasets and spaces hold no models
-                    repo_id = rel if is_link else f"{id_prefix}/{hub_repo}".lstrip("/")
-                    self._discover_hub_repo(real, repo_id, found, (*visiting, real))
-                continue
-            # A symlinked directory inside the root is an alias: its own ids, same content.
-            self._discover_tree(real, rel, found, (*visiting, real))
-
-        self._discover_gguf(files, id_prefix, found)
-        if at_root:
-            for f in files:
-                fmt = weight_format(f.name)
-                if fmt is None:
-                    continue
-                if any(c in f.name for c in ID_SEPARATORS):
-                    self._refuse(f.name, f.name, RESERVED_CHARACTER)
-                else:
-                    self._add(found, f.name, (fmt, f, [f]))
-            return
-        if escaped_shard is not None:
-            self._refuse(id_prefix, escaped_shard, OUTSIDE_ROOT)
-            return
-        by_name = {f.name: f for f in files}
-        sets = weight_sets(list(by_name), lambda index: self._index_shard_names(by_name[index]))
-        for key, (index, reason) in sets.refused.items():
-            self._refuse(id_prefix + sets.suffix(key), self._relative(str(by_name[index])), reason)
-        for key, names in sets.chosen.items():
-            weights = (key[0], directory, [by_name[n] for n in names])
-            if key == sets.default:
-                self._add(found, id_prefix, weights)
-            else:
-                self._add(self._found_variants, id_prefix + sets.suffix(key), weights)
-
-    def _discover_gguf(
-        self, files: list[Path], id_prefix: str, found: dict[str, tuple[str, Path, list[Path]]]
-    ) -> None:
-        """Every ``.gguf`` file is a model; the parts of a split GGUF (``NAME-00001-of-00003.gguf``
-        ...) are one model, ``NAME.gguf``, served only when every part is there."""
-        plain, splits = gguf_models((f.name, f) for f in files)
-        for name, f in plain:
-            self._add_file_model(found, id_prefix, name, ("gguf", f, [f]))
-        for split in splits:
-            if not split.whole:
-                self._refuse(
-                    f"{id_prefix}/{split.model}".lstrip("/"),
-                    self._relative(str(next(iter(split.parts.values())))),
-                    split.refusal(),
-                )
-                continue
-            ordered = split.ordered()
-            self._add_file_model(found, id_prefix, split.model, ("gguf", ordered[0], ordered))
-
-    def _add_file_model(
-        self,
-        found: dict[str, tuple[str, Path, list[Path]]],
-        id_prefix: str,
-        name: str,
-        entry: tuple[str, Path, list[Path]],
-    ) -> None:
-        model_id = f"{id_prefix}/{name}".lstrip("/")
-        if any(c in name for c in ID_SEPARATORS):
-            self._refuse(model_id, self._relative(str(entry[1])), RESERVED_CHARACTER)
-        else:
-            self._add(found, model_id, entry)
-
-    def _index_shard_names(self, index: Path) -> set[str] | None:
-        """The file names an index's ``weight_map`` names, or None when it is not a readable
-        index (then the reader refuses it with the rule it breaks)."""
-        try:
-            if index.stat().st_size > MAX_INDEX_BYTES:
-                return None
-            weight_map = json.loads(index.read_bytes()).get("weight_map")
-        except (OSError, ValueError, AttributeError, RecursionError):
-            return None
-        if not isinstance(weight_map, dict) or not all(
-            isinstance(v, str) and v == Path(v).name and v not in ("", ".", "..")
-            for v in weight_map.values()
-        ):
-            return None
-        return set(weight_map.values())
-
-    def _discover_hub_repo(
-        self,
-        repo_dir: Path,
-        repo_id: str,
-        found: dict[str, tuple[str, Path, list[Path]]],
-        visiting: tuple[Path, ...],
-    ) -> None:
-        """A repository of the Hugging Face hub cache (``models--ORG--NAME``): ``ORG/NAME`` is
-        the snapshot ``refs/main`` names (without refs, the only snapshot), ``ORG/NAME@REV``
-        every snapshot by its commit and every other ref by its name."""
-        refs_dir = repo_dir / "refs"
-        refs: dict[str, str] = {}
-        try:
-            snapshots = {
-                d.name: d.resolve()
-                for d in sorted((repo_dir / "snapshots").iterdir())
-                if not d.name.startswith(".") and d.is_dir() and self._inside_root(d)
-            }
-            for ref in sorted(refs_dir.rglob("*")) if refs_dir.is_dir() else []:
-                name = ref.relative_to(refs_dir).as_posix()
-                if ref.is_file() and REF_NAME.fullmatch(name) and ref.stat().st_size <= 256:
-                    refs[name] = ref.read_text(errors="replace").strip()
-        except OSError as e:
-            self._refuse(repo_id, self._relative(str(repo_dir)), self._relative(str(e)))
-            return
-        main = refs.get("main")
-        if main is not None and main not in snapshots:
-            self._refuse(
-                repo_id,
-                self._relative(str(refs_dir / "main")),
-                f"refs/main names commit {main[:40]!r}, which has no snapshot (an interrupted "
-                "download?); download it again",
-            )
-            main = None
-        elif main is None and "main" not in refs and len(snapshots) == 1:
-            main = next(iter(snapshots))
-        ids = {} if main is None else {repo_id: main}
-        ids.update({f"{repo_id}{REVISION_SEPARATOR}{c}": c for c in snapshots})
-        ids.update(
-            {
-                f"{repo_id}{REVISION_SEPARATOR}{ref}": commit
-                for ref, commit in refs.items()
-                if ref != "main" and commit in snapshots
-            }
-        )
-        for model_id, commit in ids.items():
-            snapshot = snapshots[commit]
-            if snapshot not in visiting:
-                self._discover_tree(snapshot, model_id, found, (*visiting, snapshot))
-
-    def side_files(self, path: Path, files: list[Path], model_dirs: set[Path]) -> list[Path]:
-        """The other files of a directory model's repository: every regular file below it
-        that stays inside the root, not hidden, not below another model's directory, and
-        (unless a checkpoint) at most ``SIDE_FILE_MAX_BYTES``. A file model has none."""
-        if not path.is_dir():
-            return []
-        weights = set(files)
-        found: list[Path] = []
-        for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
-            directory = Path(dirpath)
-            dirnames[:] = sorted(
-                d
-                for d in dirnames
-                if not d.startswith(".") and (directory / d) not in model_dirs
-                and not (directory / d).is_symlink()
-            )  # fmt: skip
-            for name in sorted(filenames):
-                f = directory / name
-                if name.startswith(".") or f in weights or not self._inside_root(f):
-                    continue
-                try:
-                    if not f.is_file():
-                        continue
-                    checkpoint = f.suffix in CHECKPOINT_SUFFIXES
-                    if not checkpoint and f.stat().st_size > SIDE_FILE_MAX_BYTES:
-                        log.info("%s not served: larger than %d bytes", f, SIDE_FILE_MAX_BYTES)
-                        continue
-                except OSError:
-                    continue
-                found.append(f)
-        return found
+    # -- indexing ----------------------------------------------------------------------------
 
     def _load(
         self,
@@ -416,18 +140,16 @@ class Catalog:
             side_files=side,
         )
 
-    def _relative(self, text: str) -> str:
-        """Problems go to clients: name files relative to the root, never by server paths."""
-        return text.replace(f"{self.root}{os.sep}", "").replace(str(self.root), ".")
-
     def scan(self) -> None:
         """(Re)discover models. Unchanged models keep their index and mappings; unchanged
         refused models keep their refusal without being parsed again. Ids that name the same
         files (aliases, hub refs) share one Model's index and mappings."""
         started = time.perf_counter()
         with self._lock:
-            self.problems = {}
-            found = self.discover()
+            found = self.discovery.discover()
+            self.problems = dict(self.discovery.problems)
+            # Swapped whole: ``get`` reads it unlocked.
+            self.variants = self.discovery.variants
             models: dict[str, Model] = {}
             refused: dict[str, tuple[dict[Path, FileStamp], Problem]] = {}
             self._model_dirs = {
@@ -473,7 +195,7 @@ class Catalog:
         side: list[Path] = []
         stamps: dict[Path, FileStamp] | None = None
         try:
-            side = self.side_files(path, files, self._model_dirs)
+            side = self.discovery.side_files(path, files, self._model_dirs)
             stamps = current_stamps([*files, *side])
             old = self.models.get(model_id)
             if old is not None and old.stamps == stamps:
@@ -492,10 +214,14 @@ class Catalog:
             models[model_id] = loaded[key] = self._load(model_id, fmt, path, files, side, stamps)
         except (CheckpointError, OSError) as e:
             if isinstance(e, CheckpointError):
-                problem = Problem(model_id, self._relative(e.file), self._relative(str(e)))
+                problem = Problem(
+                    model_id, self.discovery.relative(e.file), self.discovery.relative(str(e))
+                )
             else:
                 where = str(e.filename or path)
-                problem = Problem(model_id, self._relative(where), self._relative(str(e)))
+                problem = Problem(
+                    model_id, self.discovery.relative(where), self.discovery.relative(str(e))
+                )
             self.problems[model_id] = problem
             # A refusal holds for the version it was read from (stamped before the read): a
             # file a copy finished meanwhile differs from it, so the next rescan reads it again.
@@ -618,12 +344,6 @@ class Catalog:
     @property
     def listed(self) -> Collection[str]:
         return self.models.keys()
-
-    def remote_summaries(self, may_read: Callable[[str], bool]) -> list[dict[str, Any]]:
-        return []  # every model offered is indexed here
-
-    def listing_fields(self, model: Model) -> dict[str, Any]:
-        return {}  # the model as indexed is all there is
 
     def close(self) -> None:
         pass  # mappings close with their last stream

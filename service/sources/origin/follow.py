@@ -18,7 +18,7 @@ from typing import Any
 
 from weightserve.client.errors import NotFound, WeightserveError
 from weightserve.client.wire.backoff import Delays
-from weightserve.service.sources.origin import OriginCatalog
+from weightserve.service.sources.origin.catalog import OriginCatalog
 
 log = logging.getLogger("weightserve.service")
 

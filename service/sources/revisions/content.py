@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from weightserve.client.wire.digests import fd_digest
-from weightserve.service.sources.stamps import FileStamp, file_stamp
+from weightserve.service.sources.files.stamps import FileStamp, file_stamp
 
 log = logging.getLogger("weightserve.revisions")
 

@@ -1,6 +1,6 @@
 """Published revisions: new weights a trainer sends, stored as ordinary checkpoint files in
 the Hugging Face hub cache's layout, under a local root or in the bucket a node serves
-(service/sources/revision_stores.py), which the catalogs already serve.
+(service/sources/revisions/stores.py), which the catalogs already serve.
 
 ``models--ORG--NAME/snapshots/COMMIT/`` holds each revision's files (served as
 ``ORG/NAME@COMMIT``), ``refs/main`` names the newest (served as ``ORG/NAME``), and
@@ -22,7 +22,6 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,43 +39,22 @@ from weightserve.service.readers.base import TensorEntry
 from weightserve.service.readers.safetensors import SafetensorsReader
 from weightserve.service.sources.base import ModelSource
 from weightserve.service.sources.layout import INDEX_NAME, is_served_name, validate_model_id
-from weightserve.service.sources.local import Catalog
+from weightserve.service.sources.local.catalog import Catalog
 from weightserve.service.sources.model import Model
-from weightserve.service.sources.patched_tensors import ENDED_EARLY, apply_patch_file
-from weightserve.service.sources.revision_stores import (
+from weightserve.service.sources.publishing.patched_tensors import ENDED_EARLY, apply_patch_file
+from weightserve.service.sources.publishing.uploads import MODEL_PART, Upload
+from weightserve.service.sources.revisions.content import DigestStore
+from weightserve.service.sources.revisions.stores import (
     INCOMING_PREFIX,
     RevisionStore,
     revision_record,
 )
-from weightserve.service.sources.revisions import DigestStore
 
 log = logging.getLogger("weightserve.publish")
 
-MODEL_PART = "model"  # the incoming model's directory: indexed as a directory model
 TENSORS_NAME = "model.safetensors"  # where ``tensors`` go in a revision without a base
 UPLOAD_IDLE_SECONDS = 600.0  # an upload untouched this long was abandoned: removed
 DEFAULT_KEEP_REVISIONS = 4
-
-
-@dataclass
-class Upload:
-    """One publish in progress: its files land in ``directory`` until it is committed."""
-
-    id: str
-    model_id: str
-    folder: str  # the repository's folder: models--ORG--NAME
-    directory: Path  # the staging directory
-    base: Model | None
-    message: str
-    metadata: dict[str, Any]
-    files: dict[str, int] = field(default_factory=dict)  # name -> bytes received
-    tensors: Path | None = None  # the uploaded tensors (a safetensors file), if any
-    touched: float = field(default_factory=time.monotonic)
-    busy: int = 0  # requests writing into it now
-
-    @property
-    def model_dir(self) -> Path:
-        return self.directory / MODEL_PART
 
 
 def repo_folder(model_id: str) -> str:
@@ -102,12 +80,16 @@ class Publisher:
         keep_revisions: int = DEFAULT_KEEP_REVISIONS,
         on_published: Callable[[str, dict[str, Any]], None] | None = None,
         on_removed: Callable[[str, str], None] | None = None,
+        digests: DigestStore | None = None,
+        streamed: Callable[[Path], bool] | None = None,
     ) -> None:
+        """``digests``: the local root's digest store (renamed files keep their identity, so
+        the root's catalog hashes none of them again); ``streamed``: whether a revision's
+        directory is being streamed now (kept from retention until a later publish)."""
         self.catalog = catalog
         self.store = store
-        # The local root's digest store: renamed files keep their identity, so the root's
-        # catalog hashes none of them again.
-        self.digests: DigestStore = getattr(catalog, "digests", None) or DigestStore()
+        self.digests = digests if digests is not None else DigestStore()
+        self.streamed = streamed
         self.max_upload_bytes = max_upload_bytes
         self.keep_revisions = keep_revisions
         self.on_published = on_published
@@ -443,7 +425,7 @@ class Publisher:
         revisions = self.revisions(model_id)
         keep = {r["commit"] for r in revisions[: self.keep_revisions]} | self._held(model_id)
         keep.add(self.store.main(folder) or "")
-        streamed = getattr(self.catalog, "streamed", None)
+        streamed = self.streamed
         for r in revisions[self.keep_revisions :]:
             commit = r["commit"]
             if commit in keep:

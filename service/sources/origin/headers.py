@@ -27,13 +27,14 @@ from pathlib import Path, PurePosixPath
 from weightserve.client.errors import ModelUnavailable
 from weightserve.service.readers.gguf import MAX_HEADER_BYTES as GGUF_MAX_HEADER_BYTES
 from weightserve.service.readers.safetensors import MAX_HEADER_BYTES as ST_MAX_HEADER_BYTES
+from weightserve.service.sources.files.mapped import MappedFile
+from weightserve.service.sources.files.stamps import FileStamp, file_stamp
 from weightserve.service.sources.layout import INDEX_NAME, checkpoint_format, hub_repo_file
-from weightserve.service.sources.local import MAX_INDEX_BYTES, Catalog
-from weightserve.service.sources.mapped import MappedFile
+from weightserve.service.sources.local.catalog import Catalog
+from weightserve.service.sources.local.discovery import MAX_INDEX_BYTES
 from weightserve.service.sources.model import Model
-from weightserve.service.sources.origins import Origin, OriginFile
-from weightserve.service.sources.revisions import DigestStore, FileChanged, hash_file
-from weightserve.service.sources.stamps import FileStamp, file_stamp
+from weightserve.service.sources.origin.base import Origin, OriginFile
+from weightserve.service.sources.revisions.content import DigestStore, FileChanged, hash_file
 
 # The first read of a safetensors file: the whole header of a small checkpoint; a larger one
 # costs a second read of exactly the rest (its length is in the first 8 bytes).

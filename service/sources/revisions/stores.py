@@ -29,8 +29,8 @@ import xxhash
 from weightserve.client.errors import InvalidRequest
 from weightserve.client.wire.delta import PATCH, parse_header
 from weightserve.client.wire.delta_plan import DeltaEntry, header_line
+from weightserve.service.sources.files.stamps import sync_path
 from weightserve.service.sources.model import Model
-from weightserve.service.sources.stamps import sync_path
 
 log = logging.getLogger("weightserve.publish")
 

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 from weightserve.client.errors import ModelUnavailable
-from weightserve.service.sources.chunk_digests import ChunkDigests
-from weightserve.service.sources.stamps import FileStamp, file_stamp
+from weightserve.service.sources.files.chunk_digests import ChunkDigests
+from weightserve.service.sources.files.stamps import FileStamp, file_stamp
 
 log = logging.getLogger("weightserve.catalog")
 
@@ -83,7 +83,7 @@ class MappedFile:
 
     def digest(self, start: int, data: memoryview, whole: bool = False) -> int:
         """xxh3-64 of ``data``, the mapped bytes from ``start``; computed once per range
-        (service/sources/chunk_digests.py; ``whole``: ``data`` is a whole tensor).
+        (service/sources/files/chunk_digests.py; ``whole``: ``data`` is a whole tensor).
 
         The file is checked unchanged *after* hashing (``ensure_unchanged``): a write updates
         the file's times before it copies data, so bytes hashed before an unchanged check

@@ -18,7 +18,7 @@ from pathlib import Path
 import xxhash
 
 from weightserve.client.errors import ModelUnavailable
-from weightserve.service.sources.mapped import MappedFile
+from weightserve.service.sources.files.mapped import MappedFile
 
 log = logging.getLogger("weightserve.handoff")
 

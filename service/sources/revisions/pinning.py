@@ -2,7 +2,7 @@
 
 ``R`` is a ref (``main``: the model's files as they are now; a hub cache's other refs and
 snapshot commits, by name) or content: the 16-hex revision, the 40-hex commit, or a prefix of
-at least ``MIN_PREFIX_CHARS`` hex digits of either (service/sources/revisions.py says what
+at least ``MIN_PREFIX_CHARS`` hex digits of either (service/sources/revisions/content.py says what
 they name). ``pick_revision`` is the one rule every source answers ``ID@R`` by;
 ``names_content`` the one test of a pin a stream, a file read or a handoff carries.
 """

@@ -19,9 +19,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from weightserve.service.sources.origins import ObjectVersion
-from weightserve.service.sources.pinning import MIN_PREFIX_CHARS
-from weightserve.service.sources.revisions import COMMIT_CHARS, content_revision
+from weightserve.service.sources.origin.base import ObjectVersion
+from weightserve.service.sources.revisions.content import COMMIT_CHARS, content_revision
+from weightserve.service.sources.revisions.pinning import MIN_PREFIX_CHARS
 
 log = logging.getLogger("weightserve.node_cache")
 

@@ -1,0 +1,1 @@
+"""A local directory of models: discovery and look-up (the catalog)."""

@@ -1,0 +1,108 @@
+"""What a node cache tells its watchers: the revision it holds of each model, once held."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from weightserve.client.errors import (
+    ModelNotFound,
+)
+from weightserve.client.wire.routes import split_revision
+from weightserve.service.sources.cache.node_cache import NodeCache
+from weightserve.service.sources.layout import (
+    base_model_id,
+    validate_model_id,
+)
+from weightserve.service.sources.model import Model
+from weightserve.service.sources.origin.base import Origin
+from weightserve.service.sources.origin.listing import RemoteModel
+from weightserve.service.sources.revisions.content import (
+    COMMIT_CHARS,
+)
+from weightserve.service.sources.revisions.stores import revision_record
+
+log = logging.getLogger("weightserve.service")
+
+
+class HeldModels(Protocol):
+    """What the log reads of the node cache's catalog (``OriginCatalog``)."""
+
+    cache: NodeCache
+    origin: Origin
+    remote: dict[str, RemoteModel]
+
+    @property
+    def models(self) -> dict[str, Model]: ...
+
+    def listed_revision(self, remote: RemoteModel) -> str: ...
+
+
+class HeldRevisions:
+    """The revisions a node cache announces to its watchers (a ``RevisionLog``): the one it
+    holds of each model (a node keeps its newest), told to ``on_revision`` once its bytes are
+    here, with the upstream's record (parent, message, metadata) where it announced that
+    commit."""
+
+    def __init__(
+        self,
+        catalog: HeldModels,
+        on_revision: Callable[[str, dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.catalog = catalog
+        self.on_revision = on_revision
+        self._announced: dict[str, str] = {}  # model id -> the commit last announced
+        self._upstream: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def heard(self, model_id: str, record: dict[str, Any] | None) -> None:
+        """The upstream announced ``record`` of the model: kept, to announce it as it said."""
+        if record is not None and record.get("commit"):
+            self._upstream[(model_id, record["commit"])] = record
+
+    def revisions(self, model_id: str) -> list[dict[str, Any]]:
+        """The revision the node holds of the model (a node keeps its newest), or for one not
+        held yet, the revision the origin lists (where it lists one)."""
+        base = _cached_id(model_id)
+        held = self.catalog.models.get(base) if base in self.catalog.cache.cached_models() else None
+        if held is not None:
+            return [self.record(base, held.commit, sum(f.size for f in held.repo_files.values()))]
+        remote = self.catalog.remote.get(base)
+        if remote is None:
+            raise ModelNotFound(
+                f"No model {base!r} at the origin {self.catalog.origin.description}."
+            )
+        commit = self.catalog.listed_revision(remote)[:COMMIT_CHARS]
+        return [self.record(base, commit, remote.total_bytes)]
+
+    def revisions_after(self, model_id: str, since: str) -> list[dict[str, Any]]:
+        """The revision held now, unless it is ``since``: a node keeps no history."""
+        current = self.revisions(model_id)
+        return [] if current[0]["commit"].startswith(since.lower()) else current
+
+    def announce(self, model_id: str) -> None:
+        """Tell the watchers of the model's revision once the node holds it, if it is new."""
+        held = self.catalog.models.get(model_id)
+        if self.on_revision is None or held is None:
+            return
+        commit = held.commit
+        if self._announced.get(model_id) == commit:
+            return
+        self._announced[model_id] = commit
+        size = sum(f.size for f in held.repo_files.values())
+        self.on_revision(model_id, self.record(model_id, commit, size))
+
+    def record(self, model_id: str, commit: str, size: int) -> dict[str, Any]:
+        """A revision record: the upstream's (parent, message, metadata) where it announced
+        this commit, else one with just what the node knows."""
+        upstream = self._upstream.get((model_id, commit))
+        record = revision_record(commit, size=size)
+        if upstream is not None:
+            record.update({k: upstream[k] for k in record if k in upstream and k != "bytes"})
+        return record
+
+
+def _cached_id(model_id: str) -> str:
+    """The model the cache holds for ``model_id``: ``org/name`` for ``org/name@R:fp16`` (a
+    node holds the files of one revision of a directory model)."""
+    return base_model_id(split_revision(validate_model_id(model_id))[0])

@@ -1,0 +1,1 @@
+"""Uploads committed as revisions: the publisher and the patches applied onto a base."""

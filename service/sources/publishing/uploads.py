@@ -1,0 +1,84 @@
+"""One publish in progress (``Upload``) and what the publish routes ask of whoever takes
+uploads (``Publishing``; service/sources/publishing/publisher.py implements it)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from weightserve.service.sources.base import RevisionLog
+from weightserve.service.sources.model import Model
+
+MODEL_PART = "model"  # the incoming model's directory: indexed as a directory model
+
+
+@dataclass
+class Upload:
+    """One publish in progress: its files land in ``directory`` until it is committed."""
+
+    id: str
+    model_id: str
+    folder: str  # the repository's folder: models--ORG--NAME
+    directory: Path  # the staging directory
+    base: Model | None
+    message: str
+    metadata: dict[str, Any]
+    files: dict[str, int] = field(default_factory=dict)  # name -> bytes received
+    tensors: Path | None = None  # the uploaded tensors (a safetensors file), if any
+    touched: float = field(default_factory=time.monotonic)
+    busy: int = 0  # requests writing into it now
+
+    @property
+    def model_dir(self) -> Path:
+        return self.directory / MODEL_PART
+
+
+class Publishing(RevisionLog, Protocol):
+    """Uploads received and committed as revisions (the publish routes;
+    service/sources/publishing/publisher.py), held against retention on request."""
+
+    max_upload_bytes: int
+
+    def begin(
+        self, model_id: str, base: str | None, message: str, metadata: dict[str, Any]
+    ) -> Upload:
+        """A new upload of ``model_id``; ``base`` (a revision of it) supplies what it lacks."""
+        ...
+
+    def upload(self, model_id: str, upload_id: str) -> Upload:
+        """The upload in progress by its id (NotFound when there is none)."""
+        ...
+
+    def target(self, upload: Upload, name: str | None) -> Path:
+        """Where a file of the upload is written as it arrives."""
+        ...
+
+    def check_size(self, upload: Upload, declared: int | None) -> None:
+        """Refuse a file that would take the upload past ``max_upload_bytes``."""
+        ...
+
+    def received(self, upload: Upload, name: str | None, path: Path, size: int) -> None:
+        """A file of the upload arrived whole at ``path``."""
+        ...
+
+    def patch_target(self, upload: Upload) -> Path:
+        """Where the upload's patch onto its base is written as it arrives."""
+        ...
+
+    def apply_patch(self, upload: Upload, patch: Path) -> None:
+        """Apply a received patch onto the upload's base."""
+        ...
+
+    def abort(self, upload_id: str, reason: str = "aborted") -> None:
+        """Drop the upload and what it wrote."""
+        ...
+
+    def commit(self, upload: Upload) -> dict[str, Any]:
+        """Check the upload and make it the model's new revision; its record."""
+        ...
+
+    def hold(self, model_id: str, commit: str, seconds: float) -> dict[str, Any]:
+        """Keep a revision from retention for ``seconds``."""
+        ...

@@ -340,11 +340,6 @@ class HttpTransport(HttpControl):
         status raises the server's error as its class."""
         return self._answer(method, path, ok, body)[1]
 
-    def open_lines(self, path: str) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-        """Deprecated: ``open_watch`` (a ``LineStream``). The raw connection and response of
-        a line stream, kept only until service/sources/origins.py reads ``open_watch``."""
-        return self._request("GET", path, extra_headers={"accept": NDJSON})
-
     def _lines(self, path: str) -> LineStream:
         conn, resp = self._request("GET", path, extra_headers={"accept": NDJSON})
         return _HttpLines(conn, resp, f"{self.address.url}{path}")

@@ -16,10 +16,8 @@ import pytest
 
 from tests.support import fixtures_safetensors
 from tests.support._util import Reply, http_request
+from tests.support.node_caches import config, corrupt_in_place, node_cache, write_repository
 from tests.support.s3_server import S3Server
-from tests.test_cache_verification import corrupt_in_place
-from tests.test_origin_serving import config, node_cache
-from tests.test_origins import write_repository
 from weightserve.client import Client
 from weightserve.client._cli import main as cli_main
 from weightserve.client.errors import PermissionDenied

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from tests.test_security import FULL_TOKEN, TEAM_A_TOKEN, write_tokens
+from tests.support.security import FULL_TOKEN, TEAM_A_TOKEN, write_tokens
 from weightserve.service.server import ServerConfig, WeightServer
 
 playwright_sync = pytest.importorskip("playwright.sync_api")

@@ -21,10 +21,19 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support._util import http_request
 from tests.support.byte_proxy import ByteCountingProxy
+from tests.support.node_caches import (
+    MODELS,
+    CountingOrigin,
+    assert_same_tensors,
+    config,
+    corrupt_in_place,
+    files_of,
+    node_cache,
+    reference,
+    write_model,
+    write_repository,
+)
 from tests.support.s3_server import S3Server
-from tests.test_node_cache import CountingOrigin, files_of, write_model
-from tests.test_origin_serving import MODELS, assert_same_tensors, config, node_cache, reference
-from tests.test_origins import write_repository
 from weightserve.client import Client
 from weightserve.client._client import FetchOptions
 from weightserve.client.errors import ModelUnavailable
@@ -34,19 +43,6 @@ from weightserve.service.sources.origins import open_origin
 from weightserve.service.sources.stamps import file_stamp
 
 LIMIT = 1 << 20
-
-
-def corrupt_in_place(path: Path, offset: int = 1 << 12) -> None:
-    """16 bytes flipped in place: same size, the mtime put back (the ctime moves: only the
-    kernel sets it)."""
-    before = path.stat()
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        old = f.read(16)
-        f.seek(offset)
-        f.write(bytes(b ^ 0xFF for b in old))
-    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
-    assert path.stat().st_size == before.st_size
 
 
 def cached(cache_dir: Path, name: str) -> Path:

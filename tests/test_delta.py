@@ -7,24 +7,19 @@ from __future__ import annotations
 
 import http.client
 import json
-from collections.abc import Iterator
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-from tests.test_publish import serve
+from tests.support import publishing
+from tests.support.publishing import first_weights
 from weightserve.client._client import Client
 from weightserve.service.server import WeightServer
 
+server = publishing.server  # the fixture: a server on loopback that takes publishes
+
 MODEL = "team/policy"
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[WeightServer]:
-    with serve(tmp_path, allow_publish=True, grace_seconds=1) as srv:
-        yield srv
 
 
 def step(weights: dict[str, np.ndarray], density: float, seed: int) -> dict[str, np.ndarray]:
@@ -39,16 +34,6 @@ def step(weights: dict[str, np.ndarray], density: float, seed: int) -> dict[str,
     nxt["norm"] = rng.standard_normal(nxt["norm"].shape).astype(np.float32)
     nxt["head"] = rng.standard_normal(len(nxt["head"]) + 8).astype(np.float32)
     return nxt
-
-
-def first_weights() -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
-    return {
-        "layers.0.w": rng.standard_normal((512, 512)).astype(ml_dtypes.bfloat16),
-        "norm": rng.standard_normal(512).astype(np.float32),
-        "embed.q": rng.integers(-128, 127, (256, 64), dtype=np.int8),
-        "head": rng.standard_normal(16).astype(np.float32),
-    }
 
 
 def same_bytes(a: object, b: np.ndarray) -> bool:

@@ -15,8 +15,8 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 
+from tests.support.publishing import serve
 from tests.support.references import np_dtype, reference_gguf
-from tests.test_publish import serve
 from weightserve.client._client import Client
 from weightserve.service.server import WeightServer
 

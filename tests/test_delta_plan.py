@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from tests.test_publish import serve
+from tests.support.publishing import serve
 from weightserve.client._client import Client
 from weightserve.client.wire.delta_plan import COMPARE_CHUNK, CPU_BOUND_BYTES
 from weightserve.service.server import WeightServer

@@ -21,8 +21,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support._util import http_request
-from tests.test_cli import ANY_PORTS, clean_env, start_server
-from tests.test_delta import first_weights
+from tests.support.commands import ANY_PORTS, clean_env, start_server
+from tests.support.publishing import first_weights
 from weightserve.client._client import Client
 from weightserve.service.server import ServerConfig, WeightServer
 

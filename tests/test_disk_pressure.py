@@ -19,8 +19,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support._util import http_request
-from tests.test_faults import free_port
-from tests.test_node_cache import CountingOrigin, files_of, partials, visible_files, write_model
+from tests.support.commands import free_port
+from tests.support.node_caches import CountingOrigin, files_of, partials, visible_files, write_model
 from weightserve.client import Client
 from weightserve.client.errors import CacheTooSmall
 from weightserve.service.server import ServerConfig, WeightServer

@@ -17,10 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support._util import http_request
 from tests.support.byte_proxy import ByteCountingProxy
+from tests.support.commands import run_cli
+from tests.support.node_caches import config, node_cache, write_big
 from tests.support.s3_server import S3Server
-from tests.test_cli import run_cli
-from tests.test_metadata_without_fill import write_big
-from tests.test_origin_serving import config, node_cache
 from weightserve.client import Client
 from weightserve.service.server import WeightServer
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +14,7 @@ import pytest
 
 from tests.support import fixtures_safetensors
 from tests.support._util import http_request
-from tests.support.byte_proxy import ByteCountingProxy
+from tests.support.byte_proxy import SlowProxy
 from tests.support.s3_server import S3Server
 from weightserve.client import Client
 from weightserve.client.errors import OriginUnavailable
@@ -24,44 +22,6 @@ from weightserve.service.server import ServerConfig, WeightServer
 
 MODEL = "slow"
 FILE_BYTES = 4 << 20
-
-
-class SlowProxy(ByteCountingProxy):
-    """A counting proxy that passes the upstream's bytes at ``rate`` bytes/s at most, and
-    none at all (the connection open and silent) once ``stall_after`` bytes have passed."""
-
-    def __init__(self, upstream_port: int, rate: float | None = None) -> None:
-        self.rate = rate
-        self.stall_after: int | None = None
-        self._closed = threading.Event()
-        super().__init__(upstream_port)
-
-    def _pump(self, src: socket.socket, dst: socket.socket, from_upstream: bool) -> None:
-        super()._pump(_SlowSocket(self, src) if from_upstream else src, dst, from_upstream)
-
-    def close(self) -> None:
-        self._closed.set()
-        super().close()
-
-
-class _SlowSocket:
-    """The upstream side of a SlowProxy connection: its ``recv`` is paced or held."""
-
-    def __init__(self, proxy: SlowProxy, sock: socket.socket) -> None:
-        self.proxy, self.sock = proxy, sock
-
-    def recv(self, size: int) -> bytes:
-        stall_after = self.proxy.stall_after
-        if stall_after is not None and self.proxy.bytes_from_upstream >= stall_after:
-            self.proxy._closed.wait()
-            return b""
-        data = self.sock.recv(min(size, 64 << 10))
-        if self.proxy.rate:
-            time.sleep(len(data) / self.proxy.rate)
-        return data
-
-    def shutdown(self, how: int) -> None:
-        self.sock.shutdown(how)
 
 
 @pytest.fixture(scope="module")

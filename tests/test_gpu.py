@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.test_publish import serve
+from tests.support.publishing import serve
 from weightserve.client._client import Client
 from weightserve.service.server import WeightServer
 

@@ -28,7 +28,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from tests.support.model_root import ModelRoot
-from tests.test_immutable_loads import mapping_of
+from tests.support.proc_maps import mapping_of
 from weightserve.client._client import Client, FetchOptions
 from weightserve.client.errors import (
     ModelFilling,

@@ -5,21 +5,17 @@ Small bodies keep the ASGI path (no thread hop)."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import http.client
 import os
 import socket
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-import uvicorn
 from safetensors.numpy import save_file
 
+from tests.support.http_streams import expected_body, fetch, serving
 from weightserve.client.errors import ModelUnavailable
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.serving.streams import (
@@ -30,7 +26,6 @@ from weightserve.service.serving.streams import (
 )
 from weightserve.service.sources.local import Catalog
 from weightserve.service.transports.http import streaming as http_streaming
-from weightserve.service.transports.http.app import WeightserveApp, create_app
 
 BIG = "big.weight"  # 3 MiB: more than DIRECT_WRITE_MIN_BYTES, and several 1 MiB chunks
 BIG_BYTES = 768 * 1024 * 4
@@ -52,37 +47,6 @@ def state(tmp_path_factory: pytest.TempPathFactory) -> ServiceState:
     return ServiceState(Catalog(root))
 
 
-@contextlib.contextmanager
-def serving(
-    state: ServiceState, protocol: str, uds: str | None = None
-) -> Iterator[tuple[int, WeightserveApp]]:
-    """uvicorn with ``protocol`` on a loopback port or on the Unix socket ``uds``: (port,
-    the app, which counts the streams it wrote directly)."""
-    sock = None
-    options: dict = {"uds": uds} if uds else {}
-    if uds is None:
-        # IPPROTO_TCP as the server's own listener declares it (asyncio sets TCP_NODELAY).
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.bind(("127.0.0.1", 0))
-    app = create_app(state)
-    assert isinstance(app, WeightserveApp)
-    config = uvicorn.Config(app, http=protocol, lifespan="off", log_level="warning", **options)
-    server = uvicorn.Server(config)
-    loop = asyncio.new_event_loop()
-    sockets = [sock] if sock is not None else None
-    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(sockets),))
-    thread.start()
-    try:
-        while not server.started:
-            assert thread.is_alive(), "uvicorn did not start"
-            threading.Event().wait(0.01)
-        yield (sock.getsockname()[1] if sock is not None else 0), app
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        loop.close()
-
-
 class _UnixConnection(http.client.HTTPConnection):
     def __init__(self, path: str) -> None:
         super().__init__("localhost", timeout=30)
@@ -91,23 +55,6 @@ class _UnixConnection(http.client.HTTPConnection):
     def connect(self) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.connect(self.path)
-
-
-def expected_body(state: ServiceState, name: str, chunk_bytes: int) -> bytes:
-    """The stream as the ASGI path sends it: every part of every message, in order."""
-    model = state.catalog.get("m")
-    request = TensorRequest(names=(name,), chunk_bytes=chunk_bytes)
-    messages = stream_messages(model, plan_stream(model, request), chunk_bytes)
-    return b"".join(bytes(part) for message in messages for part in message)
-
-
-def fetch(conn: http.client.HTTPConnection, name: str, chunk_bytes: int) -> bytes:
-    conn.request("GET", f"/v1/models/m/-/stream?name={name}&chunk_bytes={chunk_bytes}")
-    response = conn.getresponse()
-    body = response.read()
-    assert response.status == 200, body[:300]
-    assert len(body) == int(response.headers["content-length"])
-    return body
 
 
 @pytest.mark.parametrize("protocol", ["httptools", "h11"])

@@ -24,9 +24,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support import fixtures_safetensors
 from tests.support._util import http_request
+from tests.support.byte_proxy import SlowProxy
 from tests.support.environment import child_environment
 from tests.support.s3_server import S3Server
-from tests.test_fill_progress import SlowProxy
 from weightserve.service.server import ServerConfig, WeightServer
 
 pytestmark = pytest.mark.slow

@@ -33,8 +33,9 @@ import pytest
 import xxhash
 from safetensors.numpy import save_file
 
-from tests.test_faults import MIB, save_atomic, tensors
-from tests.test_revisions import overwrite_in_place
+from tests.support.faults import MIB, save_atomic, tensors
+from tests.support.proc_maps import mapping_of
+from tests.support.revisions import overwrite_in_place
 from weightserve.client._client import Client
 from weightserve.client.errors import WeightserveError
 from weightserve.client.transports.handoff import HandoffClient, handoff_socket_path
@@ -87,18 +88,6 @@ def socket_dir() -> str:
 
 def digests_of(arrays: dict[str, np.ndarray]) -> dict[str, str]:
     return {name: xxhash.xxh3_64_hexdigest(arr.tobytes()) for name, arr in arrays.items()}
-
-
-def mapping_of(arr: np.ndarray) -> str:
-    """What this process's memory at ``arr`` maps (a path, ``/memfd:NAME (deleted)``, or
-    empty for anonymous memory)."""
-    address = arr.ctypes.data
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        parts = line.split(None, 5)
-        start, end = (int(x, 16) for x in parts[0].split("-"))
-        if start <= address < end:
-            return parts[5] if len(parts) == 6 else ""
-    raise AssertionError(f"address {address:#x} is not mapped")
 
 
 def overwrite(path: Path, how: str) -> None:

@@ -9,7 +9,7 @@ import logging
 from datetime import datetime, timezone
 from pathlib import Path
 
-from tests.test_cli import clean_env, start_server
+from tests.support.commands import clean_env, start_server
 from weightserve.service.logs import JsonFormatter
 
 AWKWARD = 'a "q" \n é ✓ \\ {"x": 1}'

@@ -7,7 +7,6 @@ asked for.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,34 +18,10 @@ from huggingface_hub import HfApi
 from tests.support import fixtures_gguf, fixtures_safetensors, fixtures_torch
 from tests.support._util import http_request
 from tests.support.byte_proxy import ByteCountingProxy
+from tests.support.node_caches import BIG, MIB, config, node_cache, write_big
 from tests.support.s3_server import S3Server
-from tests.test_origin_serving import config, node_cache
 from weightserve.client import Client
 from weightserve.service.server import WeightServer
-
-MIB = 1 << 20
-BIG = "org/big"  # 256 MiB of weights in two shards, with an index and side files
-
-
-def write_big(root: Path, model_id: str = BIG, shard_bytes: int = 128 * MIB) -> None:
-    """Two safetensors shards of ``shard_bytes`` each, their index, a config and a tokenizer."""
-    model = root / model_id
-    model.mkdir(parents=True)
-    half = shard_bytes // 4
-    weight_map = {}
-    for shard in (1, 2):
-        name = f"model-0000{shard}-of-00002.safetensors"
-        tensors = {
-            f"layers.{shard}.w": np.full(half - 4096, shard, dtype=np.float32),
-            f"layers.{shard}.b": np.arange(4096, dtype=np.float32),
-        }
-        fixtures_safetensors.save_file(tensors, model / name, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, name))
-    (model / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": weight_map})
-    )
-    (model / "config.json").write_text('{"model_type": "llama"}\n')
-    (model / "tokenizer.json").write_text('{"version": "1.0"}\n' + " " * 200_000)
 
 
 def write_long_header_gguf(path: Path) -> None:

@@ -14,6 +14,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from tests.support.node_caches import CountingOrigin, files_of, partials, visible_files, write_model
 from weightserve.client.errors import (
     CacheTooSmall,
     ModelNotFound,
@@ -23,72 +24,9 @@ from weightserve.client.errors import (
     ResourceExhausted,
 )
 from weightserve.service.sources.node_cache import NodeCache, parse_size
-from weightserve.service.sources.origins import Origin, OriginFile, open_origin
+from weightserve.service.sources.origins import OriginFile, open_origin
 
 LIMIT = 1 << 20
-
-
-class CountingOrigin:
-    """Delegates to a real origin, counting listings and fetches; ``gate`` (when set up)
-    holds every fetch until the test releases it."""
-
-    def __init__(self, inner: Origin) -> None:
-        self.inner = inner
-        self.description = inner.description
-        self.requests = inner.requests
-        self.fetched: list[str] = []
-        self.listings = 0
-        self.fetch_started = threading.Event()
-        self.gate: threading.Event | None = None
-        self._lock = threading.Lock()
-
-    def list_files(self) -> list[OriginFile]:
-        self.listings += 1
-        return self.inner.list_files()
-
-    def fetch(self, file: OriginFile, dest: Path, **options) -> None:
-        with self._lock:
-            self.fetched.append(file.name)
-        self.fetch_started.set()
-        if self.gate is not None:
-            assert self.gate.wait(10), "the test never released the fetch"
-        self.inner.fetch(file, dest, **options)
-
-
-def write_model(root: Path, model_id: str, tensor_bytes: int, seed: int) -> dict[str, bytes]:
-    """A small repository (safetensors weights and side files); name -> bytes as written."""
-    directory = root / model_id
-    directory.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    save_file(
-        {
-            "embed.weight": rng.standard_normal(tensor_bytes // 4, dtype=np.float32),
-            "norm.weight": np.ones(16, dtype=np.float32),
-        },
-        str(directory / "model.safetensors"),
-        metadata={"format": "pt"},
-    )
-    (directory / "config.json").write_text(json.dumps({"model_type": "llama", "seed": seed}))
-    (directory / "tokenizer").mkdir(exist_ok=True)
-    (directory / "tokenizer" / "vocab.txt").write_text("a\nb\nc\n")
-    return {
-        path.relative_to(root).as_posix(): path.read_bytes()
-        for path in directory.rglob("*")
-        if path.is_file()
-    }
-
-
-def files_of(origin: Origin, model_id: str) -> list[OriginFile]:
-    return [f for f in origin.list_files() if f.name.startswith(model_id + "/")]
-
-
-def visible_files(cache_dir: Path) -> dict[str, bytes]:
-    data = cache_dir / "data"
-    return {p.relative_to(data).as_posix(): p.read_bytes() for p in data.rglob("*") if p.is_file()}
-
-
-def partials(cache_dir: Path) -> list[Path]:
-    return [p for p in cache_dir.rglob("*") if ".partial-" in p.name]
 
 
 @pytest.fixture

@@ -20,9 +20,9 @@ import pytest
 from safetensors.numpy import save_file
 
 from tests.support._util import http_request
+from tests.support.node_caches import config, node_cache
+from tests.support.revisions import arrays, values, write_model
 from tests.support.s3_server import S3Server
-from tests.test_origin_serving import config, node_cache
-from tests.test_revision_pinning import arrays, values, write_model
 from weightserve.client import Client
 from weightserve.client.errors import RevisionNotFound
 from weightserve.service.server import ServerConfig, WeightServer

@@ -17,9 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support._util import http_request
 from tests.support.byte_proxy import ByteCountingProxy
+from tests.support.node_caches import config, load
+from tests.support.revisions import arrays, values, write_model
 from tests.support.s3_server import S3Server
-from tests.test_origin_serving import config, load
-from tests.test_revision_pinning import arrays, values, write_model
 from weightserve.service.server import ServerConfig, WeightServer
 from weightserve.service.sources.origins import FileSystemOrigin
 

@@ -14,59 +14,27 @@ from pathlib import Path
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from safetensors.numpy import load_file
 
 from tests.support import fixtures_gguf, fixtures_safetensors
 from tests.support._util import http_request
 from tests.support.byte_proxy import ByteCountingProxy
+from tests.support.fixtures_gguf import write_split_gguf
+from tests.support.node_caches import (
+    MODELS,
+    assert_same_tensors,
+    config,
+    load,
+    node_cache,
+    reference,
+    write_repository,
+)
 from tests.support.s3_server import S3Server
-from tests.test_layouts import write_split_gguf
-from tests.test_origins import write_repository
 from weightserve.client import Client
 from weightserve.client._cli import main as cli_main
 from weightserve.service.server import ServerConfig, WeightServer
 from weightserve.service.sources.node_cache import NodeCache
 from weightserve.service.sources.origin import OriginCatalog
 from weightserve.service.sources.origins import Origin, OriginFile, open_origin
-
-MODELS = ["big", "org/sharded"]
-
-
-def config(root: str, cache_dir: Path, **settings: object) -> ServerConfig:
-    settings = {"flight_port": None, **settings}
-    return ServerConfig(
-        root,
-        http_port=0,
-        grpc_port=0,
-        rescan_seconds=0,
-        watch=False,
-        cache_dir=str(cache_dir),
-        **settings,  # type: ignore[arg-type]
-    )
-
-
-def node_cache(server: WeightServer):  # the server's NodeCache
-    assert isinstance(server.catalog, OriginCatalog)
-    return server.catalog.cache
-
-
-def reference(root: Path, model_id: str) -> dict[str, np.ndarray]:
-    """Every tensor of a model as the reference reader (safetensors) reads it."""
-    tensors: dict[str, np.ndarray] = {}
-    for path in sorted((root / model_id).glob("*.safetensors")):
-        tensors.update(load_file(path))
-    return tensors
-
-
-def load(url: str, model_id: str, *, flight: bool = False) -> dict[str, np.ndarray]:
-    with Client(url, retry_seconds=30, flight=flight) as client:
-        return client.model(model_id).fetch(prefix="")
-
-
-def assert_same_tensors(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
-    assert sorted(got) == sorted(want)
-    for name, array in want.items():
-        assert got[name].tobytes() == array.tobytes(), name
 
 
 def listing(url: str) -> dict[str, str]:

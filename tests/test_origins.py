@@ -13,11 +13,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from tests.support import fixtures_safetensors
 from tests.support.byte_proxy import ByteCountingProxy
+from tests.support.node_caches import write_repository
 from tests.support.s3_server import S3Server, free_ports
 from weightserve.client.errors import ModelUnavailable, OriginChanged, OriginUnavailable
 from weightserve.service.sources.origins import Origin, OriginFile, RetryPolicy, open_origin
@@ -25,26 +24,6 @@ from weightserve.service.sources.origins import Origin, OriginFile, RetryPolicy,
 # Small parts and several threads: every file is fetched as many ranged reads, out of order.
 PARTS = {"concurrency": 4, "part_bytes": 1000}
 UNREACHABLE_SECONDS = 20.0  # an origin that is down must fail within this, never hang
-
-
-def write_repository(root: Path) -> dict[str, bytes]:
-    """Two models as a Hub repository holds them: weights, index, side files, a subfolder.
-    Returns name below ``root`` -> bytes."""
-    fixtures_safetensors.write_sharded(root / "org" / "sharded")
-    (root / "org" / "sharded" / "config.json").write_text('{"model_type": "llama"}\n')
-    big = root / "big"
-    big.mkdir()
-    rng = np.random.default_rng(14)
-    fixtures_safetensors.save_file(
-        {"w": rng.standard_normal((512, 700), dtype=np.float32)}, big / "model.safetensors"
-    )
-    (big / "tokenizer").mkdir()
-    (big / "tokenizer" / "tokenizer.json").write_text('{"version": "1.0"}\n')
-    return {
-        p.relative_to(root).as_posix(): p.read_bytes()
-        for p in sorted(root.rglob("*"))
-        if p.is_file()
-    }
 
 
 def listed(origin: Origin) -> dict[str, int]:

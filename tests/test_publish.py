@@ -12,7 +12,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from safetensors.numpy import load_file, save_file
 
 from tests.support._util import http_request
 from tests.support.fixtures_gguf import write_mixed
+from tests.support.publishing import leftovers, raw, serve
 from weightserve.client import _cli
 from weightserve.client._client import Client
 from weightserve.client.errors import (
@@ -33,7 +33,7 @@ from weightserve.client.errors import (
     PermissionDenied,
     RevisionNotFound,
 )
-from weightserve.service.server import ServerConfig, WeightServer
+from weightserve.service.server import WeightServer
 
 PLANES = ("http", "grpc", "handoff")
 
@@ -47,36 +47,11 @@ def weights(seed: int) -> dict[str, np.ndarray]:
     }
 
 
-def raw(array: np.ndarray) -> bytes:
-    return np.ascontiguousarray(array).tobytes()
-
-
-def leftovers(root: Path) -> list[str]:
-    """What an upload left under the root: its incoming directories. (``os.walk``, not
-    ``rglob``: the server removes them while this looks, and a directory gone between
-    listing and entering it is skipped, not an error.)"""
-    return [
-        name
-        for _, dirs, files in os.walk(root)
-        for name in dirs + files
-        if name.startswith(".incoming-")
-    ]
-
-
 @pytest.fixture
 def root(tmp_path: Path) -> Path:
     found = tmp_path / "root"
     found.mkdir()
     return found
-
-
-def serve(root: Path, **options: object) -> WeightServer:
-    sockets = tempfile.mkdtemp(prefix="ws-")  # a Unix socket path must be short
-    config = ServerConfig(
-        str(root), http_port=0, grpc_port=0, flight_port=None, uds=f"{sockets}/ws.sock",
-        rescan_seconds=0, watch=False, **options,  # type: ignore[arg-type]
-    )  # fmt: skip
-    return WeightServer(config)
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from tests.support.byte_proxy import ByteCountingProxy
-from tests.test_publish import leftovers, raw, serve
+from tests.support.publishing import leftovers, raw, serve
 from weightserve.client._client import Client
 from weightserve.client.errors import RevisionMismatch
 from weightserve.service.server import WeightServer

@@ -21,10 +21,10 @@ import xxhash
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from tests.support.commands import run_cli
+from tests.support.faults import CuttingProxy
 from tests.support.model_root import ModelRoot
 from tests.support.references import reference_gguf, reference_safetensors, reference_torch
-from tests.test_cli import run_cli
-from tests.test_faults import CuttingProxy
 from weightserve.client import Client
 from weightserve.client._download import STATE_FILE, FilePull, _safe_relative
 from weightserve.client._pull import ConversionRefused, DestinationError, pull_to_safetensors

@@ -12,8 +12,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from tests import test_delta
-from tests.test_cli import run_cli
+from tests.support import publishing
+from tests.support.commands import run_cli
 from weightserve.client._client import Client
 from weightserve.client._download import STATE_FILE
 from weightserve.client.wire.dtypes import from_numpy_dtype
@@ -21,9 +21,10 @@ from weightserve.client.wire.file_patch import parse_safetensors_header
 from weightserve.client.wire.safetensors_layout import LayoutEntry, safetensors_header
 from weightserve.service.server import WeightServer
 
+server = publishing.server  # the fixture: a server on loopback that takes publishes
+
 MODEL = "team/policy"
 WEIGHTS = "model.safetensors"
-server = test_delta.server  # the fixture: a server on loopback that takes publishes
 
 
 def first_weights() -> dict[str, np.ndarray]:

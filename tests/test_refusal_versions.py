@@ -17,7 +17,7 @@ import numpy as np
 from gguf import GGUFWriter
 from safetensors.numpy import save_file
 
-from tests.test_faults import eventually
+from tests.support.faults import eventually
 from weightserve.client._client import Client
 from weightserve.service.readers.base import ModelContents
 from weightserve.service.readers.gguf import GGUFReader

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from safetensors.numpy import save_file
 
-from tests.test_faults import eventually, save_atomic, tensors
+from tests.support.faults import eventually, save_atomic, tensors
 from weightserve.client._client import Client
 from weightserve.client.errors import WeightserveError
 from weightserve.service.server import ServerConfig, WeightServer

@@ -21,15 +21,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from tests.test_cli import Served, clean_env, free_port, run_cli, start_server
-from tests.test_security import (  # noqa: F401 - fixtures
-    Certs,
-    Root,
-    certs,
-    mtls_server,
-    root,
-    tls_server,
-)
+from tests.support.commands import Served, clean_env, free_port, run_cli, start_server
+from tests.support.security import Certs, certs, mtls_server, root, tls_server  # noqa: F401 - fixtures
 from weightserve.client._client import Client
 from weightserve.client.errors import TransportError
 from weightserve.client.transports.base import TLSOptions

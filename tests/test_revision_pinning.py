@@ -10,7 +10,6 @@ once the server sees the new file, never the new bytes; ``main`` gets the new on
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -19,9 +18,9 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
 from tests.support._util import http_request
+from tests.support.revisions import TENSORS, arrays, values, write_model
 from weightserve.client import _cli
 from weightserve.client._client import Client
 from weightserve.client.errors import (
@@ -40,19 +39,6 @@ from weightserve.service.sources.local import Catalog
 from weightserve.service.sources.pinning import pick_revision
 
 PLANES = ("http", "grpc", "flight", "handoff")
-TENSORS = ("a", "b", "c", "d")
-
-
-def arrays(value: float) -> dict[str, np.ndarray]:
-    return {name: np.full(4096, value + i, dtype=np.float32) for i, name in enumerate(TENSORS)}
-
-
-def write_model(directory: Path, value: float) -> None:
-    """The model's weights, replaced the way tools do: a new file renamed over the old."""
-    directory.mkdir(parents=True, exist_ok=True)
-    fresh = directory / "model.safetensors.tmp"
-    save_file(arrays(value), str(fresh))
-    os.replace(fresh, directory / "model.safetensors")
 
 
 @pytest.fixture
@@ -77,10 +63,6 @@ def client_for(srv: WeightServer, plane: str) -> Client:
         return Client(f"unix://{srv.config.uds}", data_plane="handoff")
     url = srv.grpc_url if plane in ("grpc", "flight") else srv.http_url
     return Client(url, data_plane=plane)
-
-
-def values(got: dict[str, np.ndarray]) -> dict[str, float]:
-    return {name: float(arr[0]) for name, arr in got.items()}
 
 
 def test_ids_name_their_revision_one_way() -> None:

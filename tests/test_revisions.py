@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from tests.test_faults import (
+from tests.support.faults import (
     CHUNK,
     MIB,
     CuttingProxy,
@@ -31,6 +31,7 @@ from tests.test_faults import (
     save_atomic,
     tensors,
 )
+from tests.support.revisions import overwrite_in_place
 from weightserve.client._client import FetchOptions
 from weightserve.client.errors import WeightserveError
 from weightserve.service.server import ServerConfig, WeightServer
@@ -115,16 +116,6 @@ def test_replicas_of_copied_files_behind_a_round_robin_proxy(
                     assert_arrays(client.model("big").fetch(prefix=""), big)
         finally:
             proxy.close()
-
-
-def overwrite_in_place(path: Path, data: bytes, how: str) -> None:
-    """Not an atomic rename: the served inode itself gets the new bytes, in 1 MiB writes."""
-    # "cp" truncates, then writes (shutil.copyfile, cp); "rewrite" writes the same size over
-    # the old bytes without truncating.
-    with open(path, "wb" if how == "cp" else "r+b") as f:
-        for start in range(0, len(data), MIB):
-            f.write(data[start : start + MIB])
-            f.flush()
 
 
 @pytest.mark.parametrize("how", ["cp", "rewrite"])

@@ -22,8 +22,8 @@ from safetensors.numpy import load as reference_tensors
 from safetensors.numpy import save
 
 from tests.support._util import http_request
+from tests.support.node_caches import assert_same_tensors, config, node_cache
 from tests.support.s3_server import S3Server
-from tests.test_origin_serving import assert_same_tensors, config, node_cache
 from weightserve.client import Client
 from weightserve.client._cli import main as cli_main
 from weightserve.client.errors import RevisionNotFound

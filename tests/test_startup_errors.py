@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import fixtures_safetensors as fx
-from tests.test_cli import ANY_PORTS, clean_env, free_port, run_cli, start_server
+from tests.support.commands import ANY_PORTS, clean_env, free_port, run_cli, start_server
 from weightserve.client import Client, RemoteWeights
 from weightserve.client.errors import WrongTransport
 from weightserve.service.config import SETTINGS

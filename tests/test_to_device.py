@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from tests.test_publish import serve
+from tests.support.publishing import serve
 from weightserve.client._client import Client
 
 torch = pytest.importorskip("torch")

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from tests.test_cli import clean_env, start_server
-from tests.test_http_writev import expected_body, fetch, serving
+from tests.support.commands import clean_env, start_server
+from tests.support.http_streams import expected_body, fetch, serving
 from weightserve.service.serving.state import Limits, ServiceState
 from weightserve.service.sources.local import Catalog
 from weightserve.service.transports.http.streaming import WRITER_THREAD_NAME

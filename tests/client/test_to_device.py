@@ -1,5 +1,5 @@
 """``RemoteModel.to_device``: tensors into device memory through one staging ring, here with
-the CPU as the device (tests/test_gpu.py runs the same on a GPU): every served dtype
+the CPU as the device (tests/e2e/test_gpu.py runs the same on a GPU): every served dtype
 byte-identical to the reference readers, the ring reused and never overwritten before its
 copy, tensors larger than it given memory of their own, ``into`` written in place."""
 

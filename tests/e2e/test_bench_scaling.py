@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench.scaling import classify
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.support.paths import REPO
 
 # Samples as ``perf script -F ip,sym,dso`` printed them for the bench server.
 WRITEV = """

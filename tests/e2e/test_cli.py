@@ -258,7 +258,8 @@ def test_pull_prefix_without_match_fails_clearly(demo: Served, tmp_path: Path) -
 @pytest.mark.parametrize("scheme", ["http", "grpc"])
 def test_ls_with_nothing_listening_is_server_unreachable(scheme: str) -> None:
     url = f"{scheme}://127.0.0.1:{free_port()}"
-    # --retry-seconds 0: no waiting for the server to come up (tests/test_admission.py waits)
+    # --retry-seconds 0: no waiting for the server to come up
+    # (tests/service/serving/test_admission.py waits)
     result = run_cli("ls", url, "--retry-seconds", "0", timeout=60)
     assert result.returncode == 1
     assert result.stdout == ""

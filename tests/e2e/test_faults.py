@@ -46,6 +46,7 @@ from tests.support.faults import (
     save_atomic,
     tensors,
 )
+from tests.support.paths import REPO
 from weightserve.client._client import FetchOptions
 from weightserve.client.errors import (
     ModelUnavailable,
@@ -58,7 +59,6 @@ from weightserve.client.transports.flight import FlightPool
 from weightserve.client.wire.proto.weightserve.v1 import weightserve_pb2 as pb
 from weightserve.service.server import ServerConfig, WeightServer
 
-REPO = Path(__file__).resolve().parents[1]
 # "grpc": control over gRPC, tensor data over the server's Arrow Flight endpoint (the default);
 # "grpc-streamtensors": tensor data over the gRPC service's own StreamTensors.
 TRANSPORTS = ("http", "grpc", "grpc-streamtensors")

@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from tests.support.helm_tools import HelmUnavailable, ensure_helm
+from tests.support.paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "deploy" / "helm" / "weightserve"
 EXAMPLES = REPO / "deploy" / "examples"
 KUBERNETES_VERSION = "1.33.0"

@@ -34,6 +34,7 @@ import xxhash
 from safetensors.numpy import save_file
 
 from tests.support.faults import MIB, save_atomic, tensors
+from tests.support.paths import REPO
 from tests.support.proc_maps import mapping_of
 from tests.support.revisions import overwrite_in_place
 from weightserve.client._client import Client
@@ -43,8 +44,6 @@ from weightserve.client.wire.handoff import FILE_COPY, FILE_OWNED, FILE_SEALED, 
 from weightserve.client.wire.handoff import read_frame as read_handoff_frame
 from weightserve.service.server import ServerConfig, WeightServer
 from weightserve.service.sources import snapshots
-
-REPO = Path(__file__).resolve().parent.parent
 
 # A client process: loads the model over the handoff, prints each array's xxh3 and the
 # descriptors it mapped, waits for a line on stdin (the test writes the file meanwhile), then

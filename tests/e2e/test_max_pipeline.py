@@ -9,7 +9,7 @@ MAX runs in the environment a MAX user has, ``pip install 'weightserve[max]' 'ma
 (``WEIGHTSERVE_MAX_PYTHON``, default ``.venv-max/bin/python``, which .ci/run makes): MAX's
 serving stack pins protobuf below what the server extra needs, so the server runs here and
 MAX beside it, as a worker would. The first compile takes minutes on 2 cores; MAX caches
-compiled graphs under the same directory as tests/test_max_protocol.py.
+compiled graphs under the same directory as tests/client/test_max_protocol.py.
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ import numpy as np
 import pytest
 
 from tests.support.environment import child_environment
+from tests.support.paths import REPO
 from tests.support.smollm2 import smollm2_checkpoint
 from weightserve.service.server import ServerConfig, WeightServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.max]
 
-REPO = Path(__file__).resolve().parent.parent
 PROMPT = "The capital of France is"
 NEW_TOKENS = 16
 # Greedy and short: the same weights give the same text whatever reads them.

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO
+
 SERVER_ONLY = ("fastapi", "uvicorn", "starlette", "safetensors", "gguf", "prometheus_client")
 NEEDS_EXTRA = "weightserve serve needs the server extra: pip install 'weightserve[server]'\n"
 COPY_IGNORE = shutil.ignore_patterns(

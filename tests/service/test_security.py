@@ -594,7 +594,8 @@ def test_streams_per_client(limited_server: WeightServer, root: Root) -> None:
         status, data = raw(srv, "GET", "/v1/models/team-a/x/stream?prefix=")
         assert status == 429 and error_type(data) == "ResourceExhausted"
         for transport in URLS:
-            # retry_seconds=0: see the refusal itself (tests/test_admission.py waits it out)
+            # retry_seconds=0: see the refusal itself
+            # (tests/service/serving/test_admission.py waits it out)
             with Client(url(srv, transport), timeout=10, retry_seconds=0) as client:
                 model = client.model("team-a/x")  # metadata needs no stream slot
                 assert model.names() == ["b", "w"]

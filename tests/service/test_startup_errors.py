@@ -20,12 +20,12 @@ import pytest
 
 from tests.support import fixtures_safetensors as fx
 from tests.support.commands import ANY_PORTS, clean_env, free_port, run_cli, start_server
+from tests.support.paths import REPO
 from weightserve.client import Client, RemoteWeights
 from weightserve.client.errors import WrongTransport
 from weightserve.service.config import SETTINGS
 from weightserve.service.server import ServerConfig, WeightServer
 
-REPO = Path(__file__).resolve().parents[1]
 MODEL = "org/sharded"
 
 

@@ -22,10 +22,10 @@ import pytest
 from google.protobuf import __version__ as runtime_version
 from safetensors.numpy import save_file
 
+from tests.support.paths import REPO
 from weightserve.client.wire.proto.weightserve.v1 import weightserve_pb2_grpc
 from weightserve.service.server import ServerConfig, WeightServer
 
-REPO = Path(__file__).resolve().parent.parent
 PB2 = REPO / "client" / "wire" / "proto" / "weightserve" / "v1" / "weightserve_pb2.py"
 # The runtime `pip install 'weightserve[max]' 'max[serve]'` resolves to.
 MAX_SERVE_PROTOBUF = "6.33.6"

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.support.paths import REPO
+
 PROTOS = sorted((REPO / "protos").rglob("*.proto"))
 
 RPC = re.compile(r"^\s*rpc\s+(\w+)\s*\(")

@@ -377,6 +377,6 @@ def test_header_too_large(tmp_path: Path) -> None:
 
 
 def test_a_model_needs_a_file() -> None:
-    # Several files are the parts of a split GGUF (tests/test_layouts.py).
+    # Several files are the parts of a split GGUF (tests/service/sources/test_layouts.py).
     with pytest.raises(ValueError, match="at least one .gguf file"):
         GGUFReader().read([])

@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.support._util import http_request
 from tests.support.commands import free_port
 from tests.support.node_caches import CountingOrigin, files_of, partials, visible_files, write_model
+from tests.support.paths import REPO
 from weightserve.client import Client
 from weightserve.client.errors import CacheTooSmall
 from weightserve.service.server import ServerConfig, WeightServer
@@ -30,7 +31,6 @@ from weightserve.service.sources.origins import open_origin
 
 MIB = 1 << 20
 DISK = 20 * MIB
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture

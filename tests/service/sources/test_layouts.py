@@ -17,6 +17,7 @@ from safetensors.numpy import load_file, save_file
 from tests.support import fixtures_gguf as gx
 from tests.support import fixtures_safetensors as fx
 from tests.support.fixtures_gguf import write_split_gguf
+from tests.support.paths import REPO
 from tests.support.references import reference_gguf, reference_safetensors
 from weightserve.client._client import Client
 from weightserve.client.errors import ModelNotFound, ModelUnavailable
@@ -429,7 +430,7 @@ def test_layout_ids_over_http_and_grpc(hub_cache: dict) -> None:
 
 def test_layout_rules_are_documented() -> None:
     """The README states the rules the catalog applies (one place, kept true)."""
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    readme = (REPO / "README.md").read_text()
     section = readme.split("## Model layouts", 1)[1].split("\n## ", 1)[0]
     for rule in ("models--ORG--NAME", "refs/main", "@REV", ":fp16", ":pytorch",
                  "-00001-of-00003.gguf", "consolidated.safetensors"):  # fmt: skip

@@ -1,8 +1,8 @@
 """Lean Flight batches: one zero-copy uint8 column per chunk, the row's header in app_metadata.
 
 The weightserve client asks for them with a call header; a Flight client that does not ask
-gets the full tensor schema (tests/test_flight.py), and the weightserve client still reads
-full rows from a server that ignores the header. Servers are real, on loopback; bytes are
+gets the full tensor schema (tests/service/transports/test_flight.py), and the weightserve
+client still reads full rows from a server that ignores the header. Servers are real, on loopback; bytes are
 compared with the reference readers and checked against each chunk's digest.
 """
 

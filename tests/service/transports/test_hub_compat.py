@@ -21,6 +21,7 @@ import pytest
 from tests.support._util import http_request
 from tests.support.environment import child_environment
 from tests.support.model_root import installed_file
+from tests.support.paths import REPO
 from weightserve.client.errors import (
     FileNotFound,
     PermissionDenied,
@@ -304,7 +305,7 @@ def test_hub_clients_load_through_the_server(
     )
     done = subprocess.run(
         ["unshare", "-n", "sh", "-c", command],
-        cwd=Path(__file__).resolve().parent.parent,
+        cwd=REPO,
         env=env,
         capture_output=True,
         text=True,

@@ -12,12 +12,12 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from tests.support import fixtures_safetensors
 from tests.support.environment import child_environment
+from tests.support.paths import REPO
 from weightserve.service.server import ServerConfig, WeightServer
 
 GRANTED = "org/a"
@@ -93,7 +93,7 @@ def outcomes(hub_server: WeightServer, tmp_path_factory: pytest.TempPathFactory)
     )
     done = subprocess.run(
         [sys.executable, "-c", _CLIENT, TOKEN_A, TOKEN_ALL, GRANTED, REFUSED, str(home / "cache")],
-        cwd=Path(__file__).resolve().parent.parent,
+        cwd=REPO,
         env=env,
         capture_output=True,
         text=True,

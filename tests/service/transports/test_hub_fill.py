@@ -26,6 +26,7 @@ from tests.support import fixtures_safetensors
 from tests.support._util import http_request
 from tests.support.byte_proxy import SlowProxy
 from tests.support.environment import child_environment
+from tests.support.paths import REPO
 from tests.support.s3_server import S3Server
 from weightserve.service.server import ServerConfig, WeightServer
 
@@ -201,7 +202,7 @@ def test_hub_downloads_through_a_node_whose_fill_outlasts_the_client_timeouts(
                 SHARDED,
                 SINGLE,
             ],
-            cwd=Path(__file__).resolve().parent.parent,
+            cwd=REPO,
             env=env,
             capture_output=True,
             text=True,

@@ -183,3 +183,4 @@ def test_the_wire_form_is_readable_without_the_client(server: WeightServer) -> N
         assert len(reply.read(size)) == size
         seen[header["name"]] = header["kind"]
     assert seen == {"layers.0.w": "patch", "norm": "patch", "embed.q": "same", "head": "whole"}
+    conn.close()

@@ -356,6 +356,7 @@ def test_a_small_stream_cut_short_fails_from_memory(scripted) -> None:
     with pytest.raises(TransportError, match="before its end marker"):
         reader.next_chunk(lambda h: memoryview(bytearray(h.nbytes)))
     reader.close()
+    transport.close()
 
 
 def _stream_bytes() -> bytes:

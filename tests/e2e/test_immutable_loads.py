@@ -142,6 +142,9 @@ class ClientProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if pipe is not None:
+                pipe.close()
 
 
 def local_server(root: Path, directory: str, **settings: object) -> WeightServer:

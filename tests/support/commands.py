@@ -90,8 +90,9 @@ def start_server(args: list[str], env: dict[str, str], log_dir: Path) -> Served:
 
     def pump() -> None:
         assert proc.stdout is not None
-        for line in proc.stdout:
-            lines_q.put(line.rstrip("\n"))
+        with proc.stdout:  # closed at the end of the output, which only this thread reads
+            for line in proc.stdout:
+                lines_q.put(line.rstrip("\n"))
         lines_q.put(None)
 
     threading.Thread(target=pump, daemon=True).start()

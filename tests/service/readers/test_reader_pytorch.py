@@ -512,8 +512,10 @@ def test_code_execution_refused(tmp_path, payload_module, label):
         read(path)
     assert not _wait_for(marker, 0.3), "the payload ran inside the reader"
     # Control: an unrestricted load really runs it, so the refusal above was meaningful.
-    torch.load(path, weights_only=False)
+    loaded = torch.load(path, weights_only=False)
     assert _wait_for(marker), "the payload is not live; the test proves nothing"
+    if isinstance(loaded["config"], subprocess.Popen):
+        loaded["config"].wait(10)  # the payload's child, reaped
 
 
 def test_reduce_payload_written_by_torch_save(tmp_path):

@@ -575,6 +575,6 @@ def test_server_anonymous_memory_stays_flat(tmp_path: Path) -> None:
         assert growth < 64 << 20, f"server anonymous memory grew by {growth / 2**20:.1f} MiB"
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        proc.communicate(timeout=30)  # waits, and closes its stdout
         del big
         path.unlink()

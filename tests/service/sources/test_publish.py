@@ -169,7 +169,7 @@ def test_a_publisher_killed_mid_upload_leaves_main_and_nothing_behind(server, ro
         assert leftovers(root), "the upload never reached the server"
     finally:
         os.kill(child.pid, signal.SIGKILL)
-        child.wait()
+        child.communicate()  # waits, and closes its stdout
     deadline = time.monotonic() + 10
     while leftovers(root) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -61,7 +61,7 @@ class Setting:
 
     ``SETTINGS`` is the one list: the parser, the environment, ``serve --help``,
     ServerConfig's defaults and the README's Configuration table come from it
-    (tests/test_startup_errors.py compares them).
+    (tests/service/test_startup_errors.py compares them).
     """
 
     flag: str  # "--http-port"; "root" for the positional argument

@@ -13,6 +13,7 @@ import json
 import socket
 import ssl
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from types import TracebackType
@@ -107,6 +108,9 @@ class HttpTransport(HttpControl):
         self._idle: list[http.client.HTTPConnection] = []
         self._lean_idle: list[Http1Connection] = []  # the same for tensor streams
         self._pool_lock = threading.Lock()
+        # Dropped without close() (``RemoteWeights(url).torch_state_dict()``), the transport
+        # still closes its kept-alive connections: a socket left to be collected warns.
+        weakref.finalize(self, _close_idle, self._idle, self._lean_idle)
         host = "localhost" if address.socket_path is not None else address.host
         host = f"[{host}]" if ":" in host else host
         # Every lean request's headers after its request line, encoded once.
@@ -498,12 +502,16 @@ class HttpTransport(HttpControl):
 
     def close(self) -> None:
         with self._pool_lock:
-            idle, self._idle = self._idle, []
-            lean, self._lean_idle = self._lean_idle, []
-        for conn in idle:
+            idle, lean = self._idle[:], self._lean_idle[:]
+            self._idle.clear()  # the same lists the finalizer holds
+            self._lean_idle.clear()
+        _close_idle(idle, lean)
+
+
+def _close_idle(*pools: list[http.client.HTTPConnection] | list[Http1Connection]) -> None:
+    for pool in pools:
+        for conn in pool:
             conn.close()
-        for connection in lean:
-            connection.close()
 
 
 class _UnixHTTPConnection(http.client.HTTPConnection):

@@ -1,7 +1,7 @@
-"""Run by tests/test_hub_compat.py inside its own network namespace (``unshare -n``): starts a
-weightserve on loopback, points ``HF_ENDPOINT`` at it and loads a model the ways Hub users do
-(``snapshot_download``, ``hf_hub_download``, transformers, sentence-transformers), printing
-what it found as one JSON line for the test to check.
+"""Run by tests/service/transports/test_hub_compat.py inside its own network namespace
+(``unshare -n``): starts a weightserve on loopback, points ``HF_ENDPOINT`` at it and loads a
+model the ways Hub users do (``snapshot_download``, ``hf_hub_download``, transformers,
+sentence-transformers), printing what it found as one JSON line for the test to check.
 
     python -m tests.support._hub_client ROOT REPO_ID TOKEN_FILE TOKEN
 """

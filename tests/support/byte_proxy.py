@@ -1,7 +1,7 @@
 """A loopback TCP proxy that counts the bytes its upstream sends, to show what a read costs the
 origin (e.g. "the second read of a cached model costs no origin bytes"), and the HTTP requests
 it is asked (e.g. "a rescan lists the bucket once, with no HEAD per object"). Same shape as
-CuttingProxy in tests/test_faults.py, without the cut.
+CuttingProxy in tests/support/faults.py, without the cut; SlowProxy paces or holds it.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import contextlib
 import re
 import socket
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -98,3 +99,41 @@ class ByteCountingProxy:
         for s in socks:
             with contextlib.suppress(OSError):
                 s.close()
+
+
+class SlowProxy(ByteCountingProxy):
+    """A counting proxy that passes the upstream's bytes at ``rate`` bytes/s at most, and
+    none at all (the connection open and silent) once ``stall_after`` bytes have passed."""
+
+    def __init__(self, upstream_port: int, rate: float | None = None) -> None:
+        self.rate = rate
+        self.stall_after: int | None = None
+        self._closed = threading.Event()
+        super().__init__(upstream_port)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, from_upstream: bool) -> None:
+        super()._pump(_SlowSocket(self, src) if from_upstream else src, dst, from_upstream)
+
+    def close(self) -> None:
+        self._closed.set()
+        super().close()
+
+
+class _SlowSocket:
+    """The upstream side of a SlowProxy connection: its ``recv`` is paced or held."""
+
+    def __init__(self, proxy: SlowProxy, sock: socket.socket) -> None:
+        self.proxy, self.sock = proxy, sock
+
+    def recv(self, size: int) -> bytes:
+        stall_after = self.proxy.stall_after
+        if stall_after is not None and self.proxy.bytes_from_upstream >= stall_after:
+            self.proxy._closed.wait()
+            return b""
+        data = self.sock.recv(min(size, 64 << 10))
+        if self.proxy.rate:
+            time.sleep(len(data) / self.proxy.rate)
+        return data
+
+    def shutdown(self, how: int) -> None:
+        self.sock.shutdown(how)

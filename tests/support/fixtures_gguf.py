@@ -247,3 +247,21 @@ class RawGGUF:
             else:
                 f.write(data)
         return path
+
+
+def write_split_gguf(path: Path, seed: int = 0, per_part: int = 2) -> list[Path]:
+    """A GGUF split by gguf.GGUFWriter itself (``split_max_tensors``), as llama.cpp splits."""
+    from gguf import GGUFWriter
+
+    rng = np.random.default_rng(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = GGUFWriter(path, "llama", split_max_tensors=per_part)
+    writer.add_name("split fixture")
+    writer.add_block_count(2)
+    for i in range(5):
+        writer.add_tensor(f"blk.{i}.weight", rng.standard_normal((4, 32)).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return sorted(path.parent.glob(f"{path.stem}-*-of-*.gguf"))

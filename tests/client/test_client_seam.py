@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.support.paths import REPO
 from weightserve.client import Client
 from weightserve.client.errors import ServerUnreachable, WrongTransport
 from weightserve.client.remote import connect, iter_updates
@@ -28,7 +29,7 @@ from weightserve.client.wire.delta import WHOLE, DeltaHeader
 from weightserve.client.wire.routes import ServerAddress
 from weightserve.service.server import ServerConfig, WeightServer
 
-CLIENT = Path(__file__).resolve().parents[1] / "client"
+CLIENT = REPO / "client"
 TRANSPORTS = CLIENT / "transports"
 
 

@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from tests.test_cli import ANY_PORTS, WEIGHTSERVE, clean_env, start_server
+from tests.support.commands import ANY_PORTS, WEIGHTSERVE, clean_env, start_server
+from tests.support.paths import REPO
 from weightserve.client import Client
 from weightserve.client._extras import TORCH_REQUIREMENT
 from weightserve.client.errors import Unauthenticated
 from weightserve.service.server import ServerConfig, WeightServer
 
-REPO = Path(__file__).resolve().parents[1]
 TOKEN = "habits-token"
 # Well within the 15 s a newcomer should wait for "nothing listens there", on a loaded machine.
 FAIL_FAST_SECONDS = 15.0

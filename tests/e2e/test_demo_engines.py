@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from tests.support.environment import child_environment
+from tests.support.paths import REPO
 from weightserve.service.demo import DEMO_LM, DEMO_MODEL, write_demo
 from weightserve.service.server import ServerConfig, WeightServer
 
-REPO = Path(__file__).resolve().parent.parent
 PROMPT = "The capital of France is"
 
 # Greedy text from transformers, for a model given as a local directory or a Hub id.

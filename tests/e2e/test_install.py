@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.environment import child_environment
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.support.paths import REPO
 
 
 def would_install(tmp_path: Path, *args: str) -> dict[str, str]:

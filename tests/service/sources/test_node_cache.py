@@ -25,7 +25,7 @@ from weightserve.client.errors import (
 )
 from weightserve.service.config import parse_size
 from weightserve.service.sources.cache.node_cache import NodeCache
-from weightserve.service.sources.origin.base import Origin, OriginFile
+from weightserve.service.sources.origin.base import OriginFile
 from weightserve.service.sources.origin.opening import open_origin
 
 LIMIT = 1 << 20

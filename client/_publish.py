@@ -1,5 +1,5 @@
 """Publishing: arrays and files uploaded to a server and committed there as one new revision
-of a model (service/sources/published.py keeps them), and the revisions a model has.
+of a model (service/sources/publishing/publisher.py keeps them), and the revisions a model has.
 
 Tensors travel as one safetensors file written on the fly from the arrays' own memory (no
 copy of the model in the client); files are streamed from disk. The server checks the upload

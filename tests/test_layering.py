@@ -196,6 +196,117 @@ def test_tarjan_finds_a_planted_cycle() -> None:
     assert import_cycles("p", planted) == [["p.a", "p.b", "p.c"]]
 
 
+# -- the floors docs/design.md draws ---------------------------------------------------------
+# Each package's modules stand on floors, lowest first: a module imports only modules on its
+# own floor or below. A name is its module or package prefix (the longest that matches).
+CLIENT = "weightserve.client"
+SERVICE = "weightserve.service"
+CLIENT_FLOORS = [
+    [f"{CLIENT}.errors"],
+    [f"{CLIENT}.wire"],
+    [f"{CLIENT}._retry", f"{CLIENT}._extras", f"{CLIENT}.arg_types"],
+    [f"{CLIENT}.transports", f"{CLIENT}.receive"],
+    [
+        f"{CLIENT}._models",
+        f"{CLIENT}._update",
+        f"{CLIENT}._publish",
+        f"{CLIENT}._download",
+        f"{CLIENT}.remote",
+    ],
+    [
+        f"{CLIENT}._fetch",
+        f"{CLIENT}._device",
+        f"{CLIENT}._pull_since",
+        f"{CLIENT}._revisions",
+        f"{CLIENT}._files",
+    ],
+    [f"{CLIENT}._client"],
+    [f"{CLIENT}._pull", f"{CLIENT}.max"],
+    [CLIENT, f"{CLIENT}._cache_cli", f"{CLIENT}._cli"],
+]
+SERVICE_FLOORS = [
+    [f"{SERVICE}.readers", f"{SERVICE}.logs", f"{SERVICE}.demo"],
+    [f"{SERVICE}.sources.files", f"{SERVICE}.sources.layout"],
+    [f"{SERVICE}.sources.base", f"{SERVICE}.sources.model", f"{SERVICE}.sources.revisions"],
+    [f"{SERVICE}.sources.local", f"{SERVICE}.sources.publishing"],
+    [
+        f"{SERVICE}.sources.origin.base",
+        f"{SERVICE}.sources.origin.parts",
+        f"{SERVICE}.sources.origin.objects",
+        f"{SERVICE}.sources.origin.upstream",
+        f"{SERVICE}.sources.origin.opening",
+        f"{SERVICE}.sources.origin.past_revisions",
+    ],
+    [f"{SERVICE}.sources.cache"],
+    [f"{SERVICE}.sources.origin"],
+    [f"{SERVICE}.sources.served", f"{SERVICE}.sources"],
+    [f"{SERVICE}.serving"],
+    [f"{SERVICE}.config"],
+    [f"{SERVICE}.transports"],
+    [f"{SERVICE}.server", SERVICE],
+    [f"{SERVICE}.cli"],
+]
+# What the service may use of the client: the wire contract, the error classes, the remote
+# seam (a node cache's upstream) and the argument types; never a private module or a transport.
+PUBLIC_CLIENT = (
+    f"{CLIENT}.errors",
+    f"{CLIENT}.wire",
+    f"{CLIENT}.remote",
+    f"{CLIENT}.arg_types",
+)
+
+
+def floor_of(module: str, floors: list[list[str]]) -> int | None:
+    """The floor of the longest name in ``floors`` that ``module`` is or is inside."""
+    best: tuple[int, int] | None = None
+    for level, names in enumerate(floors):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and (
+                best is None or len(name) > best[1]
+            ):
+                best = (level, len(name))
+    return None if best is None else best[0]
+
+
+def upward_imports(edges: list[Edge]) -> list[str]:
+    """The imports that climb a floor, in either package."""
+    found = []
+    for e in edges:
+        for package, floors in ((CLIENT, CLIENT_FLOORS), (SERVICE, SERVICE_FLOORS)):
+            if e.source.startswith(package) and e.target.startswith(package):
+                source, target = floor_of(e.source, floors), floor_of(e.target, floors)
+                if source is not None and target is not None and target > source:
+                    found.append(f"{e.source} (floor {source}) -> {e.target} (floor {target}), "
+                                 f"line {e.line}")  # fmt: skip
+    return found
+
+
+def test_every_module_stands_on_a_floor() -> None:
+    for module in module_files():
+        floors = CLIENT_FLOORS if module.startswith(CLIENT) else SERVICE_FLOORS
+        assert floor_of(module, floors) is not None, f"{module} has no floor in the list above"
+
+
+def test_imports_go_down_the_floors() -> None:
+    assert upward_imports(import_edges()) == []
+
+
+def test_an_upward_import_is_found() -> None:
+    planted = [Edge(f"{CLIENT}.wire.routes", f"{CLIENT}._client", 3, False)]
+    assert len(upward_imports(planted)) == 1
+
+
+def test_the_service_imports_only_public_client_modules() -> None:
+    crossing = [
+        f"{e.source} -> {e.target} (line {e.line})"
+        for e in import_edges()
+        if e.source.startswith(SERVICE)
+        and e.target.startswith(CLIENT)
+        and not any(e.target == p or e.target.startswith(p + ".") for p in PUBLIC_CLIENT)
+    ]
+    assert crossing == []
+
+
 def test_every_error_class_has_a_status_row() -> None:
     """Each exception that can cross the wire maps to a status through the table, and the
     wire rebuilds it as the same class (client-only errors never cross it)."""

@@ -51,7 +51,7 @@ def patch(gaps: list[int], values: list[int], **fields: Any) -> bytes:
     return header + positions + raw
 
 
-# The server's refusals of a patch upload (service/sources/patched_tensors.py): each a body.
+# The server's refusals of a patch upload (service/sources/publishing/patched_tensors.py): each a body.
 MALFORMED = {
     "not JSON": b"not json\n",
     "not an object": b"[1, 2]\n",

@@ -14,8 +14,8 @@ from safetensors.numpy import load_file, save_file
 from tests.support import fixtures_safetensors
 from weightserve.client import Client
 from weightserve.service.server import ServerConfig, WeightServer
-from weightserve.service.sources.origin.catalog import OriginCatalog
 from weightserve.service.sources.origin.base import Origin, OriginFile
+from weightserve.service.sources.origin.catalog import OriginCatalog
 
 
 def corrupt_in_place(path: Path, offset: int = 1 << 12) -> None:

@@ -14,8 +14,8 @@ from safetensors.numpy import load_file, save_file
 from tests.support import fixtures_safetensors
 from weightserve.client import Client
 from weightserve.service.server import ServerConfig, WeightServer
-from weightserve.service.sources.origin import OriginCatalog
-from weightserve.service.sources.origins import Origin, OriginFile
+from weightserve.service.sources.origin.base import Origin, OriginFile
+from weightserve.service.sources.origin.catalog import OriginCatalog
 
 
 def corrupt_in_place(path: Path, offset: int = 1 << 12) -> None:
@@ -82,6 +82,9 @@ class CountingOrigin:
         if self.gate is not None:
             assert self.gate.wait(10), "the test never released the fetch"
         self.inner.fetch(file, dest, **options)
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 def write_model(root: Path, model_id: str, tensor_bytes: int, seed: int) -> dict[str, bytes]:

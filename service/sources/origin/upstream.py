@@ -17,18 +17,20 @@ from weightserve.client.errors import (
     OriginChanged,
     OriginUnavailable,
     PermissionDenied,
+    ServerUnreachable,
     TransportError,
     Unauthenticated,
     WeightserveError,
 )
 from weightserve.client.remote import (
+    LineStream,
     TensorUpdate,
     TLSOptions,
     Transport,
     UpdateTarget,
     connect,
-    iter_updates,
 )
+from weightserve.client.wire.delta import DeltaCut, read_updates
 from weightserve.client.wire.digests import file_digest
 from weightserve.client.wire.routes import parse_url
 from weightserve.client.wire.watch import WATCH_SILENCE, read_events
@@ -303,20 +305,49 @@ class UpstreamOrigin:
 
     def open_delta(
         self, file: OriginFile, since: str, revision: str
-    ) -> tuple[UpdateTarget, Iterator[TensorUpdate]]:
+    ) -> tuple[UpdateTarget, DeltaUpdates]:
         """The upstream's delta stream (docs/protocol.md, "Delta updates") of the model
         ``file`` belongs to, from commit ``since`` to ``revision``; NotFound from an upstream
         too old to have the route."""
         model, _ = self._split(file.name)
-        return self._attempt(
+        stream = self._attempt(
             f"open the update of {model}",
             lambda: self.requests.call(
-                "get", lambda: iter_updates(self.transport, model, since, revision)
+                "get", lambda: self.transport.open_delta(model, since, revision)
             ),
         )
+        target = UpdateTarget(
+            commit=stream.header("x-weightserve-commit"),
+            revision=stream.header("x-weightserve-revision"),
+            base=stream.header("x-weightserve-delta-base"),
+        )
+        return target, DeltaUpdates(model, stream)
 
     def close(self) -> None:
         self.transport.close()
+
+
+class DeltaUpdates(Iterator[TensorUpdate]):
+    """A delta stream's updates, in the model's order; ``close`` closes its connection, read
+    or not (a generator never started runs no ``finally``: its socket would be left to the
+    collector, which warns)."""
+
+    def __init__(self, model: str, stream: LineStream) -> None:
+        self._model, self._stream = model, stream
+        self._updates = read_updates(stream)
+
+    def __next__(self) -> TensorUpdate:
+        try:
+            return next(self._updates)
+        except (ServerUnreachable, DeltaCut) as e:
+            self.close()
+            raise ServerUnreachable(f"the update of {self._model!r} was cut off: {e}") from e
+        except BaseException:  # the end, or a broken stream: done with its connection
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self._stream.close()
 
 
 def _file_model_directory(model: str, names: list[str]) -> str | None:

@@ -23,6 +23,7 @@ from weightserve.client.errors import (
     WeightserveError,
 )
 from weightserve.client.remote import (
+    FileSource,
     LineStream,
     TensorUpdate,
     TLSOptions,
@@ -203,6 +204,25 @@ class UpstreamOrigin:
             "list it again"
         )
 
+    def _open_listed(
+        self, file: OriginFile, where: tuple[str, str], offset: int, length: int
+    ) -> FileSource:
+        """``length`` bytes of ``file`` (at ``where``: ``_split``'s model and name) from
+        ``offset``, of the version it names: OriginChanged (the answer closed) where the
+        upstream holds another now."""
+        model, name = where
+        source = self.requests.call(
+            "get", lambda: self.transport.open_file(model, name, offset, length)
+        )
+        if (source.etag, source.size) != (file.version, file.size):
+            source.close()
+            raise OriginChanged(
+                f"origin {self.description}: {file.name} changed since it was listed "
+                f"(size {file.size} -> {source.size}, etag {file.version} -> "
+                f"{source.etag}); list it again"
+            )
+        return source
+
     def fetch(
         self,
         file: OriginFile,
@@ -213,22 +233,14 @@ class UpstreamOrigin:
         on_bytes: Callable[[int], None] | None = None,
         on_landed: Callable[[int, int], None] | None = None,
     ) -> str:
-        model, name = self._split(file.name)
+        where = self._split(file.name)
 
         def receive(fd: int, offset: int, length: int, landed: list[int]) -> None:
             """The part's bytes from ``landed[0]`` on: a retry resumes where the last attempt
             stopped, so progress counts each byte once."""
             offset, length = offset + landed[0], length - landed[0]
-            source = self.requests.call(
-                "get", lambda: self.transport.open_file(model, name, offset, length)
-            )
+            source = self._open_listed(file, where, offset, length)
             try:
-                if (source.etag, source.size) != (file.version, file.size):
-                    raise OriginChanged(
-                        f"origin {self.description}: {file.name} changed since it was listed "
-                        f"(size {file.size} -> {source.size}, etag {file.version} -> "
-                        f"{source.etag}); list it again"
-                    )
                 buffer = memoryview(bytearray(min(RECEIVE_BYTES, length)))
                 done = 0
                 while done < length:
@@ -269,18 +281,11 @@ class UpstreamOrigin:
         )  # fmt: skip
 
     def read_range(self, file: OriginFile, offset: int, length: int) -> bytes:
-        model, name = self._split(file.name)
+        where = self._split(file.name)
 
         def receive() -> bytes:
-            source = self.requests.call(
-                "get", lambda: self.transport.open_file(model, name, offset, length)
-            )
+            source = self._open_listed(file, where, offset, length)
             try:
-                if (source.etag, source.size) != (file.version, file.size):
-                    raise OriginChanged(
-                        f"origin {self.description}: {file.name} changed since it was listed; "
-                        "list it again"
-                    )
                 buffer = memoryview(bytearray(length))
                 done = 0
                 while done < length and (got := source.readinto(buffer[done:])):

@@ -344,16 +344,23 @@ def _origin_catalog(config: ServerConfig, events: _SourceEvents) -> OriginCatalo
             watch=config.watch,
         )
     except OSError as e:
+        origin.close()
         raise StartupError(
             "cache_dir", f"cannot use {directory} as the node cache: {e.strerror or e}"
         ) from None
     except ModelUnavailable as e:  # the directory is another server's
+        origin.close()
         raise StartupError("cache_dir", str(e)) from None
-    catalog = OriginCatalog(cache, on_refused=events.refused, on_revision=events.feed.announce)
+    try:
+        catalog = OriginCatalog(cache, on_refused=events.refused, on_revision=events.feed.announce)
+    except BaseException:
+        cache.close()
+        origin.close()
+        raise
     try:
         cache.warm(None if catalog.origin_error else _listing(catalog))
     except WeightserveError as e:
-        cache.close()
+        catalog.close()  # the cache's directory and the origin
         raise StartupError("pin", f"cannot fill the pinned models: {e}") from None
     catalog.scan()
     return catalog

@@ -83,6 +83,9 @@ class CountingOrigin:
             assert self.gate.wait(10), "the test never released the fetch"
         self.inner.fetch(file, dest, **options)
 
+    def close(self) -> None:
+        self.inner.close()
+
 
 def write_model(root: Path, model_id: str, tensor_bytes: int, seed: int) -> dict[str, bytes]:
     """A small repository (safetensors weights and side files); name -> bytes as written."""

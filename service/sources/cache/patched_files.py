@@ -138,7 +138,11 @@ def _build(
         _discard(building)
         return {}
     try:
-        places = _open_copies(building)
+        try:
+            places = _open_copies(building)
+        except BaseException:
+            updates.close()
+            raise
         try:
             _apply(origin, updates, places)
         except WeightserveError as e:  # the stream was cut: what it did not reach comes whole

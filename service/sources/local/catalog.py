@@ -5,35 +5,9 @@ Start-up reads headers only (the readers never touch tensor data), so opening a 
 its headers, not its size. A model that fails validation is recorded in
 ``Catalog.problems`` with the file and the rule it breaks; every other model is served.
 
-Where its models are is discovery.py's part (the layout rules below); the catalog indexes
-them (``scan``: a model unchanged keeps its index and mappings) and looks them up (``get``).
-
-How a root is laid out: the model id is the path relative to the root, so ``org/name`` works.
-These are the rules; README.md ("Model layouts") states them for users.
-
-- A directory below the root holding weights is one model. Its weights form sets by format
-  and variant (``model.fp16.safetensors``: variant ``fp16``; ``layout.weight_sets``); ``DIR``
-  serves the default set (plain safetensors, else plain PyTorch, else the only set), every
-  other set is ``DIR:VARIANT`` (``:fp16``, ``:pytorch``, ``:pytorch.fp16``), indexed on first
-  request.
-- A shard index (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``, a
-  variant's ``model.safetensors.index.fp16.json``) decides which files form its set: files it
-  does not name (Mistral's ``consolidated.safetensors``) are side files, not weights; a named
-  file that is missing refuses the model.
-- Every ``*.gguf`` file is a model; the parts of a split GGUF (``NAME-00001-of-00003.gguf``)
-  are one model ``NAME.gguf``, served only whole. A checkpoint file directly in the root is a
-  model of its own, its id the file name.
-- The Hugging Face hub cache: ``models--ORG--NAME`` is ``ORG/NAME``, the snapshot ``refs/main``
-  names (without refs, the only one); every snapshot is ``ORG/NAME@COMMIT`` and every other
-  ref ``ORG/NAME@REF``. The snapshot's links into the cache's ``blobs/`` stay inside the root.
-- A symlinked directory inside the root is an alias (its own ids, the same files); ids naming
-  the same files share one Model index and one mapping per file.
-
-Paths never leave the root: symlinks that resolve outside it are skipped and reported, and a
-model directory with a shard (or shard index) that leaves the root is refused as a whole rather
-than served in part. ``-`` as a path part, and ``@`` and ``:`` in names that form ids, are
-reserved (routes, revisions, variants): such names are reported, never served, so no plain
-directory's id can be read as a revision or a variant.
+Where its models are is discovery.py's part: the layout rules are stated in its docstring
+(README.md, "Model layouts", states them for users). The catalog indexes them (``scan``: a
+model unchanged keeps its index and mappings) and looks them up (``get``).
 """
 
 from __future__ import annotations

@@ -13,15 +13,14 @@ from weightserve.client.errors import (
     OriginUnavailable,
 )
 from weightserve.client.wire.routes import split_revision, with_revision
-from weightserve.service.sources.cache.node_cache import NodeCache
 from weightserve.service.sources.cache.room import EvictionRefused
 from weightserve.service.sources.layout import (
     base_model_id,
     validate_model_id,
 )
 from weightserve.service.sources.model import Model
-from weightserve.service.sources.origin.announced import _cached_id
-from weightserve.service.sources.origin.base import Origin, OriginFile
+from weightserve.service.sources.origin.announced import CatalogParts, _cached_id
+from weightserve.service.sources.origin.base import OriginFile
 from weightserve.service.sources.origin.listing import RemoteModel
 from weightserve.service.sources.origin.past_copies import PastCopies
 from weightserve.service.sources.origin.past_revisions import (
@@ -31,12 +30,9 @@ from weightserve.service.sources.origin.past_revisions import (
 log = logging.getLogger("weightserve.service")
 
 
-class AdministeredCatalog(Protocol):
+class AdministeredCatalog(CatalogParts, Protocol):
     """What the controls ask of the node cache's catalog (``OriginCatalog``)."""
 
-    cache: NodeCache
-    origin: Origin
-    remote: dict[str, RemoteModel]
     origin_error: OriginUnavailable | None
     past: PastCopies
 

@@ -26,12 +26,17 @@ from weightserve.service.sources.revisions.stores import revision_record
 log = logging.getLogger("weightserve.service")
 
 
-class HeldModels(Protocol):
-    """What the log reads of the node cache's catalog (``OriginCatalog``)."""
+class CatalogParts(Protocol):
+    """What the node cache's catalog (``OriginCatalog``) shows each of its parts: its cache,
+    origin, and the origin's models as last listed."""
 
     cache: NodeCache
     origin: Origin
     remote: dict[str, RemoteModel]
+
+
+class HeldModels(CatalogParts, Protocol):
+    """What the log reads of the node cache's catalog (``OriginCatalog``)."""
 
     @property
     def models(self) -> dict[str, Model]: ...

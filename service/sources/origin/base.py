@@ -161,6 +161,11 @@ class Origin(Protocol):
         where the store keeps no versions or they were not read."""
         ...
 
+    def close(self) -> None:
+        """Let go of the origin's connections; its owner (an ``OriginCatalog``) calls it once
+        it is done with it."""
+        ...
+
 
 class _Retryable(Exception):
     """A failure worth trying again (network, a server error); wraps the cause."""

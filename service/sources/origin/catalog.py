@@ -166,7 +166,12 @@ class OriginCatalog:
         return self.remote.keys()
 
     def close(self) -> None:
-        self.cache.close()  # a restarted server may take the directory over
+        """Release the cache's directory (a restarted server may take it over), then close the
+        origin, whose connections would otherwise be left to the garbage collector."""
+        try:
+            self.cache.close()
+        finally:
+            self.origin.close()
 
     # -- scanning ----------------------------------------------------------------------------
 

@@ -334,6 +334,14 @@ class FileSystemOrigin:
             return None
         return file_digest(path, hashlib.md5(usedforsecurity=False)) == file.version
 
+    def close(self) -> None:
+        """pyarrow's file system has nothing to close; botocore's client (of object versions,
+        made on first use) holds a connection pool."""
+        with self._known_lock:
+            client, self._versions_client = self._versions_client, None
+        if client is not None:
+            client.close()
+
     # -- object versions: what pyarrow.fs cannot ask for (a HEAD or GET of a VersionId) ------
 
     def _s3_client(self) -> Any:

@@ -17,18 +17,21 @@ from weightserve.client.errors import (
     OriginChanged,
     OriginUnavailable,
     PermissionDenied,
+    ServerUnreachable,
     TransportError,
     Unauthenticated,
     WeightserveError,
 )
 from weightserve.client.remote import (
+    FileSource,
+    LineStream,
     TensorUpdate,
     TLSOptions,
     Transport,
     UpdateTarget,
     connect,
-    iter_updates,
 )
+from weightserve.client.wire.delta import DeltaCut, read_updates
 from weightserve.client.wire.digests import file_digest
 from weightserve.client.wire.routes import parse_url
 from weightserve.client.wire.watch import WATCH_SILENCE, read_events
@@ -201,6 +204,25 @@ class UpstreamOrigin:
             "list it again"
         )
 
+    def _open_listed(
+        self, file: OriginFile, where: tuple[str, str], offset: int, length: int
+    ) -> FileSource:
+        """``length`` bytes of ``file`` (at ``where``: ``_split``'s model and name) from
+        ``offset``, of the version it names: OriginChanged (the answer closed) where the
+        upstream holds another now."""
+        model, name = where
+        source = self.requests.call(
+            "get", lambda: self.transport.open_file(model, name, offset, length)
+        )
+        if (source.etag, source.size) != (file.version, file.size):
+            source.close()
+            raise OriginChanged(
+                f"origin {self.description}: {file.name} changed since it was listed "
+                f"(size {file.size} -> {source.size}, etag {file.version} -> "
+                f"{source.etag}); list it again"
+            )
+        return source
+
     def fetch(
         self,
         file: OriginFile,
@@ -211,22 +233,14 @@ class UpstreamOrigin:
         on_bytes: Callable[[int], None] | None = None,
         on_landed: Callable[[int, int], None] | None = None,
     ) -> str:
-        model, name = self._split(file.name)
+        where = self._split(file.name)
 
         def receive(fd: int, offset: int, length: int, landed: list[int]) -> None:
             """The part's bytes from ``landed[0]`` on: a retry resumes where the last attempt
             stopped, so progress counts each byte once."""
             offset, length = offset + landed[0], length - landed[0]
-            source = self.requests.call(
-                "get", lambda: self.transport.open_file(model, name, offset, length)
-            )
+            source = self._open_listed(file, where, offset, length)
             try:
-                if (source.etag, source.size) != (file.version, file.size):
-                    raise OriginChanged(
-                        f"origin {self.description}: {file.name} changed since it was listed "
-                        f"(size {file.size} -> {source.size}, etag {file.version} -> "
-                        f"{source.etag}); list it again"
-                    )
                 buffer = memoryview(bytearray(min(RECEIVE_BYTES, length)))
                 done = 0
                 while done < length:
@@ -267,18 +281,11 @@ class UpstreamOrigin:
         )  # fmt: skip
 
     def read_range(self, file: OriginFile, offset: int, length: int) -> bytes:
-        model, name = self._split(file.name)
+        where = self._split(file.name)
 
         def receive() -> bytes:
-            source = self.requests.call(
-                "get", lambda: self.transport.open_file(model, name, offset, length)
-            )
+            source = self._open_listed(file, where, offset, length)
             try:
-                if (source.etag, source.size) != (file.version, file.size):
-                    raise OriginChanged(
-                        f"origin {self.description}: {file.name} changed since it was listed; "
-                        "list it again"
-                    )
                 buffer = memoryview(bytearray(length))
                 done = 0
                 while done < length and (got := source.readinto(buffer[done:])):
@@ -303,20 +310,49 @@ class UpstreamOrigin:
 
     def open_delta(
         self, file: OriginFile, since: str, revision: str
-    ) -> tuple[UpdateTarget, Iterator[TensorUpdate]]:
+    ) -> tuple[UpdateTarget, DeltaUpdates]:
         """The upstream's delta stream (docs/protocol.md, "Delta updates") of the model
         ``file`` belongs to, from commit ``since`` to ``revision``; NotFound from an upstream
         too old to have the route."""
         model, _ = self._split(file.name)
-        return self._attempt(
+        stream = self._attempt(
             f"open the update of {model}",
             lambda: self.requests.call(
-                "get", lambda: iter_updates(self.transport, model, since, revision)
+                "get", lambda: self.transport.open_delta(model, since, revision)
             ),
         )
+        target = UpdateTarget(
+            commit=stream.header("x-weightserve-commit"),
+            revision=stream.header("x-weightserve-revision"),
+            base=stream.header("x-weightserve-delta-base"),
+        )
+        return target, DeltaUpdates(model, stream)
 
     def close(self) -> None:
         self.transport.close()
+
+
+class DeltaUpdates(Iterator[TensorUpdate]):
+    """A delta stream's updates, in the model's order; ``close`` closes its connection, read
+    or not (a generator never started runs no ``finally``: its socket would be left to the
+    collector, which warns)."""
+
+    def __init__(self, model: str, stream: LineStream) -> None:
+        self._model, self._stream = model, stream
+        self._updates = read_updates(stream)
+
+    def __next__(self) -> TensorUpdate:
+        try:
+            return next(self._updates)
+        except (ServerUnreachable, DeltaCut) as e:
+            self.close()
+            raise ServerUnreachable(f"the update of {self._model!r} was cut off: {e}") from e
+        except BaseException:  # the end, or a broken stream: done with its connection
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self._stream.close()
 
 
 def _file_model_directory(model: str, names: list[str]) -> str | None:

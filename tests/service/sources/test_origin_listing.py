@@ -42,11 +42,6 @@ def two_nodes(origin: str, tmp_path: Path) -> Iterator[list[WeightServer]]:
         ]
 
 
-# An upstream origin's HTTP connection is left to be collected here (to find: ResourceWarning
-# of a socket from UpstreamOrigin.read_range); until then this one warning does not fail it.
-@pytest.mark.filterwarnings(
-    "ignore:Exception ignored in. <socket.socket:pytest.PytestUnraisableExceptionWarning"
-)
 def test_every_nodes_listing_shows_the_upstreams_revision_within_one_rescan(
     tmp_path: Path,
 ) -> None:
@@ -147,11 +142,6 @@ def test_an_s3_object_changed_under_a_cached_model_lists_it_outdated(
         assert current["cached_revision"] == current["revision"]
 
 
-# An upstream origin's HTTP connection is left to be collected here (to find: ResourceWarning
-# of a socket from UpstreamOrigin.read_range); until then this one warning does not fail it.
-@pytest.mark.filterwarnings(
-    "ignore:Exception ignored in. <socket.socket:pytest.PytestUnraisableExceptionWarning"
-)
 def test_a_node_serves_the_revision_it_holds_after_its_origin_moved_on(tmp_path: Path) -> None:
     """``ID@R`` for the copy a node holds is served as it is, with no origin byte read, on
     HTTP and gRPC, until a ``main`` load refills the model; R then names nothing held."""
@@ -199,11 +189,6 @@ def test_a_node_serves_the_revision_it_holds_after_its_origin_moved_on(tmp_path:
                 client.model(f"org/m@{old}").fetch(prefix="")
 
 
-# An upstream origin's HTTP connection is left to be collected here (to find: ResourceWarning
-# of a socket from UpstreamOrigin.read_range); until then this one warning does not fail it.
-@pytest.mark.filterwarnings(
-    "ignore:Exception ignored in. <socket.socket:pytest.PytestUnraisableExceptionWarning"
-)
 def test_a_stream_of_the_held_revision_outlives_a_refill(tmp_path: Path) -> None:
     """A stream pinned to the copy a node holds, running while a ``main`` load refills the
     model from its moved-on origin, ends with the held revision's bytes (the refill renames

@@ -309,11 +309,6 @@ def test_hub_cache_snapshots_are_revisions_of_their_repository(tmp_path: Path) -
         catalog.get("acme/tiny@v2")
 
 
-# An upstream origin's HTTP connection is left to be collected here (to find: ResourceWarning
-# of a socket from UpstreamOrigin.read_range); until then this one warning does not fail it.
-@pytest.mark.filterwarnings(
-    "ignore:Exception ignored in. <socket.socket:pytest.PytestUnraisableExceptionWarning"
-)
 def test_node_caches_serve_the_origins_revisions(tmp_path: Path) -> None:
     """Two node caches in front of one upstream: both report the upstream's commit; once the
     upstream's model changes, a load pinned to the old commit gets the old bytes or

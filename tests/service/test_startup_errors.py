@@ -340,9 +340,10 @@ def test_readme_names_what_pip_install_installs() -> None:
     import tomllib
 
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    paragraph = (REPO / "README.md").read_text().split("`pip install weightserve` installs", 1)[1]
-    paragraph = " ".join(paragraph.split("\n\n", 1)[0].split())
-    client_part, server_part = paragraph.split("[server]", 1)
+    text = " ".join((REPO / "README.md").read_text().split())
+    paragraph = text.split("The package alone is the client:", 1)[1]
+    client_part, server_part = paragraph.split("The `server` extra adds the server:", 1)
+    server_part = server_part.split("`[max]`", 1)[0]
     for requirement, part in [(r, client_part) for r in project["dependencies"]] + [
         (r, server_part) for r in project["optional-dependencies"]["server"]
     ]:

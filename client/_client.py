@@ -244,7 +244,8 @@ class RemoteModel:
         ``tensors`` as a patch against the arrays published as ``base``); ``model(...)`` of a
         model that does not exist yet fails, so a first revision goes through
         ``Client.publish``."""
-        return self._revisions.publish(
+        return self.client.publish(
+            self.id,
             tensors,
             base=base,
             base_tensors=base_tensors,

@@ -229,15 +229,7 @@ class RefusesControl:
     ) -> str:
         raise self._refuse("publishing")
 
-    def upload(
-        self,
-        model: str,
-        upload: str,
-        part: str,
-        chunks: Iterable[bytes | memoryview],
-        length: int,
-        on_bytes: Callable[[int], None] | None = None,
-    ) -> dict[str, Any]:
+    def upload(self, *_: Any, **__: Any) -> dict[str, Any]:  # no upload starts here
         raise self._refuse("publishing")
 
     def commit_upload(self, model: str, upload: str) -> dict[str, Any]:

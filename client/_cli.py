@@ -99,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
         "the model's revision: a commit (40 hex digits, or a prefix of at least 12) or a ref "
         "(main); the same as MODEL@REVISION in the URL"
     )
+
+    def server_flags(command: argparse.ArgumentParser) -> None:  # every command with a server
+        command.add_argument("--token", default=None, help=token_help)
+        command.add_argument(
+            "--retry-seconds", type=_retry_seconds, default=retry_default, help=retry_help
+        )
+
     ls = sub.add_parser(
         "ls",
         help="list a server's models, or one model's tensors",
@@ -108,8 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("url")
     ls.add_argument("--prefix", default="", help="only tensors whose name starts so")
     ls.add_argument("--revision", default=None, help=revision_help)
-    ls.add_argument("--token", default=None, help=token_help)
-    ls.add_argument("--retry-seconds", type=_retry_seconds, default=retry_default, help=retry_help)
+    server_flags(ls)
     ls.set_defaults(func=_ls)
 
     pull = sub.add_parser(
@@ -144,10 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
         "whole and removing files the revision no longer has",
     )
     pull.add_argument("--revision", default=None, help=revision_help)
-    pull.add_argument("--token", default=None, help=token_help)
-    pull.add_argument(
-        "--retry-seconds", type=_retry_seconds, default=retry_default, help=retry_help
-    )
+    server_flags(pull)
     pull.add_argument(
         "--parallel",
         type=positive_int,
@@ -178,10 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--base", default=None, help="a revision whose files this one keeps where DIR has none"
     )
     publish.add_argument("--message", "-m", default="", help="what changed")
-    publish.add_argument("--token", default=None, help=token_help)
-    publish.add_argument(
-        "--retry-seconds", type=_retry_seconds, default=retry_default, help=retry_help
-    )
+    server_flags(publish)
     publish.add_argument("--quiet", action="store_true", help="no progress bar")
     publish.set_defaults(func=_publish)
 
@@ -197,10 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     watch.add_argument(
         "--timeout", type=float, default=None, help="stop after this many seconds (default: never)"
     )
-    watch.add_argument("--token", default=None, help=token_help)
-    watch.add_argument(
-        "--retry-seconds", type=_retry_seconds, default=retry_default, help=retry_help
-    )
+    server_flags(watch)
     watch.set_defaults(func=_watch)
     add_cache_parser(sub, _CommandParser, token_help, (_retry_seconds, retry_default, retry_help))
     sub.add_parser(

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from weightserve.client._device import DEFAULT_STAGING_BYTES, load_to_device
-from weightserve.client._fetch import FetchOptions, TensorFetcher
+from weightserve.client._fetch import FetchOptions, Receiving, TensorFetcher
 from weightserve.client._files import ModelFiles
 from weightserve.client._models import (
     ModelInfo,
@@ -244,7 +244,8 @@ class RemoteModel:
         ``tensors`` as a patch against the arrays published as ``base``); ``model(...)`` of a
         model that does not exist yet fails, so a first revision goes through
         ``Client.publish``."""
-        return self._revisions.publish(
+        return self.client.publish(
+            self.id,
             tensors,
             base=base,
             base_tensors=base_tensors,
@@ -320,15 +321,8 @@ class RemoteModel:
         ``on_wait(reason, seconds)`` hears of each wait for a busy or unreachable server
         (default: the client's ``on_wait``).
         """
-        return self._fetcher.fetch(
-            names,
-            prefix=prefix,
-            shard=shard,
-            axis=axis,
-            on_bytes=on_bytes,
-            allocate=allocate,
-            on_wait=on_wait,
-        )
+        how = Receiving(shard, axis, on_bytes, allocate, on_wait)
+        return self._fetcher.fetch(names, prefix, how)
 
     def iter_tensors(
         self,
@@ -355,16 +349,8 @@ class RemoteModel:
         to a GPU from. Names, ``prefix``, ``shard`` and ``axis`` are as in ``fetch``;
         stopping early (``break``) closes the stream.
         """
-        return self._fetcher.iter_tensors(
-            names,
-            prefix=prefix,
-            window_bytes=window_bytes,
-            shard=shard,
-            axis=axis,
-            on_bytes=on_bytes,
-            allocate=allocate,
-            on_wait=on_wait,
-        )
+        how = Receiving(shard, axis, on_bytes, allocate, on_wait)
+        return self._fetcher.iter_tensors(names, prefix, window_bytes, how)
 
     def to_device(
         self,

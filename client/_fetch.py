@@ -23,7 +23,7 @@ from weightserve.client.receive.stream import (
     receive,
     verify_policy,
 )
-from weightserve.client.receive.window import DEFAULT_WINDOW_BYTES, iter_received
+from weightserve.client.receive.window import iter_received
 from weightserve.client.transports.base import DataTransport, StreamParams
 from weightserve.client.transports.handoff import Handoff, HandoffClient
 from weightserve.client.transports.planes import PlaneChooser, Planes
@@ -61,6 +61,18 @@ def as_array(t: ReceivedTensor | np.ndarray, info: TensorInfo) -> np.ndarray:
     if spec.numpy_name is None:  # packed sub-byte types stay raw bytes
         return buffer
     return buffer.view(numpy_dtype(info.dtype)).reshape(info.shape)
+
+
+@dataclass(frozen=True)
+class Receiving:
+    """How a fetch cuts and receives its tensors: the like-named arguments of
+    ``RemoteModel.fetch`` and ``iter_tensors``."""
+
+    shard: tuple[int, int] | None = None
+    axis: int = 0
+    on_bytes: Callable[[int], None] | None = None
+    allocate: Callable[[ChunkHeader], np.ndarray] | None = None
+    on_wait: OnWait | None = None
 
 
 class FetchingClient(Protocol):
@@ -119,87 +131,45 @@ class TensorFetcher:
         return [n for n in self.info.tensors if n.startswith(prefix)]
 
     def fetch(
-        self,
-        names: Sequence[str] | None = None,
-        *,
-        prefix: str | None = None,
-        shard: tuple[int, int] | None = None,
-        axis: int = 0,
-        on_bytes: Callable[[int], None] | None = None,
-        allocate: Callable[[ChunkHeader], np.ndarray] | None = None,
-        on_wait: OnWait | None = None,
+        self, names: Sequence[str] | None, prefix: str | None, how: Receiving
     ) -> dict[str, np.ndarray]:
         """See ``RemoteModel.fetch``."""
         wanted = self.wanted(names, prefix)
         if not wanted:
             return {}
         with self.client.transport.receiving(self.bytes_of(wanted)):
-            received = self._fetch_parallel(wanted, shard, axis, on_bytes, allocate, on_wait)
-        out: dict[str, np.ndarray] = {}
-        for name in wanted:
-            r = received[name]
-            h = r.header
-            info = TensorInfo(name, h.dtype, h.shape, h.logical_shape, h.encoding, h.total_bytes)
-            out[name] = as_array(r, info)
-        return out
+            received = self._fetch_parallel(wanted, how)
+        return {name: _served(received[name].header, received[name]) for name in wanted}
 
     def iter_tensors(
         self,
-        names: Sequence[str] | None = None,
-        *,
-        prefix: str | None = None,
-        window_bytes: int = DEFAULT_WINDOW_BYTES,
-        shard: tuple[int, int] | None = None,
-        axis: int = 0,
-        on_bytes: Callable[[int], None] | None = None,
-        allocate: Callable[[ChunkHeader], np.ndarray] | None = None,
-        on_wait: OnWait | None = None,
+        names: Sequence[str] | None,
+        prefix: str | None,
+        window_bytes: int,
+        how: Receiving,
     ) -> Generator[tuple[str, np.ndarray], None, None]:
         """See ``RemoteModel.iter_tensors``."""
         wanted = self.wanted(names, prefix)  # checked now, not at the first next()
-        if shard is not None and not 0 <= shard[0] < shard[1]:
-            raise InvalidRequest(f"shard {shard[0]}/{shard[1]}: need 0 <= index < count")
+        _check_shard(how.shard)
         if window_bytes < 1:
             raise ValueError(f"window_bytes must be at least 1, got {window_bytes}")
-        return self._iterate(wanted, window_bytes, shard, axis, on_bytes, allocate, on_wait)
+        return self._iterate(wanted, window_bytes, how)
 
     def _iterate(
-        self,
-        wanted: list[str],
-        window_bytes: int,
-        shard: tuple[int, int] | None,
-        axis: int,
-        on_bytes: Callable[[int], None] | None,
-        allocate: Callable[[ChunkHeader], np.ndarray] | None,
-        on_wait: OnWait | None,
+        self, wanted: list[str], window_bytes: int, how: Receiving
     ) -> Generator[tuple[str, np.ndarray], None, None]:
         if not wanted:
             return
         planes = self.client.planes()
         handoff = planes.handoff
-        handed = self._handoff(handoff, wanted, shard, axis, on_wait) if handoff else None
+        handed = self._handoff(handoff, wanted, how) if handoff else None
         if handed is not None:
-            yield from self._iterate_handed(
-                handed,
-                planes.streams,
-                wanted,
-                window_bytes,
-                shard,
-                axis,
-                on_bytes,
-                allocate,
-                on_wait,
-            )
+            yield from self._iterate_handed(handed, planes.streams, wanted, window_bytes, how)
             return
-        received = self._windowed(
-            planes.streams, wanted, window_bytes, shard, axis, on_bytes, allocate, on_wait
-        )
+        received = self._windowed(planes.streams, wanted, window_bytes, how)
         try:
             for h, buffer in received:
-                info = TensorInfo(
-                    h.name, h.dtype, h.shape, h.logical_shape, h.encoding, h.total_bytes
-                )
-                yield h.name, as_array(buffer, info)
+                yield h.name, _served(h, buffer)
                 del buffer  # the iterator holds no view once the consumer moves on
         finally:
             received.close()
@@ -210,22 +180,14 @@ class TensorFetcher:
         streams: DataTransport,
         wanted: list[str],
         window_bytes: int,
-        shard: tuple[int, int] | None,
-        axis: int,
-        on_bytes: Callable[[int], None] | None,
-        allocate: Callable[[ChunkHeader], np.ndarray] | None,
-        on_wait: OnWait | None,
+        how: Receiving,
     ) -> Generator[tuple[str, np.ndarray], None, None]:
         """Handed-off views (no window to bound: they are the node's page cache) and, in
         their places in stream order, the tensors the handoff could not give (strided
         sources), streamed within the window."""
-        placed = _taken(handed, on_bytes, allocate)
+        placed = _taken(handed, how.on_bytes, how.allocate)
         copied = [n for n in wanted if n in set(handed.copy)]
-        streamed = (
-            self._windowed(streams, copied, window_bytes, shard, axis, on_bytes, allocate, on_wait)
-            if copied
-            else iter(())
-        )
+        streamed = self._windowed(streams, copied, window_bytes, how) if copied else iter(())
         try:
             for name in wanted:
                 if name in placed:
@@ -234,10 +196,7 @@ class TensorFetcher:
                     del r
                 else:
                     h, buffer = next(streamed)
-                info = TensorInfo(
-                    h.name, h.dtype, h.shape, h.logical_shape, h.encoding, h.total_bytes
-                )
-                yield h.name, as_array(buffer, info)
+                yield h.name, _served(h, buffer)
                 del buffer
         finally:
             close = getattr(streamed, "close", None)
@@ -245,39 +204,29 @@ class TensorFetcher:
                 close()
 
     def _windowed(
-        self,
-        streams: DataTransport,
-        names: list[str],
-        window_bytes: int,
-        shard: tuple[int, int] | None,
-        axis: int,
-        on_bytes: Callable[[int], None] | None,
-        allocate: Callable[[ChunkHeader], np.ndarray] | None,
-        on_wait: OnWait | None,
+        self, streams: DataTransport, names: list[str], window_bytes: int, how: Receiving
     ) -> Generator[tuple[ChunkHeader, np.ndarray], None, None]:
         """One stream of ``names`` over ``streams``, received within the window."""
         return iter_received(
             lambda p: streams.open_chunks(self.id, p),
-            self._stream_params(names, shard, axis),
+            self._stream_params(names, how),
             names,
             window_bytes=window_bytes,
             receiving=streams.receiving(min(window_bytes, self.bytes_of(names))),
             retries=self.options.retries,
             retry_seconds=self._retry_seconds(),
-            on_bytes=on_bytes,
-            allocate=allocate,
-            on_wait=on_wait or self.client.on_wait,
+            on_bytes=how.on_bytes,
+            allocate=how.allocate,
+            on_wait=how.on_wait or self.client.on_wait,
             verify=self.options.verify,
         )
 
-    def _stream_params(
-        self, names: list[str], shard: tuple[int, int] | None, axis: int
-    ) -> StreamParams:
+    def _stream_params(self, names: list[str], how: Receiving) -> StreamParams:
         """A stream request for ``names``, pinned to the revision the index was read at."""
         return StreamParams(
             names=tuple(names),
-            shard=shard,
-            axis=axis,
+            shard=how.shard,
+            axis=how.axis,
             chunk_bytes=self.options.chunk_bytes,
             revision=self.info.revision,
         )
@@ -328,50 +277,32 @@ class TensorFetcher:
             acc += self.info.tensors[n].nbytes
         return [g for g in groups if g]
 
-    def _fetch_parallel(
-        self,
-        names: list[str],
-        shard: tuple[int, int] | None,
-        axis: int,
-        on_bytes: Callable[[int], None] | None,
-        allocate: Callable[[ChunkHeader], np.ndarray] | None = None,
-        on_wait: OnWait | None = None,
-    ) -> dict[str, ReceivedTensor]:
-        if shard is not None and not 0 <= shard[0] < shard[1]:
-            raise InvalidRequest(f"shard {shard[0]}/{shard[1]}: need 0 <= index < count")
+    def _fetch_parallel(self, names: list[str], how: Receiving) -> dict[str, ReceivedTensor]:
+        _check_shard(how.shard)
         planes = self.client.planes()
         if planes.handoff is not None:
-            handed = self._handoff(planes.handoff, names, shard, axis, on_wait)
+            handed = self._handoff(planes.handoff, names, how)
             if handed is not None:
-                result = _taken(handed, on_bytes, allocate)
+                result = _taken(handed, how.on_bytes, how.allocate)
                 if handed.copy:  # strided sources: not a byte range of a file
                     rest = [n for n in names if n in set(handed.copy)]
-                    result.update(
-                        self._fetch_streams(rest, shard, axis, on_bytes, allocate, on_wait)
-                    )
+                    result.update(self._fetch_streams(rest, how))
                 return result
-        return self._fetch_streams(names, shard, axis, on_bytes, allocate, on_wait)
+        return self._fetch_streams(names, how)
 
-    def _handoff(
-        self,
-        handoff: HandoffClient,
-        names: list[str],
-        shard: tuple[int, int] | None,
-        axis: int,
-        on_wait: OnWait | None,
-    ) -> Handoff | None:
+    def _handoff(self, handoff: HandoffClient, names: list[str], how: Receiving) -> Handoff | None:
         """The tensors as views of the node's page cache, or None when the handoff socket
         stopped answering (the client copies over a stream from then on)."""
         verify = self.options.verify
         try:
             return call_with_retry(
                 lambda: handoff.open(
-                    self.id, names=names, shard=shard, axis=axis,
+                    self.id, names=names, shard=how.shard, axis=how.axis,
                     revision=self.info.revision, verify=verify,
                 ),
                 self._retry_seconds(),
                 f"{handoff.path} model {self.id!r}",
-                on_wait or self.client.on_wait,
+                how.on_wait or self.client.on_wait,
             )  # fmt: skip
         except TransportError as e:
             self.client._planes.handoff_failed(e)
@@ -379,18 +310,11 @@ class TensorFetcher:
                 raise
             return None
 
-    def _fetch_streams(
-        self,
-        names: list[str],
-        shard: tuple[int, int] | None,
-        axis: int,
-        on_bytes: Callable[[int], None] | None,
-        allocate: Callable[[ChunkHeader], np.ndarray] | None = None,
-        on_wait: OnWait | None = None,
-    ) -> dict[str, ReceivedTensor]:
+    def _fetch_streams(self, names: list[str], how: Receiving) -> dict[str, ReceivedTensor]:
         transport = self.client.planes().streams
         groups = self._groups(names)
         retry_seconds = self._retry_seconds()
+        on_bytes = how.on_bytes
         counted = on_bytes
         if on_bytes is not None and len(groups) > 1:
             progress_lock = threading.Lock()
@@ -400,11 +324,13 @@ class TensorFetcher:
                     on_bytes(n)
 
         def one(group: list[str]) -> dict[str, ReceivedTensor]:
-            params = self._stream_params(group, shard, axis)
-            place = allocate
+            params = self._stream_params(group, how)
+            place = how.allocate
             if place is None and len(group) > 1:
                 # One tensor alone gets the same aligned buffer without an arena.
-                place = arena_allocator({n: self._part_bound(n, shard, axis) for n in group})
+                place = arena_allocator(
+                    {n: self._part_bound(n, how.shard, how.axis) for n in group}
+                )
             return receive(
                 lambda p: transport.open_chunks(self.id, p),
                 params,
@@ -413,7 +339,7 @@ class TensorFetcher:
                 retry_seconds=retry_seconds,
                 on_bytes=counted,
                 allocate=place,
-                on_wait=on_wait or self.client.on_wait,
+                on_wait=how.on_wait or self.client.on_wait,
                 verify=self.options.verify,
             )
 
@@ -424,6 +350,17 @@ class TensorFetcher:
             for part in pool.map(one, groups):
                 result.update(part)
         return result
+
+
+def _check_shard(shard: tuple[int, int] | None) -> None:
+    if shard is not None and not 0 <= shard[0] < shard[1]:
+        raise InvalidRequest(f"shard {shard[0]}/{shard[1]}: need 0 <= index < count")
+
+
+def _served(h: ChunkHeader, buffer: ReceivedTensor | np.ndarray) -> np.ndarray:
+    """A received tensor as its header says it was served (dtype and shape; no copy)."""
+    info = TensorInfo(h.name, h.dtype, h.shape, h.logical_shape, h.encoding, h.total_bytes)
+    return as_array(buffer, info)
 
 
 def _taken(

@@ -1,16 +1,17 @@
-"""The revisions of one model (``RemoteModel.publish``, ``revisions``, ``watch``, ``hold``,
+"""The revisions of one model (``RemoteModel.revisions``, ``watch``, ``hold``,
 ``iter_updates``, ``update``), all over the client's control transport: publishing and
-watching in client/_publish.py, delta updates in client/_update.py.
+watching in client/_publish.py, delta updates in client/_update.py. ``RemoteModel.publish``
+is ``Client.publish`` of the model's id.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Iterator, MutableMapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
-from weightserve.client._publish import Revision, UploadSource, hold, watch
+from weightserve.client._publish import Revision, hold, watch
 from weightserve.client._update import TensorUpdate, apply_updates, iter_updates
 from weightserve.client.transports.base import ControlTransport
 from weightserve.client.wire.routes import split_revision
@@ -26,17 +27,6 @@ class RevisionsClient(Protocol):
     @property
     def transport(self) -> ControlTransport: ...
     def revisions(self, model_id: str) -> list[Revision]: ...
-    def publish(
-        self,
-        model_id: str,
-        tensors: Mapping[str, Any] | None = None,
-        *,
-        base: str | None = None,
-        base_tensors: Mapping[str, Any] | None = None,
-        files: Mapping[str, UploadSource] | None = None,
-        metadata: Mapping[str, Any] | None = None,
-        message: str = "",
-    ) -> Revision: ...
     def model(self, model_id: str, *, revision: str | None = None) -> Fetchable: ...
 
 
@@ -48,26 +38,6 @@ class ModelRevisions:
         self.client = client
         self.id = model_id
         self.plain = split_revision(model_id)[0]
-
-    def publish(
-        self,
-        tensors: Mapping[str, Any] | None = None,
-        *,
-        base: str | None = None,
-        base_tensors: Mapping[str, Any] | None = None,
-        files: Mapping[str, UploadSource] | None = None,
-        metadata: Mapping[str, Any] | None = None,
-        message: str = "",
-    ) -> Revision:
-        return self.client.publish(
-            self.id,
-            tensors,
-            base=base,
-            base_tensors=base_tensors,
-            files=files,
-            metadata=metadata,
-            message=message,
-        )
 
     def revisions(self) -> list[Revision]:
         return self.client.revisions(self.id)

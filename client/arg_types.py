@@ -21,36 +21,34 @@ def _number(text: str, kind: type[int] | type[float]) -> int | float:
     return value
 
 
+def _within(
+    text: str, kind: type[int] | type[float], ok: Callable[[float], bool], need: str
+) -> int | float:
+    """``text`` as a number of ``kind`` for which ``ok`` holds, else an error saying ``need``."""
+    value = _number(text, kind)
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"{need}, got {text!r}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """A count that must be at least 1 (streams, parallel downloads)."""
-    value = int(_number(text, int))
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
-    return value
+    return int(_within(text, int, lambda v: v >= 1, "must be at least 1"))
 
 
 def positive_seconds(text: str) -> float:
     """A duration that must be more than zero (a timeout)."""
-    value = float(_number(text, float))
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text!r}")
-    return value
+    return float(_within(text, float, lambda v: v > 0, "must be more than 0 seconds"))
 
 
 def non_negative_seconds(text: str) -> float:
     """A duration of zero or more (a grace period, a rescan interval where 0 means never)."""
-    value = float(_number(text, float))
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 seconds or more, got {text!r}")
-    return value
+    return float(_within(text, float, lambda v: v >= 0, "must be 0 seconds or more"))
 
 
 def port(text: str) -> int:
     """A TCP port, 0..65535 (0: any free port)."""
-    value = int(_number(text, int))
-    if not 0 <= value <= MAX_PORT:
-        raise argparse.ArgumentTypeError(f"a port is 0..{MAX_PORT}, got {text!r}")
-    return value
+    return int(_within(text, int, lambda v: 0 <= v <= MAX_PORT, f"a port is 0..{MAX_PORT}"))
 
 
 def port_or_off(text: str) -> int:

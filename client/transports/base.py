@@ -121,7 +121,12 @@ class DataTransport(Protocol):
         offset: int = 0,
         length: int | None = None,
         revision: str | None = None,
-    ) -> FileSource: ...
+    ) -> FileSource:
+        """The bytes of one file of the model from ``offset`` (``length`` bytes, None: to
+        the end); ``revision`` fails the read with RevisionMismatch once the model is at
+        another one."""
+        ...
+
     def receiving(self, nbytes: int) -> AbstractContextManager[None]:
         """Around a load of ``nbytes``: what the transport prepares for it."""
         ...
@@ -229,15 +234,7 @@ class RefusesControl:
     ) -> str:
         raise self._refuse("publishing")
 
-    def upload(
-        self,
-        model: str,
-        upload: str,
-        part: str,
-        chunks: Iterable[bytes | memoryview],
-        length: int,
-        on_bytes: Callable[[int], None] | None = None,
-    ) -> dict[str, Any]:
+    def upload(self, *_: Any, **__: Any) -> dict[str, Any]:  # no upload starts here
         raise self._refuse("publishing")
 
     def commit_upload(self, model: str, upload: str) -> dict[str, Any]:
@@ -262,6 +259,12 @@ class RefusesControl:
 
     def open_delta(self, model: str, since: str, revision: str | None) -> LineStream:
         raise self._refuse("a delta update")
+
+
+def check_range(offset: int, length: int | None) -> None:
+    """``ValueError`` for a file range (``open_file``'s) that starts or runs backwards."""
+    if offset < 0 or (length is not None and length < 0):
+        raise ValueError(f"offset ({offset}) and length ({length}) must be >= 0")
 
 
 def carries(transport: ControlTransport, verb: str) -> bool:

@@ -30,6 +30,7 @@ from weightserve.client.transports.base import (
     StreamParams,
     TLSOptions,
     bearer_token,
+    check_range,
 )
 from weightserve.client.transports.malloc import steady_heap
 from weightserve.client.wire.errors import RETRY_PUSHBACK_KEY, WireError, pushback_seconds
@@ -385,11 +386,8 @@ class GrpcTransport(RefusesControl):
         length: int | None = None,
         revision: str | None = None,
     ) -> FileSource:
-        """The bytes of one file of the model from ``offset`` (``length`` bytes, None: to
-        the end), through ReadFile; ``revision`` fails the call with RevisionMismatch once
-        the model is at another one."""
-        if offset < 0 or (length is not None and length < 0):
-            raise ValueError(f"offset ({offset}) and length ({length}) must be >= 0")
+        """See ``DataTransport.open_file``; through ReadFile."""
+        check_range(offset, length)
         request = self._pb.FileRequest(
             model=model, name=name, offset=offset, length=length or 0, revision=revision or ""
         )

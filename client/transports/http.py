@@ -37,6 +37,7 @@ from weightserve.client.transports.base import (
     StreamParams,
     TLSOptions,
     bearer_token,
+    check_range,
 )
 from weightserve.client.transports.http1 import Http1Connection, Http1Response
 from weightserve.client.transports.http_control import HttpControl
@@ -460,11 +461,8 @@ class HttpTransport(HttpControl):
         length: int | None = None,
         revision: str | None = None,
     ) -> FileSource:
-        """The bytes of one file of the model from ``offset`` (``length`` bytes, None: to
-        the end), through an HTTP Range request; ``revision`` fails the request with
-        RevisionMismatch once the model is at another one."""
-        if offset < 0 or (length is not None and length < 0):
-            raise ValueError(f"offset ({offset}) and length ({length}) must be >= 0")
+        """See ``DataTransport.open_file``; through an HTTP Range request."""
+        check_range(offset, length)
         path = http_model_path(model, "files", name)
         if revision:
             path += "?" + urlencode({"revision": revision})

@@ -20,19 +20,15 @@ class HttpControl:
 
     control_verbs = CONTROL_VERBS
 
+    # The three exchanges are the host transport's (``HttpTransport`` documents them).
     def request_json(
         self, method: str, path: str, ok: tuple[int, ...] = (200,), body: dict | None = None
     ) -> dict[str, Any]:
         raise NotImplementedError
 
-    def upload_to(
-        self,
-        path: str,
-        chunks: Iterable[bytes | memoryview],
-        length: int,
-        on_bytes: Callable[[int], None] | None = None,
-    ) -> dict[str, Any]:
-        raise NotImplementedError
+    upload_to: Callable[
+        [str, Iterable[bytes | memoryview], int, Callable[[int], None] | None], dict[str, Any]
+    ]
 
     def _lines(self, path: str) -> LineStream:
         raise NotImplementedError

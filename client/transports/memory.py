@@ -145,14 +145,8 @@ class MemoryTransport(RefusesControl):
         _, commit = self._model(model)
         return {"id": model, "revision": commit[:16], "commit": commit, "files": []}
 
-    def open_file(
-        self,
-        model: str,
-        name: str,
-        offset: int = 0,
-        length: int | None = None,
-        revision: str | None = None,
-    ) -> FileSource:
+    def open_file(self, model: str, name: str, *_: Any, **__: Any) -> FileSource:
+        # No file, whatever part of it is asked for.
         raise FileNotFound(f"an in-memory table holds tensors, no file {name!r}")
 
     def receiving(self, nbytes: int) -> AbstractContextManager[None]:

@@ -48,3 +48,6 @@ def configure_logging(level: str) -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter())
     logging.basicConfig(level=level.upper(), handlers=[handler])
+    # watchfiles says "N changes detected" at INFO for every batch of file events; the
+    # rescans they cause log what changed themselves.
+    logging.getLogger("watchfiles").setLevel(max(logging.WARNING, logging.getLogger().level))

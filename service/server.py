@@ -26,7 +26,7 @@ from weightserve.service.serving.auth import TokenStore
 from weightserve.service.serving.feed import RevisionFeed
 from weightserve.service.serving.metrics import Metrics
 from weightserve.service.serving.state import Limits, ServiceState
-from weightserve.service.sources.base import ModelSource, Problem
+from weightserve.service.sources.base import FillsOnRequest, ModelSource, Problem
 from weightserve.service.sources.cache.node_cache import NodeCache
 from weightserve.service.sources.local.catalog import Catalog
 from weightserve.service.sources.origin.base import OriginFile
@@ -481,9 +481,12 @@ class WeightServer:
             listener.start()
         self.state.http_port, self.state.grpc_port = self.http_port, self.grpc_port
         self._start_catalog_upkeep()
+        catalog = self.catalog
+        # A node cache serves what its origin lists (the banner's count), cached or not.
+        served = catalog.listed if isinstance(catalog, FillsOnRequest) else catalog.models
         log.info(
             "serving %d models: %s %s%s",
-            len(self.catalog.models),
+            len(served),
             self.http_url,
             self.grpc_url,
             f" (Flight {self.flight_url})" if self.flight_port else "",

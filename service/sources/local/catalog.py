@@ -89,6 +89,7 @@ class Catalog:
         # Streams reading each model's directory (``using``): a published revision being
         # streamed is kept from retention (service/sources/publishing/publisher.py).
         self._streamed: dict[Path, int] = {}
+        self._last_seen: tuple[frozenset[str], frozenset[str]] | None = None  # the last scan's
         self.scan()
 
     # -- indexing ----------------------------------------------------------------------------
@@ -142,7 +143,12 @@ class Catalog:
             self._refused = refused
             if self.whole_models is not None:
                 self._serve_only(set(self.whole_models()))
-        log.info(
+        # One line when what is served changed (and at the first scan); an idle rescan that
+        # finds the same models says so at debug only.
+        seen = (frozenset(self.models), frozenset(self.problems))
+        changed, self._last_seen = seen != self._last_seen, seen
+        log.log(
+            logging.INFO if changed else logging.DEBUG,
             "catalog: %d models, %d refused, in %.3f s",
             len(self.models),
             len(self.problems),

@@ -54,11 +54,11 @@ class Block:
         return None
 
 
-def fenced_blocks(path: str) -> list[Block]:
-    """The fenced code blocks of a CommonMark file: a fence closes on a line of at least as
-    many of the same character and nothing else."""
+def fenced_blocks(path: str, text: str | None = None) -> list[Block]:
+    """The fenced code blocks of a CommonMark file (``text``: its content, else read): a
+    fence closes on a line of at least as many of the same character and nothing else."""
     blocks: list[Block] = []
-    lines = (REPO / path).read_text().splitlines()
+    lines = (REPO / path).read_text().splitlines() if text is None else text.splitlines()
     i = 0
     while i < len(lines):
         m = _FENCE.match(lines[i])
@@ -85,6 +85,26 @@ def command_blocks() -> list[Block]:
 
 
 BLOCKS = command_blocks()
+
+
+def test_fenced_blocks_are_read_as_commonmark_reads_them() -> None:
+    text = (
+        "prose\n"
+        "```\nweightserve ls URL\n```\n"
+        "````markdown\n```bash\nnot a block of its own\n```\n````\n"
+        "  ```python not-run-by-tests:needs-a-gpu\n  import torch\n    x = 1\n  ```\n"
+        "~~~console\n$ weightserve --version\nweightserve 0.1.0\n~~~\n"
+    )
+    blocks = fenced_blocks("x.md", text)
+    assert [(b.line, b.language, b.skip_reason) for b in blocks] == [
+        (2, "", None),
+        (5, "markdown", None),
+        (10, "python", "needs-a-gpu"),
+        (14, "console", None),
+    ]
+    assert blocks[1].text == "```bash\nnot a block of its own\n```\n"
+    assert blocks[2].text == "import torch\n  x = 1\n"
+    assert _shell_text(blocks[3]) == "weightserve --version\n"
 
 
 def test_every_block_the_tests_skip_says_why() -> None:

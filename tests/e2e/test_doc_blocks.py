@@ -199,6 +199,9 @@ def test_doc_block_runs_against_the_demo(block: Block, demo: Demo) -> None:
     else:
         argv = ["bash", "-e", "-s"]
         source = demo.addresses(_shell_text(block))
+    # A documented address left as written would reach whatever else listens there.
+    stray = re.search(r"\b(?:localhost|127\.0\.0\.1):(?:8080|8081|50051|50052)\b", source)
+    assert stray is None, f"{block.id}: {stray.group(0)} is not one the test rewrites"
     done = subprocess.run(
         argv, input=source, cwd=cwd, env=env, capture_output=True, text=True, timeout=600
     )

@@ -58,7 +58,8 @@ def delta_path(since: str, revision: str) -> str:
 def open_delta(srv: WeightServer, path: str, method: str = "GET") -> http.client.HTTPResponse:
     """The answer's status and headers; its body left unread (the caller reads or stalls)."""
     conn = http.client.HTTPConnection("127.0.0.1", srv.http_port, timeout=30)
-    conn.request(method, path)
+    # One answer per connection: the response then owns the socket, and closing it closes it.
+    conn.request(method, path, headers={"Connection": "close"})
     return conn.getresponse()
 
 

@@ -177,6 +177,10 @@ def test_the_command_line_pull_waits_out_a_restart(
         f"{server.served.http}/v1/models/{MODEL}",
         "--out",
         str(tmp_path / "cli"),
+        # A command fails fast on a refused connection by default; waiting for a server that
+        # is coming back is asked for.
+        "--retry-seconds",
+        "60",
         timeout=120,
     )
     assert done.returncode == 0, done.stderr

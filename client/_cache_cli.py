@@ -4,7 +4,6 @@ cache, through its admin routes (``/v1/admin/cache/ID``; docs/origins.md, "Opera
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -14,6 +13,7 @@ from urllib.parse import quote
 from weightserve.client.wire.routes import RESERVED_PART
 
 if TYPE_CHECKING:
+    from weightserve.client.transports.base import Connection
     from weightserve.client.transports.http import HttpTransport
 
 ADMIN_PATH = "/v1/admin/cache"
@@ -75,8 +75,7 @@ def run_cache(args: argparse.Namespace) -> int:
     if address.transport != "http" or in_url is not None:
         args.command_parser.error(f"give the node's server as http://HOST:PORT, not {args.url!r}")
     wait_for_server(address, args.retry_seconds)
-    token = args.token or os.environ.get("WEIGHTSERVE_TOKEN")
-    transport = HttpTransport(address, token=token)
+    transport = HttpTransport(address, Connection(token=args.token or None))
     try:
         if args.action == "evict":
             done = transport.request_json("DELETE", admin_path(args.model))

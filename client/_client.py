@@ -36,9 +36,9 @@ from weightserve.client._update import TensorUpdate
 from weightserve.client.receive.window import DEFAULT_WINDOW_BYTES
 from weightserve.client.transports.base import (
     DEFAULT_READ_TIMEOUT,
+    Connection,
     TLSOptions,
     Transport,
-    bearer_token,
 )
 from weightserve.client.transports.planes import (
     PlaneChooser,
@@ -86,19 +86,15 @@ class Client:
         transport: Transport | None = None,
     ) -> None:
         address, _ = parse_url(url)
+        self.connection = Connection(token, tls, timeout, flight, retry_seconds)
         self.retry_seconds = retry_seconds_from(retry_seconds)
         self.on_wait = on_wait
-        if transport is None:
-            transport = make_transport(
-                address, token=token, tls=tls, timeout=timeout, flight=flight
-            )
-        self.transport: Transport = transport
-        self.address: ServerAddress = transport.address
-        token = bearer_token(token)
+        self.transport: Transport = transport or make_transport(address, self.connection)
+        self.address: ServerAddress = self.transport.address
         if data_plane is None and flight is not None and address.transport == "grpc":
             data_plane = "flight" if flight else "grpc"  # the older switch says which one
         self.data_plane = data_plane_from(data_plane)
-        self._planes = PlaneChooser(self.transport, self.data_plane, token, tls, timeout)
+        self._planes = PlaneChooser(self.transport, self.data_plane, self.connection)
 
     def planes(self) -> Planes:
         """The data planes bulk fetches use (chosen at the first; see client/transports/planes.py)."""

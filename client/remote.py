@@ -17,6 +17,7 @@ from __future__ import annotations
 from weightserve.client._update import UpdateTarget, iter_updates
 from weightserve.client.transports.base import (
     DEFAULT_READ_TIMEOUT,
+    Connection,
     ControlTransport,
     DataTransport,
     FileSource,
@@ -53,4 +54,4 @@ def connect(
     address) that its scheme names; close it when done. A verb it does not carry (a watch's
     lines over gRPC) raises ``WrongTransport``."""
     address = parse_url(server)[0] if isinstance(server, str) else server
-    return make_transport(address, token=token, tls=tls, timeout=timeout)
+    return make_transport(address, Connection(token, tls, timeout))

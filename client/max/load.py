@@ -11,14 +11,17 @@ import os
 from collections.abc import Iterable
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from weightserve.client._client import Client, FetchOptions
 from weightserve.client._extras import install_hint
 from weightserve.client.max.compat import max_available
 from weightserve.client.max.weights import RemoteWeights
-from weightserve.client.transports.base import DEFAULT_READ_TIMEOUT, TLSOptions
+from weightserve.client.transports.base import TLSOptions
 from weightserve.client.wire.routes import is_url, parse_url
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["WeightsFormat", "load_weights", "weights_format"]
 
@@ -41,6 +44,16 @@ _SUFFIXES = {
 
 
 CHECKPOINT_SUFFIXES = tuple(_SUFFIXES)  # a file of any other name is a side file
+
+
+class ConnectionArgs(TypedDict, total=False):
+    """The keyword arguments of ``Client`` (its ``Connection``) that the loaders take and
+    hand on: ``load_weights(url, token=..., timeout=...)``."""
+
+    token: str | None
+    tls: TLSOptions | None
+    timeout: float
+    retry_seconds: float | None
 
 
 def _as_list(paths_or_urls: Any) -> list[Any]:
@@ -104,21 +117,16 @@ def _format_of_paths(paths: list[Path]) -> WeightsFormat:
 
 
 def weights_format(
-    paths_or_urls: Any,
-    *,
-    token: str | None = None,
-    tls: TLSOptions | None = None,
-    timeout: float = DEFAULT_READ_TIMEOUT,
-    retry_seconds: float | None = None,
-    revision: str | None = None,
+    paths_or_urls: Any, *, revision: str | None = None, **connection: Unpack[ConnectionArgs]
 ) -> WeightsFormat:
     """The format of local checkpoint files (by suffix; directories by their contents) or of
-    the model several URLs name (asked from the server; ``revision`` as for ``load_weights``)."""
+    the model several URLs name (asked from the server; ``revision`` as for ``load_weights``;
+    ``token``, ``tls``, ``timeout`` and ``retry_seconds`` as for ``Client``)."""
     urls, paths = _split(paths_or_urls)
     if urls:
         url = _model_url(urls)
         _, model_id = parse_url(url)
-        with Client(url, token=token, tls=tls, timeout=timeout, retry_seconds=retry_seconds) as c:
+        with Client(url, **connection) as c:
             info = c.model_info(model_id or "", revision=revision)
         return WeightsFormat(info.format)
     return _format_of_paths(_local_files(paths))
@@ -128,20 +136,18 @@ def load_weights(
     paths_or_urls: Any,
     *,
     use_max: bool | None = None,
-    token: str | None = None,
-    tls: TLSOptions | None = None,
-    timeout: float = DEFAULT_READ_TIMEOUT,
     options: FetchOptions | None = None,
-    retry_seconds: float | None = None,
     verify: str | None = None,
     revision: str | None = None,
+    **connection: Unpack[ConnectionArgs],
 ) -> Any:
     """``Weights`` for local checkpoint files or for a model on a weightserve server.
 
     URLs (``http://host:port/v1/models/NAME``, ``grpc://host:port/NAME``; several URLs must
     name one model) give a ``RemoteWeights``. Local paths are loaded by MAX's own
     ``load_weights`` (so they need the ``max`` package); a directory stands for the
-    checkpoint files in it. ``retry_seconds`` bounds how long a busy or unreachable server
+    checkpoint files in it. ``token``, ``tls`` and ``timeout`` are as for ``Client``;
+    ``retry_seconds`` bounds how long a busy or unreachable server
     is waited for (default ``WEIGHTSERVE_RETRY_SECONDS``, else 60 s; see ``Client``).
     ``verify`` says which chunk digests are checked: ``"full"``, ``"sample"`` or ``"none"``
     (default ``WEIGHTSERVE_VERIFY``, else ``"full"``; see ``FetchOptions``). ``revision``
@@ -152,9 +158,13 @@ def load_weights(
     urls, paths = _split(paths_or_urls)
     if urls:
         return RemoteWeights(
-            _model_url(urls), use_max=use_max, token=token, tls=tls, timeout=timeout,
-            options=options, retry_seconds=retry_seconds, verify=verify, revision=revision,
-        )  # fmt: skip
+            _model_url(urls),
+            use_max=use_max,
+            options=options,
+            verify=verify,
+            revision=revision,
+            **connection,
+        )
     if revision is not None:
         raise ValueError("revision= pins a model on a weightserve server; local paths have none")
     files = _local_files(paths)

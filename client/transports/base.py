@@ -280,6 +280,24 @@ class TLSOptions:
     key_file: str | None = None
 
 
+@dataclass(frozen=True)
+class Connection:
+    """How a client reaches its server, as ``Client(url, token=..., ...)`` was given it: the
+    transports, ``make_transport`` and the data planes take this one object."""
+
+    token: str | None = None  # None: ``WEIGHTSERVE_TOKEN`` (``bearer_token``)
+    tls: TLSOptions | None = None
+    timeout: float = DEFAULT_READ_TIMEOUT  # longest silence on a connection
+    flight: bool | None = None  # gRPC bulk data over Arrow Flight (None: when offered)
+    retry_seconds: float | None = None  # None: ``WEIGHTSERVE_RETRY_SECONDS``, else 60
+
+    @property
+    def bearer(self) -> str | None:
+        """The token to send: the one given, else ``WEIGHTSERVE_TOKEN``."""
+        return bearer_token(self.token)
+
+
+
 def bearer_token(token: str | None) -> str | None:
     """The token given, else ``WEIGHTSERVE_TOKEN``, else None."""
     return token if token is not None else os.environ.get("WEIGHTSERVE_TOKEN") or None

@@ -22,14 +22,13 @@ from weightserve.client.errors import (
 )
 from weightserve.client.receive.arrow_reader import ArrowChunkReader
 from weightserve.client.transports.base import (
-    DEFAULT_READ_TIMEOUT,
     ByteSource,
     ChunkReader,
+    Connection,
     FileSource,
     RefusesControl,
     StreamParams,
     TLSOptions,
-    bearer_token,
     check_range,
 )
 from weightserve.client.transports.malloc import steady_heap
@@ -60,23 +59,17 @@ class GrpcTransport(RefusesControl):
 
     control_verbs = frozenset({"list_revisions", "watch_revisions"})
 
-    def __init__(
-        self,
-        address: ServerAddress,
-        token: str | None = None,
-        tls: TLSOptions | None = None,
-        timeout: float = DEFAULT_READ_TIMEOUT,
-        flight: bool | None = None,
-    ) -> None:
+    def __init__(self, address: ServerAddress, connection: Connection | None = None) -> None:
         import grpc
 
         from weightserve.client.wire.grpc_methods import ENCODED_RESPONSES, METHODS
         from weightserve.client.wire.proto.weightserve.v1 import weightserve_pb2 as pb
 
         self._grpc, self._pb = grpc, pb
+        connection = connection or Connection()
         self.address = address
-        self.token = bearer_token(token)
-        self.timeout = timeout
+        self.token = connection.bearer
+        self.timeout = connection.timeout
         target = (
             f"{address.host}:{address.port}"
             if ":" not in address.host
@@ -93,6 +86,7 @@ class GrpcTransport(RefusesControl):
         ]
         # Bulk data goes over the server's Arrow Flight endpoint when it offers one;
         # flight=False (or WEIGHTSERVE_FLIGHT=0) keeps every stream on grpcio StreamTensors.
+        flight = connection.flight
         if flight is None:
             flight = os.environ.get("WEIGHTSERVE_FLIGHT", "1").lower() not in ("0", "off", "false")
         self.use_flight = flight
@@ -100,7 +94,7 @@ class GrpcTransport(RefusesControl):
         self._flight_lock = threading.Lock()
         self._flight_tls: dict[str, bytes | None] = {}
         if address.tls:
-            tls = tls or TLSOptions()
+            tls = connection.tls or TLSOptions()
 
             def read(path: str | None) -> bytes | None:
                 if path is None:

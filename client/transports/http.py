@@ -29,14 +29,13 @@ from weightserve.client.errors import (
 )
 from weightserve.client.receive.arrow_reader import ArrowChunkReader
 from weightserve.client.transports.base import (
-    DEFAULT_READ_TIMEOUT,
     ByteSource,
     ChunkReader,
+    Connection,
     FileSource,
     LineStream,
     StreamParams,
     TLSOptions,
-    bearer_token,
     check_range,
 )
 from weightserve.client.transports.http1 import Http1Connection, Http1Response
@@ -93,16 +92,11 @@ class HttpTransport(HttpControl):
     ``readinto`` straight from the socket. Carries the data and the control verbs
     (``HttpControl``)."""
 
-    def __init__(
-        self,
-        address: ServerAddress,
-        token: str | None = None,
-        tls: TLSOptions | None = None,
-        timeout: float = DEFAULT_READ_TIMEOUT,
-    ) -> None:
+    def __init__(self, address: ServerAddress, connection: Connection | None = None) -> None:
+        connection = connection or Connection()
         self.address = address
-        self.token = bearer_token(token)
-        self.timeout = timeout
+        self.token = connection.bearer
+        self.timeout = connection.timeout
         self._ssl: ssl.SSLContext | None = None
         # Connections kept alive between requests: a small request then costs no TCP (and
         # no TLS) handshake. Taken by one request at a time; closed on any error.
@@ -122,7 +116,7 @@ class HttpTransport(HttpControl):
         self._lean_headers = fixed.encode("latin-1")
         self._tensor_gets: dict[tuple[str, str, str | None], tuple[str, bytes]] = {}
         if address.tls:
-            tls = tls or TLSOptions()
+            tls = connection.tls or TLSOptions()
             self._ssl = ssl.create_default_context(cafile=tls.ca_file)
             if tls.cert_file:
                 self._ssl.load_cert_chain(tls.cert_file, tls.key_file)

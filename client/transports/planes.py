@@ -26,7 +26,7 @@ import threading
 from dataclasses import dataclass
 
 from weightserve.client.errors import TransportError, WeightserveError
-from weightserve.client.transports.base import DEFAULT_READ_TIMEOUT, TLSOptions, Transport
+from weightserve.client.transports.base import Connection, Transport
 from weightserve.client.transports.grpc import GrpcTransport
 from weightserve.client.transports.handoff import HandoffClient, handoff_socket_path
 from weightserve.client.transports.http import HttpTransport
@@ -37,18 +37,12 @@ log = logging.getLogger("weightserve.client")
 DATA_PLANES = ("auto", "network", "handoff", "http", "flight", "grpc")
 
 
-def make_transport(
-    address: ServerAddress,
-    token: str | None = None,
-    tls: TLSOptions | None = None,
-    timeout: float = DEFAULT_READ_TIMEOUT,
-    flight: bool | None = None,
-) -> Transport:
+def make_transport(address: ServerAddress, connection: Connection | None = None) -> Transport:
     """The transport the URL's scheme names, for metadata (and for bulk data unless a faster
     plane is found)."""
     if address.transport == "http":
-        return HttpTransport(address, token=token, tls=tls, timeout=timeout)
-    return GrpcTransport(address, token=token, tls=tls, timeout=timeout, flight=flight)
+        return HttpTransport(address, connection)
+    return GrpcTransport(address, connection)
 
 
 def data_plane_from(value: str | None) -> str:
@@ -81,19 +75,10 @@ class PlaneChooser:
     """Chooses once (at the first bulk fetch), then keeps the choice; ``handoff_failed``
     drops the handoff for the rest of the client's life."""
 
-    def __init__(
-        self,
-        transport: Transport,
-        plane: str,
-        token: str | None,
-        tls: TLSOptions | None,
-        timeout: float,
-    ) -> None:
+    def __init__(self, transport: Transport, plane: str, connection: Connection) -> None:
         self.transport = transport
         self.plane = plane
-        self.token = token
-        self.tls = tls
-        self.timeout = timeout
+        self.connection = connection
         self._lock = threading.Lock()
         self._planes: Planes | None = None
         self._extra: list[Transport] = []  # transports opened here, closed with the client
@@ -184,7 +169,9 @@ class PlaneChooser:
         for path in dict.fromkeys(candidates):
             if not _is_socket(path):
                 continue
-            client = HandoffClient(path, token=self.token, timeout=self.timeout)
+            client = HandoffClient(
+                path, token=self.connection.bearer, timeout=self.connection.timeout
+            )
             try:
                 answer = client.hello()
             except WeightserveError as e:
@@ -202,10 +189,7 @@ class PlaneChooser:
         if not port:
             return None
         http = HttpTransport(
-            ServerAddress("http", address.tls, address.host, int(port)),
-            token=self.token,
-            tls=self.tls,
-            timeout=self.timeout,
+            ServerAddress("http", address.tls, address.host, int(port)), self.connection
         )
         try:
             same = http.server_info().get("instance") == info.get("instance")

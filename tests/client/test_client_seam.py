@@ -22,7 +22,7 @@ from tests.support.paths import REPO
 from weightserve.client import Client
 from weightserve.client.errors import ServerUnreachable, WrongTransport
 from weightserve.client.remote import connect, iter_updates
-from weightserve.client.transports.base import CONTROL_VERBS, carries
+from weightserve.client.transports.base import CONTROL_VERBS, Connection, carries
 from weightserve.client.transports.grpc import GrpcTransport
 from weightserve.client.transports.http import HttpTransport
 from weightserve.client.wire.delta import WHOLE, DeltaHeader
@@ -227,7 +227,9 @@ def test_a_line_stream_cut_or_silent_is_server_unreachable(cut: str) -> None:
         answer = _OneAnswer(head + b"transfer-encoding: chunked\r\n\r\n", b'40\r\n{"event"')
     else:  # headers, a first line, then nothing for longer than the silence allowed
         answer = _OneAnswer(head + b"\r\n", b'{"event": "hello"}\n', hang=30)
-    transport = HttpTransport(ServerAddress("http", False, "127.0.0.1", answer.port), timeout=5)
+    transport = HttpTransport(
+        ServerAddress("http", False, "127.0.0.1", answer.port), Connection(timeout=5)
+    )
     try:
         lines = transport.open_watch("m", None)
         try:
@@ -251,7 +253,9 @@ def test_a_delta_stream_that_ends_inside_a_payload_is_server_unreachable() -> No
     )
     body = json.dumps(header.to_json()).encode() + b"\n" + bytes(10)  # 6 bytes short
     answer = _OneAnswer(head, body)
-    transport = HttpTransport(ServerAddress("http", False, "127.0.0.1", answer.port), timeout=5)
+    transport = HttpTransport(
+        ServerAddress("http", False, "127.0.0.1", answer.port), Connection(timeout=5)
+    )
     try:
         target, updates = iter_updates(transport, "m", "a" * 40)
         assert target.commit == "b" * 40

@@ -20,7 +20,7 @@ from safetensors.numpy import save_file
 from weightserve.client import Client
 from weightserve.client.errors import TensorNotFound, TransportError, WeightserveError
 from weightserve.client.receive.arrow_reader import ArrowChunkReader
-from weightserve.client.transports.base import StreamParams
+from weightserve.client.transports.base import Connection, StreamParams
 from weightserve.client.transports.http import HttpTransport
 from weightserve.client.transports.http1 import BUFFER_BYTES, RCVLOWAT_BYTES, Http1Connection
 from weightserve.client.wire.routes import parse_url
@@ -227,7 +227,7 @@ def test_a_body_cut_short_fails(scripted, answer: bytes) -> None:
 
 def _transport(server: ScriptedServer) -> HttpTransport:
     address, _ = parse_url(f"http://127.0.0.1:{server.port}")
-    return HttpTransport(address, token="secret", timeout=10)
+    return HttpTransport(address, Connection(token="secret", timeout=10))
 
 
 def _read_all(transport: HttpTransport, name: str = "w") -> bytes:

@@ -28,6 +28,7 @@ from weightserve.client.errors import (
     RangeNotSatisfiable,
     RevisionMismatch,
 )
+from weightserve.client.transports.base import Connection
 from weightserve.client.transports.planes import make_transport
 from weightserve.client.wire.routes import parse_url
 from weightserve.service.server import ServerConfig, WeightServer
@@ -166,7 +167,9 @@ def test_file_errors(hub_server: WeightServer) -> None:
 @pytest.fixture(params=["http", "grpc"])
 def transport(request: pytest.FixtureRequest, hub_server: WeightServer) -> Iterator:
     port = hub_server.http_port if request.param == "http" else hub_server.grpc_port
-    t = make_transport(parse_url(f"{request.param}://127.0.0.1:{port}")[0], token=FULL_TOKEN)
+    t = make_transport(
+        parse_url(f"{request.param}://127.0.0.1:{port}")[0], Connection(token=FULL_TOKEN)
+    )
     try:
         yield t
     finally:
@@ -222,7 +225,7 @@ def test_transport_file_errors(transport) -> None:  # noqa: ANN001
 
 def test_grpc_file_refused_to_a_limited_token(hub_server: WeightServer) -> None:
     url = f"grpc://127.0.0.1:{hub_server.grpc_port}"
-    t = make_transport(parse_url(url)[0], token=OTHER_TOKEN)
+    t = make_transport(parse_url(url)[0], Connection(token=OTHER_TOKEN))
     try:
         with pytest.raises(PermissionDenied):
             t.list_files(REPO_ID)

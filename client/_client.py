@@ -10,7 +10,7 @@ import os
 from collections.abc import Callable, Generator, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 
@@ -25,6 +25,7 @@ from weightserve.client._models import (
     TensorInfo,
 )
 from weightserve.client._publish import (
+    Publication,
     Revision,
     UploadSource,
     publish,
@@ -49,7 +50,20 @@ from weightserve.client.transports.planes import (
 from weightserve.client.wire.routes import ServerAddress, parse_url, split_revision, with_revision
 from weightserve.client.wire.schema import ChunkHeader
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 _SUMMARY_FIELDS = frozenset(f.name for f in fields(ModelSummary))
+
+
+class PublishArgs(TypedDict, total=False):
+    """``Client.publish``'s keyword arguments, which ``RemoteModel.publish`` hands on."""
+
+    base: str | None
+    base_tensors: Mapping[str, Any] | None
+    files: Mapping[str, UploadSource] | None
+    metadata: Mapping[str, Any] | None
+    message: str
 
 
 class Client:
@@ -156,16 +170,9 @@ class Client:
         (``RevisionMismatch``) where ``base_tensors`` were not ``base``. The server checks the
         upload with its strict readers; a refused or interrupted publish leaves ``main`` as
         it was. Over HTTP; needs a token granted ``publish=`` (or ``--allow-publish``)."""
-        return publish(
-            self.transport,
-            split_revision(model_id)[0],
-            tensors,
-            base=base,
-            base_tensors=base_tensors,
-            files=files,
-            metadata=metadata,
-            message=message,
-        )
+        model_id = split_revision(model_id)[0]
+        publication = Publication(model_id, tensors, base, base_tensors, files, metadata, message)
+        return publish(self.transport, publication)
 
     def revisions(self, model_id: str) -> list[Revision]:
         """The model's revisions the server holds, ``main`` first, then newest first."""
@@ -227,28 +234,14 @@ class RemoteModel:
         return self.info.tensors
 
     def publish(
-        self,
-        tensors: Mapping[str, Any] | None = None,
-        *,
-        base: str | None = None,
-        base_tensors: Mapping[str, Any] | None = None,
-        files: Mapping[str, UploadSource] | None = None,
-        metadata: Mapping[str, Any] | None = None,
-        message: str = "",
+        self, tensors: Mapping[str, Any] | None = None, **how: Unpack[PublishArgs]
     ) -> Revision:
-        """A new revision of this model (see ``Client.publish``; ``base_tensors``: send
-        ``tensors`` as a patch against the arrays published as ``base``); ``model(...)`` of a
-        model that does not exist yet fails, so a first revision goes through
+        """A new revision of this model: ``Client.publish`` with this model's id, the same
+        keyword arguments (``base``, ``base_tensors``: send ``tensors`` as a patch against the
+        arrays published as ``base``, ``files``, ``metadata``, ``message``); ``model(...)`` of
+        a model that does not exist yet fails, so a first revision goes through
         ``Client.publish``."""
-        return self.client.publish(
-            self.id,
-            tensors,
-            base=base,
-            base_tensors=base_tensors,
-            files=files,
-            metadata=metadata,
-            message=message,
-        )
+        return self.client.publish(self.id, tensors, **how)
 
     def revisions(self) -> list[Revision]:
         """This model's revisions on the server, ``main`` first, then newest first."""

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from weightserve.client.errors import InvalidRequest, ServerUnreachable, TransportError
-from weightserve.client.transports.base import ControlTransport
+from weightserve.client.transports.base import ControlTransport, UploadPart
 from weightserve.client.wire.backoff import Delays
 from weightserve.client.wire.delta_plan import element_bytes, header_line, plan_delta
 from weightserve.client.wire.dtypes import from_numpy_dtype, wire_dtype
@@ -146,38 +146,47 @@ def _file_stream(source: UploadSource) -> tuple[int, Iterator[memoryview | bytes
     return size, chunks()
 
 
+@dataclass(frozen=True)
+class Publication:
+    """One revision to publish, as ``Client.publish`` takes it (its docstring says what each
+    field does)."""
+
+    model_id: str
+    tensors: Mapping[str, Any] | None = None
+    base: str | None = None
+    base_tensors: Mapping[str, Any] | None = None
+    files: Mapping[str, UploadSource] | None = None
+    metadata: Mapping[str, Any] | None = None
+    message: str = ""
+
+
 def publish(
     transport: ControlTransport,
-    model_id: str,
-    tensors: Mapping[str, Any] | None = None,
-    *,
-    base: str | None = None,
-    base_tensors: Mapping[str, Any] | None = None,
-    files: Mapping[str, UploadSource] | None = None,
-    metadata: Mapping[str, Any] | None = None,
-    message: str = "",
+    publication: Publication,
     on_bytes: Callable[[int], None] | None = None,
 ) -> Revision:
-    """Upload and commit one revision of ``model_id`` (see ``RemoteModel.publish``); with
-    ``base_tensors`` (the arrays published as ``base``), ``tensors`` travel as a patch
-    against them. A transport without uploads (gRPC) refuses it with WrongTransport."""
-    if not tensors and not files:
+    """Upload and commit one revision (see ``Client.publish``); with ``base_tensors`` (the
+    arrays published as ``base``), ``tensors`` travel as a patch against them. A transport
+    without uploads (gRPC) refuses it with WrongTransport."""
+    p, model_id = publication, publication.model_id
+    if not p.tensors and not p.files:
         raise InvalidRequest("a publish needs tensors or files")
-    if base_tensors is not None and base is None:
+    if p.base_tensors is not None and p.base is None:
         raise InvalidRequest(
             "base_tensors are the arrays published as a base revision: give that base too"
         )
-    upload = transport.start_upload(model_id, base, message, dict(metadata or {}))
+    upload = transport.start_upload(model_id, p.base, p.message, dict(p.metadata or {}))
     try:
-        for name, source in (files or {}).items():
+        for name, source in (p.files or {}).items():
             size, chunks = _file_stream(source)
-            transport.upload(model_id, upload, f"files/{name.strip('/')}", chunks, size, on_bytes)
-        if tensors and base_tensors is not None:
-            size, chunks = _patch_stream(tensors, base_tensors)
-            transport.upload(model_id, upload, "patch", chunks, size, on_bytes)
-        elif tensors:
-            size, chunks = _tensor_stream(tensors, None)
-            transport.upload(model_id, upload, "tensors", chunks, size, on_bytes)
+            part = UploadPart(model_id, upload, f"files/{name.strip('/')}", chunks, size)
+            transport.upload(part, on_bytes)
+        if p.tensors and p.base_tensors is not None:
+            size, chunks = _patch_stream(p.tensors, p.base_tensors)
+            transport.upload(UploadPart(model_id, upload, "patch", chunks, size), on_bytes)
+        elif p.tensors:
+            size, chunks = _tensor_stream(p.tensors, None)
+            transport.upload(UploadPart(model_id, upload, "tensors", chunks, size), on_bytes)
         record = transport.commit_upload(model_id, upload)
     except BaseException:
         # The first error is the one to report; the server forgets the upload on its own
@@ -205,7 +214,8 @@ def publish_directory(
     }
     if not files:
         raise InvalidRequest(f"{directory} holds no file to publish")
-    return publish(transport, model_id, base=base, files=files, message=message, on_bytes=on_bytes)
+    publication = Publication(model_id, base=base, files=files, message=message)
+    return publish(transport, publication, on_bytes)
 
 
 def watch(

@@ -40,6 +40,20 @@ class StreamParams:
     revision: str | None = None
 
 
+@dataclass(frozen=True)
+class FileSpan:
+    """Which bytes of a file ``open_file`` reads: from ``offset``, ``length`` bytes (None: to
+    the end), of ``revision`` (None: whichever the model is at)."""
+
+    offset: int = 0
+    length: int | None = None
+    revision: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.offset < 0 or (self.length is not None and self.length < 0):
+            raise ValueError(f"offset ({self.offset}) and length ({self.length}) must be >= 0")
+
+
 class ByteSource(Protocol):
     def readinto(self, view: memoryview) -> int: ...
     def close(self) -> None: ...
@@ -124,7 +138,11 @@ class DataTransport(Protocol):
     ) -> FileSource:
         """The bytes of one file of the model from ``offset`` (``length`` bytes, None: to
         the end); ``revision`` fails the read with RevisionMismatch once the model is at
-        another one."""
+        another one. Said once here: each transport opens the ``FileSpan`` (``open_span``)."""
+        return self.open_span(model, name, FileSpan(offset, length, revision))
+
+    def open_span(self, model: str, name: str, span: FileSpan) -> FileSource:
+        """The bytes ``span`` names of one file of the model."""
         ...
 
     def receiving(self, nbytes: int) -> AbstractContextManager[None]:
@@ -132,6 +150,18 @@ class DataTransport(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class UploadPart:
+    """One part of upload ``upload`` of ``model``: ``part`` is ``tensors``, ``patch`` or
+    ``files/NAME``, its ``length`` bytes come from ``chunks``."""
+
+    model: str
+    upload: str
+    part: str
+    chunks: Iterable[bytes | memoryview]
+    length: int
 
 
 # The control verbs by name, as ``ControlTransport.control_verbs`` lists those it carries.
@@ -166,16 +196,9 @@ class ControlTransport(Protocol):
         ...
 
     def upload(
-        self,
-        model: str,
-        upload: str,
-        part: str,
-        chunks: Iterable[bytes | memoryview],
-        length: int,
-        on_bytes: Callable[[int], None] | None = None,
+        self, part: UploadPart, on_bytes: Callable[[int], None] | None = None
     ) -> dict[str, Any]:
-        """One part of an upload (``tensors``, ``patch`` or ``files/NAME``), ``length``
-        bytes streamed from ``chunks``, never held whole."""
+        """One part of an upload, streamed from its chunks, never held whole."""
         ...
 
     def commit_upload(self, model: str, upload: str) -> dict[str, Any]:
@@ -261,12 +284,6 @@ class RefusesControl:
         raise self._refuse("a delta update")
 
 
-def check_range(offset: int, length: int | None) -> None:
-    """``ValueError`` for a file range (``open_file``'s) that starts or runs backwards."""
-    if offset < 0 or (length is not None and length < 0):
-        raise ValueError(f"offset ({offset}) and length ({length}) must be >= 0")
-
-
 def carries(transport: ControlTransport, verb: str) -> bool:
     """Whether ``transport`` carries control verb ``verb`` (a name in CONTROL_VERBS)."""
     assert verb in CONTROL_VERBS, verb
@@ -295,7 +312,6 @@ class Connection:
     def bearer(self) -> str | None:
         """The token to send: the one given, else ``WEIGHTSERVE_TOKEN``."""
         return bearer_token(self.token)
-
 
 
 def bearer_token(token: str | None) -> str | None:

@@ -25,11 +25,12 @@ from weightserve.client.transports.base import (
     ByteSource,
     ChunkReader,
     Connection,
+    DataTransport,
     FileSource,
+    FileSpan,
     RefusesControl,
     StreamParams,
     TLSOptions,
-    check_range,
 )
 from weightserve.client.transports.malloc import steady_heap
 from weightserve.client.wire.errors import RETRY_PUSHBACK_KEY, WireError, pushback_seconds
@@ -53,7 +54,7 @@ UNARY_TENSOR_BYTES = 1 << 20
 _NOT_AN_OUTAGE = re.compile(r"handshake failed|Socket closed", re.IGNORECASE)
 
 
-class GrpcTransport(RefusesControl):
+class GrpcTransport(RefusesControl, DataTransport):
     """The gRPC API: the data verbs, and of the control verbs the revisions listed and
     watched (ListRevisions, WatchRevisions); the others need HTTP (``RefusesControl``)."""
 
@@ -372,18 +373,11 @@ class GrpcTransport(RefusesControl):
             "files": [{"name": f.name, "size": f.size, "etag": f.etag} for f in listing.files],
         }
 
-    def open_file(
-        self,
-        model: str,
-        name: str,
-        offset: int = 0,
-        length: int | None = None,
-        revision: str | None = None,
-    ) -> FileSource:
+    def open_span(self, model: str, name: str, span: FileSpan) -> FileSource:
         """See ``DataTransport.open_file``; through ReadFile."""
-        check_range(offset, length)
+        offset, length = span.offset, span.length
         request = self._pb.FileRequest(
-            model=model, name=name, offset=offset, length=length or 0, revision=revision or ""
+            model=model, name=name, offset=offset, length=length or 0, revision=span.revision or ""
         )
         call = self._read_file(request, metadata=self._metadata())
         try:

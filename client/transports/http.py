@@ -32,11 +32,12 @@ from weightserve.client.transports.base import (
     ByteSource,
     ChunkReader,
     Connection,
+    DataTransport,
     FileSource,
+    FileSpan,
     LineStream,
     StreamParams,
     TLSOptions,
-    check_range,
 )
 from weightserve.client.transports.http1 import Http1Connection, Http1Response
 from weightserve.client.transports.http_control import HttpControl
@@ -87,7 +88,7 @@ class map_http_errors:  # noqa: N801 (used as a context manager, named for what 
         raise self.kind(f"{self.what}: {e!r}") from e
 
 
-class HttpTransport(HttpControl):
+class HttpTransport(HttpControl, DataTransport):
     """http.client, and ``Http1Connection`` for tensor streams on plain sockets: responses
     ``readinto`` straight from the socket. Carries the data and the control verbs
     (``HttpControl``)."""
@@ -447,19 +448,12 @@ class HttpTransport(HttpControl):
         """``{id, revision, commit, files: [{name, size, etag}]}``: the model's repository."""
         return self._json(http_model_path(model, "files"))
 
-    def open_file(
-        self,
-        model: str,
-        name: str,
-        offset: int = 0,
-        length: int | None = None,
-        revision: str | None = None,
-    ) -> FileSource:
+    def open_span(self, model: str, name: str, span: FileSpan) -> FileSource:
         """See ``DataTransport.open_file``; through an HTTP Range request."""
-        check_range(offset, length)
+        offset, length = span.offset, span.length
         path = http_model_path(model, "files", name)
-        if revision:
-            path += "?" + urlencode({"revision": revision})
+        if span.revision:
+            path += "?" + urlencode({"revision": span.revision})
         headers = {}
         if offset or length is not None:
             last = "" if length is None else str(offset + length - 1)

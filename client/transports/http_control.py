@@ -10,7 +10,7 @@ from typing import Any
 from urllib.parse import quote, urlencode
 
 from weightserve.client.errors import ServerUnreachable
-from weightserve.client.transports.base import CONTROL_VERBS, LineStream
+from weightserve.client.transports.base import CONTROL_VERBS, LineStream, UploadPart
 from weightserve.client.wire.routes import MAIN_REVISION, UPLOADS_ROUTE, http_model_path
 from weightserve.client.wire.watch import WATCH_SILENCE, read_events
 
@@ -41,16 +41,11 @@ class HttpControl:
         return str(self.request_json("POST", path, ok=(201,), body=body)["upload"])
 
     def upload(
-        self,
-        model: str,
-        upload: str,
-        part: str,
-        chunks: Iterable[bytes | memoryview],
-        length: int,
-        on_bytes: Callable[[int], None] | None = None,
+        self, part: UploadPart, on_bytes: Callable[[int], None] | None = None
     ) -> dict[str, Any]:
-        path = http_model_path(model, UPLOADS_ROUTE, upload) + "/" + quote(part, safe="/")
-        return self.upload_to(path, chunks, length, on_bytes)
+        path = http_model_path(part.model, UPLOADS_ROUTE, part.upload)
+        path += "/" + quote(part.part, safe="/")
+        return self.upload_to(path, part.chunks, part.length, on_bytes)
 
     def commit_upload(self, model: str, upload: str) -> dict[str, Any]:
         path = http_model_path(model, UPLOADS_ROUTE, upload, "commit")

@@ -29,7 +29,9 @@ from weightserve.client.receive.arrow_reader import ArrowChunkReader
 from weightserve.client.transports.base import (
     ByteSource,
     ChunkReader,
+    DataTransport,
     FileSource,
+    FileSpan,
     RefusesControl,
     StreamParams,
 )
@@ -40,7 +42,7 @@ from weightserve.client.wire.schema import DEFAULT_CHUNK_BYTES, TENSOR_SCHEMA
 MEMORY_ADDRESS = ServerAddress("http", False, "memory", 0)
 
 
-class MemoryTransport(RefusesControl):
+class MemoryTransport(RefusesControl, DataTransport):
     """``models`` (id -> name -> array) served in MAX's order (by name), each model at one
     revision named from its bytes. ``cuts``: the n-th stream opened breaks after ``cuts[n]``
     bytes (None: whole); ``opened`` records every stream's parameters. Control verbs are
@@ -145,7 +147,7 @@ class MemoryTransport(RefusesControl):
         _, commit = self._model(model)
         return {"id": model, "revision": commit[:16], "commit": commit, "files": []}
 
-    def open_file(self, model: str, name: str, *_: Any, **__: Any) -> FileSource:
+    def open_span(self, model: str, name: str, span: FileSpan) -> FileSource:
         # No file, whatever part of it is asked for.
         raise FileNotFound(f"an in-memory table holds tensors, no file {name!r}")
 

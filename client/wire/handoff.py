@@ -12,6 +12,8 @@ import socket
 import struct
 from typing import Any
 
+from weightserve.client.wire.json_body import load_json_object
+
 # The kernel passes at most SCM_MAX_FD (253) descriptors in one message.
 FDS_PER_MESSAGE = 250
 # A frame larger than this is refused: a whole model's index with per-chunk digests is a few
@@ -68,12 +70,7 @@ def read_frame(sock: socket.socket, fds: list[int] | None = None) -> dict[str, A
     body = _read_exact(sock, length, fds) if length else b""
     if body is None:
         raise HandoffProtocolError("the connection ended inside a frame")
-    try:
-        message = json.loads(body)
-    except ValueError as e:
-        raise HandoffProtocolError(f"a frame that is not JSON: {e}") from None
-    if not isinstance(message, dict):
-        raise HandoffProtocolError("a frame that is not a JSON object")
+    message: dict[str, Any] = load_json_object(body, HandoffProtocolError, "a frame")
     return message
 
 

@@ -23,6 +23,7 @@ from starlette.requests import ClientDisconnect
 
 from weightserve.client.errors import InvalidRequest, ResourceExhausted, RevisionNotFound
 from weightserve.client.wire.delta import DELTA_MEDIA_TYPE
+from weightserve.client.wire.json_body import load_json_object
 from weightserve.client.wire.routes import MAIN_REVISION, UPLOADS_ROUTE, with_revision
 from weightserve.service.serving.feed import DRAIN_CHECK_SECONDS, EVERY_MODEL, HEARTBEAT_SECONDS
 from weightserve.service.serving.lease import StreamLease
@@ -44,13 +45,7 @@ async def _json_body(http: Request) -> dict[str, Any]:
     raw = await http.body()
     if not raw:
         return {}
-    try:
-        body = json.loads(raw)
-    except ValueError as e:
-        raise InvalidRequest(f"the request body is not JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise InvalidRequest("the request body must be a JSON object")
-    return body
+    return load_json_object(raw, InvalidRequest, "the request body")
 
 
 async def _receive(http: Request, publisher: Publishing, upload: Upload, name: str | None) -> int:

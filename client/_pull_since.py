@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import mmap
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from weightserve.client._download import (
@@ -28,18 +27,7 @@ from weightserve.client._update import TensorUpdate, iter_updates
 from weightserve.client.errors import RevisionNotFound, WeightserveError
 from weightserve.client.transports.base import carries
 from weightserve.client.wire.digests import file_digest
-from weightserve.client.wire.file_patch import (
-    SAFETENSORS_SUFFIX,
-    Places,
-    SafetensorsLayout,
-    apply_to_files,
-    close_mapping,
-    header_length,
-    local_layout,
-    open_patched_copy,
-    parse_safetensors_header,
-    patchable,
-)
+from weightserve.client.wire.file_patch import PatchedCopy, Places, apply_to_files, patched_copy
 from weightserve.client.wire.routes import split_revision, with_revision
 
 log = logging.getLogger("weightserve.client")
@@ -63,13 +51,10 @@ class PullSinceReport:
 
 @dataclass
 class _Patched:
-    """One file being patched: its plan entry and both layouts."""
+    """One file being patched: its plan entry and its copy."""
 
     planned: PlannedFile
-    local: SafetensorsLayout
-    remote: SafetensorsLayout
-    mapping: mmap.mmap | None = None
-    applied: set[str] = field(default_factory=set)
+    copy: PatchedCopy
 
 
 class PullSince:
@@ -159,26 +144,12 @@ class PullSince:
 
     def _patchable(self, p: PlannedFile) -> _Patched | None:
         """A changed safetensors file whose local copy has the target's tensor layout."""
-        if p.keep or p.have or not p.file.name.endswith(SAFETENSORS_SUFFIX):
+        if p.keep or p.have:
             return None
-        if not p.target.is_file():
-            return None
-        local = local_layout(p.target)
-        if local is None:
-            return None
-        remote = self._remote_layout(p.file)
-        if remote is None or not patchable(local, p.target.stat().st_size, remote, p.file.size):
-            return None
-        return _Patched(p, local, remote)
-
-    def _remote_layout(self, file: RemoteFile) -> SafetensorsLayout | None:
-        if file.size < 8:
-            return None
-        prefix = self._read_range(file.name, 0, 8)
-        length = header_length(prefix, file.size)
-        if length is None:
-            return None
-        return parse_safetensors_header(prefix + self._read_range(file.name, 8, length))
+        copy = patched_copy(
+            p.target, p.partial, p.file.size, lambda at, n: self._read_range(p.file.name, at, n)
+        )
+        return None if copy is None else _Patched(p, copy)
 
     def _read_range(self, name: str, offset: int, length: int) -> bytes:
         client = self.model.client
@@ -236,8 +207,7 @@ class PullSince:
                 self._finish(patched)
         except BaseException:
             for patched in self.patchable:
-                _close(patched)
-                patched.planned.partial.unlink(missing_ok=True)
+                patched.copy.discard()
             raise
 
     def _open_copies(self) -> Places:
@@ -245,15 +215,10 @@ class PullSince:
         the tensors' places in them by name."""
         places: Places = {}
         for patched in self.patchable:
-            p = patched.planned
             try:
-                patched.mapping, views = open_patched_copy(
-                    p.target, p.partial, patched.local, patched.remote, p.file.size
-                )
+                patched.copy.open_into(places)
             except OSError as e:
-                raise destination_error(e, p.partial) from e
-            for name, view in views.items():
-                places.setdefault(name, []).append((patched.applied, view))
+                raise destination_error(e, patched.copy.partial) from e
         return places
 
     def _apply(self, updates: Iterator[TensorUpdate], places: Places) -> None:
@@ -261,14 +226,13 @@ class PullSince:
 
     def _finish(self, patched: _Patched) -> None:
         p = patched.planned
-        _close(patched)
+        patched.copy.close()
         try:
             with open(p.partial, "rb+") as f:
                 os.fsync(f.fileno())  # whole on disk before it gets its final name
         except OSError as e:
             raise destination_error(e, p.partial) from e
-        complete = patched.applied >= set(patched.remote.tensors)
-        if not complete or file_digest(p.partial) != p.file.etag:
+        if not patched.copy.complete or file_digest(p.partial) != p.file.etag:
             # A local file that was not revision ``since``'s, or a cut stream.
             log.warning(
                 "%s does not match the server's %s after patching; fetching it whole",
@@ -282,11 +246,6 @@ class PullSince:
             raise destination_error(e, p.target) from e
         p.keep, p.have = True, p.file.size
         self.report.patched += 1
-
-
-def _close(patched: _Patched) -> None:
-    close_mapping(patched.mapping)
-    patched.mapping = None
 
 
 def pull_since(

@@ -12,7 +12,7 @@ import json
 import mmap
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -150,6 +150,62 @@ def apply_to_files(
         for applied, view in places.get(update.name, ()):
             if apply_update(view, update):
                 applied.add(update.name)
+
+
+@dataclass
+class PatchedCopy:
+    """One new file being built from the ``held`` one at ``partial`` (``size`` bytes): both
+    layouts, its mapping while open, the tensors whose updates were applied to it."""
+
+    held: Path
+    partial: Path
+    size: int
+    local: SafetensorsLayout
+    remote: SafetensorsLayout
+    mapping: mmap.mmap | None = None
+    applied: set[str] = field(default_factory=set)
+
+    def open_into(self, places: Places) -> None:
+        """Start the copy (``open_patched_copy``) and add its tensors' places to ``places``."""
+        self.mapping, views = open_patched_copy(
+            self.held, self.partial, self.local, self.remote, self.size
+        )
+        for name, view in views.items():
+            places.setdefault(name, []).append((self.applied, view))
+
+    @property
+    def complete(self) -> bool:
+        """Whether every tensor of the new file got its update."""
+        return self.applied >= set(self.remote.tensors)
+
+    def close(self) -> None:
+        close_mapping(self.mapping)
+        self.mapping = None
+
+    def discard(self) -> None:
+        self.close()
+        self.partial.unlink(missing_ok=True)
+
+
+def patched_copy(
+    held: Path, partial: Path, size: int, read_range: Callable[[int, int], bytes]
+) -> PatchedCopy | None:
+    """The copy to build when the ``held`` file is a safetensors file with the new file's
+    tensor layout (the new file: ``size`` bytes, read with ``read_range(offset, length)``,
+    of which only its header is read here); None when it must be fetched whole."""
+    if not held.name.endswith(SAFETENSORS_SUFFIX) or size < 8:
+        return None
+    local = local_layout(held)
+    if local is None:
+        return None
+    prefix = read_range(0, 8)
+    length = header_length(prefix, size)
+    if length is None:
+        return None
+    remote = parse_safetensors_header(prefix + read_range(8, length))
+    if remote is None or not patchable(local, held.stat().st_size, remote, size):
+        return None
+    return PatchedCopy(held, partial, size, local, remote)
 
 
 def update_line_bytes(header: DeltaHeader) -> int:

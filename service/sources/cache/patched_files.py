@@ -8,24 +8,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import mmap
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from weightserve.client.errors import WeightserveError
 from weightserve.client.wire.delta import TensorUpdate
 from weightserve.client.wire.file_patch import (
     SAFETENSORS_SUFFIX,
+    PatchedCopy,
     Places,
-    SafetensorsLayout,
     apply_to_files,
-    close_mapping,
-    header_length,
-    local_layout,
-    open_patched_copy,
-    parse_safetensors_header,
-    patchable,
+    patched_copy,
 )
 from weightserve.service.sources.files.stamps import file_stamp
 from weightserve.service.sources.origin.base import Origin, OriginFile
@@ -40,15 +34,10 @@ PATCH_BYTES = "patch"  # the kind the upstream's bytes for this are counted unde
 
 @dataclass
 class _Building:
-    """One file being built: its new version, the held copy, where it is built, both layouts."""
+    """One file being built: its new version and its copy."""
 
     file: OriginFile
-    held: Path
-    partial: Path
-    local: SafetensorsLayout
-    remote: SafetensorsLayout
-    mapping: mmap.mmap | None = None
-    applied: set[str] = field(default_factory=set)
+    copy: PatchedCopy
 
 
 def commit_of(model_id: str, files: Iterable[tuple[str, int, str]]) -> str:
@@ -111,20 +100,14 @@ def _buildable(
     origin: UpstreamOrigin, file: OriginFile, held: Path, partial: Path
 ) -> _Building | None:
     """The file to build, when the held copy is a safetensors file with the new one's layout."""
-    local = local_layout(held)
-    if local is None or file.size < 8:
-        return None
-    prefix = origin.read_range(file, 0, 8)
-    origin.requests.received(PATCH_BYTES, len(prefix))
-    length = header_length(prefix, file.size)
-    if length is None:
-        return None
-    rest = origin.read_range(file, 8, length)
-    origin.requests.received(PATCH_BYTES, len(rest))
-    remote = parse_safetensors_header(prefix + rest)
-    if remote is None or not patchable(local, held.stat().st_size, remote, file.size):
-        return None
-    return _Building(file, held, partial, local, remote)
+
+    def read_range(offset: int, length: int) -> bytes:
+        data = origin.read_range(file, offset, length)
+        origin.requests.received(PATCH_BYTES, len(data))
+        return data
+
+    copy = patched_copy(held, partial, file.size, read_range)
+    return None if copy is None else _Building(file, copy)
 
 
 def _build(
@@ -152,17 +135,18 @@ def _build(
             places.clear()  # no view of a mapping outlives it
         built: dict[str, tuple[Path, str]] = {}
         for b in building:
-            _close(b)
-            digest = hash_file(b.partial, file_stamp(b.partial.stat()))
-            if b.applied >= set(b.remote.tensors) and digest == b.file.version:
-                built[b.file.name] = (b.partial, digest)
+            b.copy.close()
+            partial = b.copy.partial
+            digest = hash_file(partial, file_stamp(partial.stat()))
+            if b.copy.complete and digest == b.file.version:
+                built[b.file.name] = (partial, digest)
                 continue
             log.warning(
                 "%s built from the held copy and the upstream's patch is %s, not the listed %s "
                 "(the held copy was not the base); fetching it whole",
                 b.file.name, digest, b.file.version,
             )  # fmt: skip
-            b.partial.unlink(missing_ok=True)
+            partial.unlink(missing_ok=True)
         return built
     except BaseException:
         _discard(building)
@@ -174,9 +158,7 @@ def _open_copies(building: list[_Building]) -> Places:
     places in them by name."""
     places: Places = {}
     for b in building:
-        b.mapping, views = open_patched_copy(b.held, b.partial, b.local, b.remote, b.file.size)
-        for name, view in views.items():
-            places.setdefault(name, []).append((b.applied, view))
+        b.copy.open_into(places)
     return places
 
 
@@ -184,12 +166,6 @@ def _apply(origin: UpstreamOrigin, updates: Iterator[TensorUpdate], places: Plac
     apply_to_files(updates, places, lambda n: origin.requests.received(PATCH_BYTES, n))
 
 
-def _close(b: _Building) -> None:
-    close_mapping(b.mapping)
-    b.mapping = None
-
-
 def _discard(building: list[_Building]) -> None:
     for b in building:
-        _close(b)
-        b.partial.unlink(missing_ok=True)
+        b.copy.discard()

@@ -16,7 +16,6 @@ import errno
 import json
 import logging
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -25,7 +24,7 @@ from typing import Any, Protocol
 import xxhash
 
 from weightserve.client._models import RemoteFile
-from weightserve.client._retry import Backoff, OnWait, call_with_retry, retry_reason
+from weightserve.client._retry import Backoff, OnWait, WaitsForServer, call_with_retry
 from weightserve.client.errors import (
     DataCorruption,
     DestinationError,
@@ -46,24 +45,18 @@ MAX_REVISIONS = 5
 log = logging.getLogger("weightserve.client")
 
 
-class ModelClient(Protocol):
+class ModelClient(WaitsForServer, Protocol):
     """What a download needs of the model's client (``Client`` is one)."""
 
-    @property
-    def address(self) -> ServerAddress: ...
-    @property
-    def transport(self) -> Transport: ...
-    @property
-    def retry_seconds(self) -> float: ...
-    @property
-    def on_wait(self) -> OnWait | None: ...
+    address: ServerAddress
+    transport: Transport
 
 
 class DownloadableModel(Protocol):
     """What a download needs of the model (``RemoteModel`` is one)."""
 
-    @property
-    def id(self) -> str: ...
+    id: str
+
     @property
     def client(self) -> ModelClient: ...
     def _retry_seconds(self) -> float: ...
@@ -254,13 +247,7 @@ class FilePull:
                             if on_bytes is not None:
                                 on_bytes(n)
                     except WeightserveError as e:
-                        reason = retry_reason(e)
-                        if reason is None:
-                            raise
-                        delay = backoff.wait_or_raise(e)
-                        if on_wait is not None:
-                            on_wait(reason, delay)
-                        time.sleep(delay)
+                        backoff.sleep(*backoff.retry_wait(e), on_wait)
                     finally:
                         if source is not None:
                             source.close()

@@ -15,7 +15,7 @@ from typing import Protocol
 import numpy as np
 
 from weightserve.client._models import ModelInfo, TensorInfo
-from weightserve.client._retry import OnWait, call_with_retry, retry_seconds_from
+from weightserve.client._retry import OnWait, WaitsForServer, call_with_retry, retry_seconds_from
 from weightserve.client.errors import InvalidRequest, TensorNotFound, TransportError
 from weightserve.client.receive.stream import (
     ReceivedTensor,
@@ -75,19 +75,15 @@ class Receiving:
     on_wait: OnWait | None = None
 
 
-class FetchingClient(Protocol):
+class FetchingClient(WaitsForServer, Protocol):
     """What a fetch needs of the model's client (``Client`` is one)."""
 
-    @property
+    @property  # read-only: a client holding a wider one is one too
     def transport(self) -> DataTransport: ...
-    @property
-    def retry_seconds(self) -> float: ...
-    @property
-    def on_wait(self) -> OnWait | None: ...
-    @property
-    def data_plane(self) -> str: ...
-    @property
-    def _planes(self) -> PlaneChooser: ...
+
+    data_plane: str
+    _planes: PlaneChooser
+
     def planes(self) -> Planes: ...
 
 
@@ -96,12 +92,10 @@ class FetchedModel(Protocol):
 
     @property
     def client(self) -> FetchingClient: ...
-    @property
-    def id(self) -> str: ...
-    @property
-    def info(self) -> ModelInfo: ...
-    @property
-    def options(self) -> FetchOptions: ...
+
+    id: str
+    info: ModelInfo
+    options: FetchOptions
 
 
 class TensorFetcher:
@@ -111,24 +105,8 @@ class TensorFetcher:
     def __init__(self, model: FetchedModel) -> None:
         self.model = model
 
-    @property
-    def client(self) -> FetchingClient:
-        return self.model.client
-
-    @property
-    def id(self) -> str:
-        return self.model.id
-
-    @property
-    def info(self) -> ModelInfo:
-        return self.model.info
-
-    @property
-    def options(self) -> FetchOptions:
-        return self.model.options
-
     def names(self, prefix: str = "") -> list[str]:
-        return [n for n in self.info.tensors if n.startswith(prefix)]
+        return [n for n in self.model.info.tensors if n.startswith(prefix)]
 
     def fetch(
         self, names: Sequence[str] | None, prefix: str | None, how: Receiving
@@ -137,7 +115,7 @@ class TensorFetcher:
         wanted = self.wanted(names, prefix)
         if not wanted:
             return {}
-        with self.client.transport.receiving(self.bytes_of(wanted)):
+        with self.model.client.transport.receiving(self.bytes_of(wanted)):
             received = self._fetch_parallel(wanted, how)
         return {name: _served(received[name].header, received[name]) for name in wanted}
 
@@ -160,7 +138,7 @@ class TensorFetcher:
     ) -> Generator[tuple[str, np.ndarray], None, None]:
         if not wanted:
             return
-        planes = self.client.planes()
+        planes = self.model.client.planes()
         handoff = planes.handoff
         handed = self._handoff(handoff, wanted, how) if handoff else None
         if handed is not None:
@@ -208,17 +186,17 @@ class TensorFetcher:
     ) -> Generator[tuple[ChunkHeader, np.ndarray], None, None]:
         """One stream of ``names`` over ``streams``, received within the window."""
         return iter_received(
-            lambda p: streams.open_chunks(self.id, p),
+            lambda p: streams.open_chunks(self.model.id, p),
             self._stream_params(names, how),
             names,
             window_bytes=window_bytes,
             receiving=streams.receiving(min(window_bytes, self.bytes_of(names))),
-            retries=self.options.retries,
+            retries=self.model.options.retries,
             retry_seconds=self._retry_seconds(),
             on_bytes=how.on_bytes,
             allocate=how.allocate,
-            on_wait=how.on_wait or self.client.on_wait,
-            verify=self.options.verify,
+            on_wait=how.on_wait or self.model.client.on_wait,
+            verify=self.model.options.verify,
         )
 
     def _stream_params(self, names: list[str], how: Receiving) -> StreamParams:
@@ -227,8 +205,8 @@ class TensorFetcher:
             names=tuple(names),
             shard=how.shard,
             axis=how.axis,
-            chunk_bytes=self.options.chunk_bytes,
-            revision=self.info.revision,
+            chunk_bytes=self.model.options.chunk_bytes,
+            revision=self.model.info.revision,
         )
 
     def wanted(self, names: Sequence[str] | None, prefix: str | None) -> list[str]:
@@ -238,19 +216,19 @@ class TensorFetcher:
             return self.names(prefix or "")
         wanted = list(names)
         for n in wanted:
-            if n not in self.info.tensors:
-                hint = did_you_mean(n, self.info.tensors)
-                raise TensorNotFound(f"No weight named {n!r} in model {self.id!r}.{hint}")
+            if n not in self.model.info.tensors:
+                hint = did_you_mean(n, self.model.info.tensors)
+                raise TensorNotFound(f"No weight named {n!r} in model {self.model.id!r}.{hint}")
         return wanted
 
     def _retry_seconds(self) -> float:
-        if self.options.retry_seconds is not None:
-            return retry_seconds_from(self.options.retry_seconds)
-        return self.client.retry_seconds
+        if self.model.options.retry_seconds is not None:
+            return retry_seconds_from(self.model.options.retry_seconds)
+        return self.model.client.retry_seconds
 
     def _part_bound(self, name: str, shard: tuple[int, int] | None, axis: int) -> int:
         """Bytes of the tensor's part in a shard, or a close upper bound of them."""
-        info = self.info.tensors[name]
+        info = self.model.info.tensors[name]
         if shard is None or info.encoding is not None or len(info.shape) <= axis:
             return info.nbytes  # whole, or GGML blocks (split in whole blocks): at most all
         length = info.shape[axis]
@@ -260,11 +238,11 @@ class TensorFetcher:
         return -(-length // shard[1]) * (info.nbytes // length)
 
     def bytes_of(self, names: list[str]) -> int:
-        return sum(self.info.tensors[n].nbytes for n in names)
+        return sum(self.model.info.tensors[n].nbytes for n in names)
 
     def _groups(self, names: list[str]) -> list[list[str]]:
         """Split into up to ``parallel`` groups of about equal bytes, keeping stream order."""
-        parallel = max(1, self.options.parallel)
+        parallel = max(1, self.model.options.parallel)
         total = self.bytes_of(names)
         if parallel == 1 or len(names) < 2 or total < PARALLEL_MIN_BYTES:
             return [names]
@@ -274,12 +252,12 @@ class TensorFetcher:
             if acc >= target * len(groups) and len(groups) < parallel:
                 groups.append([])
             groups[-1].append(n)
-            acc += self.info.tensors[n].nbytes
+            acc += self.model.info.tensors[n].nbytes
         return [g for g in groups if g]
 
     def _fetch_parallel(self, names: list[str], how: Receiving) -> dict[str, ReceivedTensor]:
         _check_shard(how.shard)
-        planes = self.client.planes()
+        planes = self.model.client.planes()
         if planes.handoff is not None:
             handed = self._handoff(planes.handoff, names, how)
             if handed is not None:
@@ -293,25 +271,25 @@ class TensorFetcher:
     def _handoff(self, handoff: HandoffClient, names: list[str], how: Receiving) -> Handoff | None:
         """The tensors as views of the node's page cache, or None when the handoff socket
         stopped answering (the client copies over a stream from then on)."""
-        verify = self.options.verify
+        verify = self.model.options.verify
         try:
             return call_with_retry(
                 lambda: handoff.open(
-                    self.id, names=names, shard=how.shard, axis=how.axis,
-                    revision=self.info.revision, verify=verify,
+                    self.model.id, names=names, shard=how.shard, axis=how.axis,
+                    revision=self.model.info.revision, verify=verify,
                 ),
                 self._retry_seconds(),
-                f"{handoff.path} model {self.id!r}",
-                how.on_wait or self.client.on_wait,
+                f"{handoff.path} model {self.model.id!r}",
+                how.on_wait or self.model.client.on_wait,
             )  # fmt: skip
         except TransportError as e:
-            self.client._planes.handoff_failed(e)
-            if self.client.data_plane == "handoff":
+            self.model.client._planes.handoff_failed(e)
+            if self.model.client.data_plane == "handoff":
                 raise
             return None
 
     def _fetch_streams(self, names: list[str], how: Receiving) -> dict[str, ReceivedTensor]:
-        transport = self.client.planes().streams
+        transport = self.model.client.planes().streams
         groups = self._groups(names)
         retry_seconds = self._retry_seconds()
         on_bytes = how.on_bytes
@@ -332,15 +310,15 @@ class TensorFetcher:
                     {n: self._part_bound(n, how.shard, how.axis) for n in group}
                 )
             return receive(
-                lambda p: transport.open_chunks(self.id, p),
+                lambda p: transport.open_chunks(self.model.id, p),
                 params,
                 group,
-                retries=self.options.retries,
+                retries=self.model.options.retries,
                 retry_seconds=retry_seconds,
                 on_bytes=counted,
                 allocate=place,
-                on_wait=how.on_wait or self.client.on_wait,
-                verify=self.options.verify,
+                on_wait=how.on_wait or self.model.client.on_wait,
+                verify=self.model.options.verify,
             )
 
         if len(groups) == 1:

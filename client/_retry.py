@@ -18,7 +18,7 @@ import os
 import random
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from weightserve.client.errors import (
     DataCorruption,
@@ -48,6 +48,14 @@ LONGEST_WAIT = 5.0  # ...up to this (a server's own hint may ask for longer)
 T = TypeVar("T")
 # Told before each wait: a few words on why (e.g. "server busy") and the seconds it waits.
 OnWait = Callable[[str, float], None]
+
+
+class WaitsForServer(Protocol):
+    """How long a client waits for a busy or unreachable server, and who hears of each wait
+    (``Client`` is one): what its fetches and downloads retry by."""
+
+    retry_seconds: float
+    on_wait: OnWait | None
 
 
 def retry_seconds_from(value: float | str | None) -> float:
@@ -132,6 +140,22 @@ class Backoff:
             raise exc
         raise self.gave_up(exc) from exc
 
+    def retry_wait(self, exc: WeightserveError, stream: bool = True) -> tuple[str, float]:
+        """Why and how long to wait before trying again after ``exc`` (``retry_reason``,
+        ``wait_or_raise``): ``exc`` is raised again when it is not worth a retry or once the
+        budget is spent. Call it while handling ``exc``."""
+        reason = retry_reason(exc, stream=stream)
+        if reason is None:
+            raise exc
+        return reason, self.wait_or_raise(exc)
+
+    @staticmethod
+    def sleep(reason: str, wait: float, on_wait: OnWait | None) -> None:
+        """Tell ``on_wait`` of the wait (``retry_wait``'s), then wait."""
+        if on_wait is not None:
+            on_wait(reason, wait)
+        time.sleep(wait)
+
     def gave_up(self, exc: WeightserveError) -> WeightserveError:
         """``exc`` (same class) saying how long it was retried and how to wait longer."""
         message = (
@@ -156,14 +180,9 @@ def call_with_retry(
         try:
             return call()
         except WeightserveError as e:
-            reason = retry_reason(e, stream=False)
-            if reason is None:
-                raise
-            wait = backoff.wait_or_raise(e)
+            reason, wait = backoff.retry_wait(e, stream=False)
             log.warning("%s: %s (%s); retrying in %.1f s", what, reason, e, wait)
-            if on_wait is not None:
-                on_wait(reason, wait)
-            time.sleep(wait)
+            backoff.sleep(reason, wait, on_wait)
 
 
 def wait_for_server(address: ServerAddress, budget: float | None) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -15,7 +14,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from weightserve.client._retry import DEFAULT_RETRY_SECONDS, Backoff, OnWait, retry_reason
+from weightserve.client._retry import DEFAULT_RETRY_SECONDS, Backoff, OnWait
 from weightserve.client.errors import DataCorruption, TransportError, WeightserveError
 from weightserve.client.transports.base import ChunkReader, StreamParams
 from weightserve.client.wire.schema import ChunkHeader
@@ -201,10 +200,9 @@ def receive(
                 reader.close()
                 reader = None
             attempt += 1
-            reason = retry_reason(e)
-            if reason is None or (retries is not None and attempt > retries):
+            if retries is not None and attempt > retries:
                 raise
-            delay = backoff.wait_or_raise(e)
+            reason, delay = backoff.retry_wait(e)
             remaining = [n for n in expected if n not in done and n not in handed_over]
             if partial is not None and partial.header.name in remaining:
                 request = replace(
@@ -225,9 +223,7 @@ def receive(
                 delay,
                 attempt,
             )
-            if on_wait is not None:
-                on_wait(reason, delay)
-            time.sleep(delay)
+            backoff.sleep(reason, delay, on_wait)
         finally:
             # Every way out, an error the caller sees included: an open stream holds a
             # slot on the server until it is cancelled.

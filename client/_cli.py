@@ -106,6 +106,18 @@ def build_parser() -> argparse.ArgumentParser:
             "--retry-seconds", type=_retry_seconds, default=retry_default, help=retry_help
         )
 
+    def model_command(
+        name: str, run: Callable[[argparse.Namespace], int], help: str, description: str
+    ) -> argparse.ArgumentParser:
+        """A command on one model, named by its URL first; ``run`` runs it."""
+        command = sub.add_parser(name, help=help, description=description)
+        command.add_argument("url", help="model URL")
+        command.set_defaults(func=run)
+        return command
+
+    def progress_flag(command: argparse.ArgumentParser) -> None:  # commands that draw one
+        command.add_argument("--quiet", action="store_true", help="no progress bar")
+
     ls = sub.add_parser(
         "ls",
         help="list a server's models, or one model's tensors",
@@ -118,15 +130,15 @@ def build_parser() -> argparse.ArgumentParser:
     server_flags(ls)
     ls.set_defaults(func=_ls)
 
-    pull = sub.add_parser(
+    pull = model_command(
         "pull",
+        _pull,
         help="download a model's original files (or its tensors as one safetensors file)",
         description="Write the model's files (weights, index, config, tokenizer...) into OUT, "
         "byte-identical and verified against the server's digests, with a progress bar. An "
         "interrupted pull goes on where it stopped when run again. --to safetensors instead "
         "writes its tensors (or a prefix of them) into OUT/model.safetensors.",
     )
-    pull.add_argument("url", help="model URL")
     pull.add_argument(
         "--out", default=None, help="output directory (default: the model's last path part)"
     )
@@ -165,40 +177,37 @@ def build_parser() -> argparse.ArgumentParser:
         "chunk and one in eight of the others) or none (env WEIGHTSERVE_VERIFY; default "
         "full); a plain pull checks every file against its digest",
     )
-    pull.add_argument("--quiet", action="store_true", help="no progress bar")
-    pull.set_defaults(func=_pull)
+    progress_flag(pull)
 
-    publish = sub.add_parser(
+    publish = model_command(
         "publish",
+        _publish,
         help="publish a directory of checkpoint files as a new revision of a model",
         description="Uploads every file below DIR as it is (checkpoints, config, tokenizer) "
         "and makes it the model's main revision once the server has checked it; prints the "
         "new commit. The model is created if new. URL: http://HOST:PORT/v1/models/MODEL.",
     )
-    publish.add_argument("url", help="model URL")
     publish.add_argument("dir", type=Path, help="the directory to publish")
     publish.add_argument(
         "--base", default=None, help="a revision whose files this one keeps where DIR has none"
     )
     publish.add_argument("--message", "-m", default="", help="what changed")
     server_flags(publish)
-    publish.add_argument("--quiet", action="store_true", help="no progress bar")
-    publish.set_defaults(func=_publish)
+    progress_flag(publish)
 
-    watch = sub.add_parser(
+    watch = model_command(
         "watch",
+        _watch,
         help="print each new revision of a model as it is published",
         description="One line per revision that becomes the model's main (commit, time, "
         "bytes, message), as the server announces it; reconnects through restarts. "
         "URL: http://HOST:PORT/v1/models/MODEL.",
     )
-    watch.add_argument("url", help="model URL")
     watch.add_argument("--since", default=None, help="first print every revision after COMMIT")
     watch.add_argument(
         "--timeout", type=float, default=None, help="stop after this many seconds (default: never)"
     )
     server_flags(watch)
-    watch.set_defaults(func=_watch)
     add_cache_parser(sub, _CommandParser, token_help, (_retry_seconds, retry_default, retry_help))
     sub.add_parser(
         "max",

@@ -122,7 +122,27 @@ class _State:
             return value
 
 
-class RemoteWeights:
+class _Allocates:
+    """MAX's ``Weights.allocate``, said once for both classes here; each makes the weight in
+    its ``_allocate``."""
+
+    def allocate(
+        self,
+        dtype: Any = None,
+        shape: Any = None,
+        quantization_encoding: Any = None,
+        device: Any = None,
+    ) -> Any:
+        """A ``Weight`` for this name, its value recorded in ``allocated_weights``: for
+        ``RemoteWeights`` with the checkpoint's dtype and shape (a different ``dtype`` /
+        ``shape`` raises: no casting), for ``RandomWeights`` random values of those given."""
+        return self._allocate(dtype, shape, quantization_encoding, device)
+
+    def _allocate(self, dtype: Any, shape: Any, quantization_encoding: Any, device: Any) -> Any:
+        raise NotImplementedError
+
+
+class RemoteWeights(_Allocates):
     """MAX's ``Weights`` protocol for a model on a weightserve server.
 
     ``RemoteWeights(url_or_model)`` takes a model URL (``http://host:port/v1/models/NAME``,
@@ -260,13 +280,7 @@ class RemoteWeights:
         dtype = b.dtype(info.dtype, info.name)
         return b.WeightData(value, self._prefix, dtype, b.shape(info.logical_shape))
 
-    def allocate(
-        self,
-        dtype: Any = None,
-        shape: Any = None,
-        quantization_encoding: Any = None,
-        device: Any = None,
-    ) -> Any:
+    def _allocate(self, dtype: Any, shape: Any, quantization_encoding: Any, device: Any) -> Any:
         """A ``Weight`` with the checkpoint's dtype and shape, its value recorded in
         ``allocated_weights``; a different ``dtype`` / ``shape`` raises (no casting)."""
         state = self._state
@@ -583,7 +597,7 @@ def random_array(seed: int, name: str, wire: str, shape: tuple[int, ...], scale:
     return out
 
 
-class RandomWeights:
+class RandomWeights(_Allocates):
     """A ``Weights`` source of synthetic data, for tests: ``allocate(dtype, shape)``
     generates deterministic random values of that dtype and shape, ``exists()`` is always
     True and ``items()`` is empty. ``data()`` works for what was allocated."""
@@ -625,26 +639,28 @@ class RandomWeights:
     def items(self) -> Iterator[tuple[str, RandomWeights]]:
         return iter(())
 
+    def _generated(self, missing: Exception) -> np.ndarray:
+        """This name's generated array; ``missing`` is raised before ``allocate`` made one."""
+        arr = self._state.arrays.get(self._prefix)
+        if arr is None:
+            raise missing
+        return arr
+
     def data(self) -> Any:
         state = self._state
         b = state.backend
-        arr = state.arrays.get(self._prefix)
-        if arr is None:
-            raise _MissingWeight(
+        arr = self._generated(
+            _MissingWeight(
                 f"RandomWeights has no data for '{self._prefix}' yet: allocate(dtype, shape)"
                 " says what to generate."
             )
+        )
         return b.WeightData(
             state.values[self._prefix], self._prefix, b.dtype(_wire_of(arr)), b.shape(arr.shape)
         )
 
-    def allocate(
-        self,
-        dtype: Any = None,
-        shape: Any = None,
-        quantization_encoding: Any = None,
-        device: Any = None,
-    ) -> Any:
+    def _allocate(self, dtype: Any, shape: Any, quantization_encoding: Any, device: Any) -> Any:
+        """A ``Weight`` of random values of ``dtype`` and ``shape`` (both needed)."""
         state = self._state
         b = state.backend
         if dtype is None or shape is None:
@@ -670,12 +686,12 @@ class RandomWeights:
     def allocate_as_bytes(self, dtype: Any = None) -> Any:
         state = self._state
         b = state.backend
-        arr = state.arrays.get(self._prefix)
-        if arr is None:
-            raise ValueError(
+        arr = self._generated(
+            ValueError(
                 f"RandomWeights.allocate_as_bytes: allocate '{self._prefix}' (dtype, shape)"
                 " first, so there are bytes to view"
             )
+        )
         raw = b.bytes_value(state.values[self._prefix], arr, _wire_of(arr), arr.shape)
         state.allocated[self._prefix] = raw
         return b.weight(name=self._prefix, dtype=b.DType.uint8, shape=raw.shape, device=b.cpu())

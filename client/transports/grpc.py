@@ -14,24 +14,9 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
-from weightserve.client.errors import (
-    ServerUnreachable,
-    TransportError,
-    WeightserveError,
-    WrongTransport,
-)
+from weightserve.client import errors
 from weightserve.client.receive.arrow_reader import ArrowChunkReader
-from weightserve.client.transports.base import (
-    ByteSource,
-    ChunkReader,
-    Connection,
-    DataTransport,
-    FileSource,
-    FileSpan,
-    RefusesControl,
-    StreamParams,
-    TLSOptions,
-)
+from weightserve.client.transports import base
 from weightserve.client.transports.malloc import steady_heap
 from weightserve.client.wire.errors import RETRY_PUSHBACK_KEY, WireError, pushback_seconds
 from weightserve.client.wire.routes import ServerAddress
@@ -54,20 +39,20 @@ UNARY_TENSOR_BYTES = 1 << 20
 _NOT_AN_OUTAGE = re.compile(r"handshake failed|Socket closed", re.IGNORECASE)
 
 
-class GrpcTransport(RefusesControl, DataTransport):
+class GrpcTransport(base.RefusesControl, base.DataTransport):
     """The gRPC API: the data verbs, and of the control verbs the revisions listed and
     watched (ListRevisions, WatchRevisions); the others need HTTP (``RefusesControl``)."""
 
     control_verbs = frozenset({"list_revisions", "watch_revisions"})
 
-    def __init__(self, address: ServerAddress, connection: Connection | None = None) -> None:
+    def __init__(self, address: ServerAddress, connection: base.Connection | None = None) -> None:
         import grpc
 
         from weightserve.client.wire.grpc_methods import ENCODED_RESPONSES, METHODS
         from weightserve.client.wire.proto.weightserve.v1 import weightserve_pb2 as pb
 
         self._grpc, self._pb = grpc, pb
-        connection = connection or Connection()
+        connection = connection or base.Connection()
         self.address = address
         self.token = connection.bearer
         self.timeout = connection.timeout
@@ -95,7 +80,7 @@ class GrpcTransport(RefusesControl, DataTransport):
         self._flight_lock = threading.Lock()
         self._flight_tls: dict[str, bytes | None] = {}
         if address.tls:
-            tls = connection.tls or TLSOptions()
+            tls = connection.tls or base.TLSOptions()
 
             def read(path: str | None) -> bytes | None:
                 if path is None:
@@ -140,7 +125,7 @@ class GrpcTransport(RefusesControl, DataTransport):
     def _metadata(self) -> list[tuple[str, str]]:
         return [("authorization", f"Bearer {self.token}")] if self.token else []
 
-    def _translate(self, e: Any) -> WeightserveError:
+    def _translate(self, e: Any) -> errors.WeightserveError:
         grpc = self._grpc
         trailing = dict(e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else {}
         found = WireError.from_grpc(e.details() or "", trailing)
@@ -151,13 +136,13 @@ class GrpcTransport(RefusesControl, DataTransport):
             return wrong_port
         if e.code() == grpc.StatusCode.UNAVAILABLE and _NOT_AN_OUTAGE.search(e.details() or ""):
             # A TLS failure, or a TLS port spoken to in plain text: waiting will not fix it.
-            return TransportError(
+            return errors.TransportError(
                 f"weightserve at {self.address.url} did not accept the connection: "
                 f"{e.details()}; check the URL's scheme (grpcs:// for TLS), the CA and the "
                 "client certificate"
             )
         if e.code() == grpc.StatusCode.UNAVAILABLE:
-            return ServerUnreachable(
+            return errors.ServerUnreachable(
                 f"cannot reach weightserve at {self.address.url}: {e.details()}"
             )
         if e.code() in (
@@ -166,7 +151,7 @@ class GrpcTransport(RefusesControl, DataTransport):
             grpc.StatusCode.INTERNAL,
             grpc.StatusCode.UNKNOWN,
         ):
-            return TransportError(
+            return errors.TransportError(
                 f"gRPC stream from {self.address.url} broke: {e.code().name}: {e.details()}"
             )
         # A status without our class (a proxy, another gRPC server): the class its code means.
@@ -176,21 +161,21 @@ class GrpcTransport(RefusesControl, DataTransport):
             pushback_seconds(trailing.get(RETRY_PUSHBACK_KEY)),
         ).exception()
 
-    def _wrong_port(self, e: Any) -> WrongTransport | None:
+    def _wrong_port(self, e: Any) -> errors.WrongTransport | None:
         """WrongTransport when the port speaks another protocol: HTTP/1.1 (grpc core says
         so when its HTTP/2 preface is answered by an HTTP/1 server), or Arrow Flight (it
         answers our methods UNIMPLEMENTED)."""
         code, details = e.code(), e.details() or ""
-        base = self.address.url
+        url = self.address.url
         if code == self._grpc.StatusCode.UNAVAILABLE and "http1.x server" in details:
             http_url = ServerAddress("http", self.address.tls, self.address.host, self.address.port)
-            return WrongTransport(
-                f"{base} is an HTTP port, not gRPC (it answered in HTTP/1.1): use "
+            return errors.WrongTransport(
+                f"{url} is an HTTP port, not gRPC (it answered in HTTP/1.1): use "
                 f"{http_url.url} (a model: {http_url.url}/v1/models/MODEL)"
             )
         if code == self._grpc.StatusCode.UNIMPLEMENTED and self._is_flight_port():
-            return WrongTransport(
-                f"{base} is the server's Arrow Flight data port, not its gRPC API: use the "
+            return errors.WrongTransport(
+                f"{url} is the server's Arrow Flight data port, not its gRPC API: use the "
                 "gRPC port in grpc:// URLs (default 50051); gRPC clients find the Flight "
                 "port by themselves"
             )
@@ -268,7 +253,7 @@ class GrpcTransport(RefusesControl, DataTransport):
             ],
         }
 
-    def _tensor_request(self, model: str, params: StreamParams) -> Any:
+    def _tensor_request(self, model: str, params: base.StreamParams) -> Any:
         return self._pb.TensorRequest(
             model=model,
             names=list(params.names or ()),
@@ -283,12 +268,12 @@ class GrpcTransport(RefusesControl, DataTransport):
             revision=params.revision or "",
         )
 
-    def open_stream(self, model: str, params: StreamParams) -> ByteSource:
+    def open_stream(self, model: str, params: base.StreamParams) -> base.ByteSource:
         """StreamTensors through grpcio: the Arrow IPC stream's bytes."""
         call = self._stream(self._tensor_request(model, params), metadata=self._metadata())
         return _GrpcSource(call, self)
 
-    def _small_tensor(self, model: str, params: StreamParams) -> ChunkReader | None:
+    def _small_tensor(self, model: str, params: base.StreamParams) -> base.ChunkReader | None:
         """One small tensor through the unary GetTensor: a reader of its one chunk, or None
         when the request is not one small tensor (or the server lacks the call)."""
         names = params.names
@@ -315,7 +300,7 @@ class GrpcTransport(RefusesControl, DataTransport):
             return None
         return _TensorDataReader(answer)
 
-    def open_chunks(self, model: str, params: StreamParams) -> ChunkReader:
+    def open_chunks(self, model: str, params: base.StreamParams) -> base.ChunkReader:
         """One small tensor through GetTensor; else the stream over the server's Flight
         endpoint when it has one, else StreamTensors."""
         small = self._small_tensor(model, params)
@@ -326,7 +311,7 @@ class GrpcTransport(RefusesControl, DataTransport):
             ticket = self._tensor_request(model, params).SerializeToString()
             try:
                 return pool.open(ticket)
-            except ServerUnreachable as e:
+            except errors.ServerUnreachable as e:
                 if not self._service_answers():
                     raise  # the whole server is down or restarting: the caller retries
                 # The service answers but its Flight port does not, e.g. a Service that
@@ -373,7 +358,7 @@ class GrpcTransport(RefusesControl, DataTransport):
             "files": [{"name": f.name, "size": f.size, "etag": f.etag} for f in listing.files],
         }
 
-    def open_span(self, model: str, name: str, span: FileSpan) -> FileSource:
+    def open_span(self, model: str, name: str, span: base.FileSpan) -> base.FileSource:
         """See ``DataTransport.open_file``; through ReadFile."""
         offset, length = span.offset, span.length
         request = self._pb.FileRequest(
@@ -389,7 +374,7 @@ class GrpcTransport(RefusesControl, DataTransport):
                 next(iter(call), None)
             except self._grpc.RpcError as e:
                 raise self._translate(e) from None
-            raise TransportError(f"{self.address.url}: ReadFile ended without an answer")
+            raise errors.TransportError(f"{self.address.url}: ReadFile ended without an answer")
         source = _GrpcFileSource(call, self, length == 0)
         source.size = int(headers.get("x-file-size", 0))
         source.etag = headers.get("etag", "")

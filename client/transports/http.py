@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 from urllib.parse import urlencode
 
 from weightserve.client.errors import (
@@ -52,6 +52,8 @@ ACCEPT = "application/json, application/vnd.apache.arrow.stream"
 NDJSON = "application/x-ndjson"
 PREBUILT_REQUESTS = 4096  # one-tensor GETs kept built per transport (then built anew)
 FOREIGN_ERRORS = (OSError, http.client.HTTPException)
+Conn = TypeVar("Conn", http.client.HTTPConnection, Http1Connection)
+Answer = TypeVar("Answer", http.client.HTTPResponse, Http1Response)
 
 
 class map_http_errors:  # noqa: N801 (used as a context manager, named for what it does)
@@ -145,6 +147,28 @@ class HttpTransport(HttpControl, DataTransport):
                 return self._idle.pop(), True
         return self._connect(), False
 
+    def _lean_take(self) -> tuple[Http1Connection, bool]:
+        """``_take`` for tensor streams: a kept-alive lean connection, else a new one."""
+        with self._pool_lock:
+            if self._lean_idle:
+                return self._lean_idle.pop(), True
+        return self._lean_connect(), False
+
+    def _exchange(
+        self, take: Callable[[], tuple[Conn, bool]], send: Callable[[Conn], Answer]
+    ) -> tuple[Conn, Answer]:
+        """``send`` on a connection from ``take``, sent again on a new one where a kept-alive
+        connection turns out closed (``_exchange_failed`` says which failures those are)."""
+        while True:
+            conn, reused = None, False
+            try:
+                conn, reused = take()
+                return conn, send(conn)
+            except FOREIGN_ERRORS as e:
+                if conn is not None:
+                    conn.close()
+                self._exchange_failed(e, reused)
+
     def release(
         self,
         conn: http.client.HTTPConnection | Http1Connection,
@@ -188,32 +212,13 @@ class HttpTransport(HttpControl, DataTransport):
     ) -> tuple[Http1Connection, Http1Response]:
         """``_request`` for a tensor stream on a plain socket: ``request`` (whole) written in
         one send on an ``Http1Connection`` from its own kept-alive pool."""
-        while True:
-            reused = False
-            with self._pool_lock:
-                if self._lean_idle:
-                    conn: Http1Connection | None = self._lean_idle.pop()
-                    reused = True
-                else:
-                    conn = None
-            try:
-                if conn is None:
-                    conn = self._lean_connect()
-                conn.send(request)
-                resp = conn.response(method)
-                break
-            except FOREIGN_ERRORS as e:
-                if conn is not None:
-                    conn.close()
-                self._exchange_failed(e, reused)
-        if resp.status != 200:
-            try:
-                raw = resp.read()
-            except FOREIGN_ERRORS:
-                raw = b""  # cut short: the status says enough
-            # Read to its end, an error answer leaves the connection fit for the next request.
-            self.release(conn, resp)
-            raise self._answer_error(method, path, resp, raw)
+
+        def send(conn: Http1Connection) -> Http1Response:
+            conn.send(request)
+            return conn.response(method)
+
+        conn, resp = self._exchange(self._lean_take, send)
+        self._refuse_unless((200,), method, path, conn, resp)
         return conn, resp
 
     def _request(
@@ -232,26 +237,39 @@ class HttpTransport(HttpControl, DataTransport):
         if body is not None:
             data = json.dumps(body).encode()
             headers["content-type"] = "application/json"
-        while True:
-            conn, reused = self._take()
-            try:
-                if conn.sock is None:
-                    conn.connect()
-                    if conn.sock.family != socket.AF_UNIX:  # type: ignore[attr-defined]
-                        # http.client sends headers and body in two writes; without NODELAY the
-                        # body waits for the server's delayed ACK (40 ms) when kept alive.
-                        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # type: ignore[attr-defined]
-                conn.request(method, path, body=data, headers=headers)
-                resp = conn.getresponse()
-                break
-            except FOREIGN_ERRORS as e:
-                conn.close()
-                self._exchange_failed(e, reused)
-        if resp.status not in ok:
-            raw = resp.read()
-            conn.close()
-            raise self._answer_error(method, path, resp, raw)
+
+        def send(conn: http.client.HTTPConnection) -> http.client.HTTPResponse:
+            if conn.sock is None:
+                conn.connect()
+                if conn.sock.family != socket.AF_UNIX:  # type: ignore[attr-defined]
+                    # http.client sends headers and body in two writes; without NODELAY the
+                    # body waits for the server's delayed ACK (40 ms) when kept alive.
+                    conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # type: ignore[attr-defined]
+            conn.request(method, path, body=data, headers=headers)
+            return conn.getresponse()
+
+        conn, resp = self._exchange(self._take, send)
+        self._refuse_unless(ok, method, path, conn, resp)
         return conn, resp
+
+    def _refuse_unless(
+        self,
+        ok: tuple[int, ...],
+        method: str,
+        path: str,
+        conn: http.client.HTTPConnection | Http1Connection,
+        resp: http.client.HTTPResponse | Http1Response,
+    ) -> None:
+        """Raise the error an answer with a status outside ``ok`` says."""
+        if resp.status in ok:
+            return
+        try:
+            raw = resp.read()
+        except FOREIGN_ERRORS:
+            raw = b""  # cut short: the status says enough
+        # Read to its end, an error answer leaves the connection fit for the next request.
+        self.release(conn, resp)
+        raise self._answer_error(method, path, resp, raw)
 
     def _answer_error(
         self,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Generator, Iterator, Mapping, MutableMapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
@@ -66,7 +67,7 @@ class PublishArgs(TypedDict, total=False):
     message: str
 
 
-class Client:
+class Client(AbstractContextManager["Client"]):
     """A connection to one weightserve server (``http(s)://host:port``, ``grpc(s)://...`` or
     ``unix:///path/to/socket``).
 
@@ -185,10 +186,7 @@ class Client:
         self._planes.close()
         self.transport.close()
 
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: object) -> None:  # ``with Client(url) as client:`` closes it
         self.close()
 
 

@@ -286,7 +286,8 @@ class RemoteModel:
         does not match (a wrong base) is fetched whole, never left wrong. A torch tensor off
         the CPU or not contiguous is patched in a host copy and copied back into it; a
         read-only NumPy array (a same-node load's pages) is replaced by its patched copy. A
-        tensor whose dtype or shape changed, or that is new, gets a new array in ``state``.
+        tensor whose dtype or shape changed, or that is new, gets a new array in ``state`` (a
+        torch tensor on the same device where ``state`` held one: a state dict stays one).
         ``last_update`` counts what was done and what travelled."""
         found, self.last_update = self._revisions.update(state, since, revision)
         return found

@@ -125,6 +125,15 @@ def apply_updates(
     return counts
 
 
+def remove_absent(state: MutableMapping[str, Any], kept: set[str]) -> list[str]:
+    """Remove from ``state`` the tensors not in ``kept`` (the revision it now holds does not
+    have them); their names, in ``state``'s order."""
+    removed = [name for name in state if name not in kept]
+    for name in removed:
+        del state[name]
+    return removed
+
+
 def _is_torch(value: Any) -> bool:
     return type(value).__module__.startswith("torch")
 

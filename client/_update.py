@@ -212,6 +212,8 @@ def _new_array(header: DeltaHeader, data: bytes, like: Any = None) -> Any:
 
         dtype = getattr(torch, header.dtype, None)
         if isinstance(dtype, torch.dtype):
+            if not data:  # frombuffer refuses an empty buffer
+                return torch.empty(header.shape, dtype=dtype, device=like.device)
             flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
             return flat.view(dtype).reshape(header.shape).to(like.device)
     return np.frombuffer(bytearray(data), dtype=numpy_dtype(header.dtype)).reshape(header.shape)

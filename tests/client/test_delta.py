@@ -199,8 +199,10 @@ def test_a_zero_dim_array_keeps_no_dimensions(server: WeightServer) -> None:
         assert got.shape == () and float(got) == 0.5
         trainer = torch.nn.Linear(8, 4)
         trainer.register_buffer("steps", torch.tensor(3, dtype=torch.int64))
+        trainer.register_buffer("none", torch.zeros(0))
         worker = torch.nn.Linear(8, 4)
         worker.register_buffer("steps", torch.tensor(3, dtype=torch.int64))
+        worker.register_buffer("none", torch.zeros(0))
         worker.load_state_dict(trainer.state_dict())
         t1 = c.publish(MODEL, trainer.state_dict())
         with torch.no_grad():
@@ -216,7 +218,9 @@ def test_a_zero_dim_array_keeps_no_dimensions(server: WeightServer) -> None:
     with Client(server.http_url) as c:
         state = {n: t.clone() for n, t in worker.state_dict().items()}
         state["steps"] = torch.tensor([3], dtype=torch.int64)
+        state["none"] = torch.zeros(2)  # another shape: it comes whole, empty
         c.model(MODEL).update(state, since=t1.commit)
     assert isinstance(state["steps"], torch.Tensor), type(state["steps"])
     assert state["steps"].shape == () and int(state["steps"]) == 4
+    assert isinstance(state["none"], torch.Tensor) and state["none"].shape == (0,)
     assert r1.commit != t1.commit

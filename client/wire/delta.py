@@ -183,6 +183,22 @@ def check_header(header: DeltaHeader) -> None:
             f"tensor {name!r}: the patch changes {header.count} elements of a tensor of "
             f"{header.nbytes // header.element_bytes}"
         )
+    values_bound = (
+        compressed_bound(header.values_raw_bytes) if header.values_codec else header.values_bytes
+    )
+    if (
+        header.positions_bytes > compressed_bound(header.count * header.gap_bytes)
+        or header.values_bytes > values_bound
+    ):
+        raise InvalidRequest(
+            f"tensor {name!r}: the patch declares more bytes than {header.count} changes take"
+        )
+
+
+def compressed_bound(raw_bytes: int) -> int:
+    """The most bytes zstd makes of ``raw_bytes`` (its ZSTD_COMPRESSBOUND, with room to
+    spare): a declared payload above it is no compression of what it claims to hold."""
+    return raw_bytes + (raw_bytes >> 8) + 1024
 
 
 def decode_patch(

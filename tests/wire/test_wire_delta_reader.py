@@ -90,6 +90,10 @@ MALFORMED = {
     "fewer positions than declared": patch([1], [7, 8]),
     "a header line too long": b"{" + b" " * MAX_HEADER_LINE + b"}\n",
     "more bytes than its shape holds": line(kind="whole", nbytes=1 << 40) + b"\0" * 16,
+    "positions longer than their gaps compress to": line(
+        count=1, positions_bytes=1 << 40, values_bytes=4, values_raw_bytes=4
+    )
+    + b"\0" * 8,  # fmt: skip
     "JSON nested too deeply": b"[" * 100_000 + b"]" * 100_000 + b"\n",
     "an object nested too deeply": b'{"kind": "same", "name": "w", "x": '
     + b"[" * 100_000

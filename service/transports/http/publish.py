@@ -48,6 +48,8 @@ async def _json_body(http: Request) -> dict[str, Any]:
         body = json.loads(raw)
     except ValueError as e:
         raise InvalidRequest(f"the request body is not JSON: {e}") from None
+    except RecursionError:  # nested deeper than the parser's stack
+        raise InvalidRequest("the request body is JSON nested too deeply") from None
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     return body

@@ -210,6 +210,7 @@ class RemoteModel:
         self.options = options or FetchOptions()
         self.info = client.model_info(self.id)
         self.last_update: dict[str, int] = {}  # what the last ``update`` did (by outcome)
+        self.last_removed: list[str] = []  # the tensors it removed from the state
         # tensors the last ``to_device`` staged in its ring / gave memory of their own
         self.last_device_load: dict[str, int] = {}
         self._fetcher = TensorFetcher(self)
@@ -273,9 +274,14 @@ class RemoteModel:
         does not match (a wrong base) is fetched whole, never left wrong. A torch tensor off
         the CPU or not contiguous is patched in a host copy and copied back into it; a
         read-only NumPy array (a same-node load's pages) is replaced by its patched copy. A
-        tensor whose dtype or shape changed, or that is new, gets a new array in ``state``.
-        ``last_update`` counts what was done and what travelled."""
-        found, self.last_update = self._revisions.update(state, since, revision)
+        tensor whose dtype or shape changed, or that is new, gets a new array in ``state`` (a
+        torch tensor on the same device where ``state`` held one: a state dict stays one).
+        All or nothing: the whole stream is read and checked before any tensor of ``state``
+        changes (a stream cut midway leaves ``state`` as it was), and a cut or refused stream
+        is asked for again within ``retry_seconds``. Tensors the revision no longer has are
+        removed from ``state`` and named in ``last_removed``. ``last_update`` counts what was
+        done (``removed`` included) and what travelled."""
+        found, self.last_update, self.last_removed = self._revisions.update(state, since, revision)
         return found
 
     def hold(self, commit: str, seconds: float) -> float | None:

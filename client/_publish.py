@@ -77,7 +77,7 @@ def tensor_bytes(value: Any) -> tuple[str, tuple[int, ...], memoryview]:
         array = np.from_dlpack(value)
     else:
         array = np.asarray(value)
-    array = np.ascontiguousarray(array)
+    array = np.asarray(array, order="C")  # not ascontiguousarray: it makes 0-dim 1-dim
     name = from_numpy_dtype(array.dtype)
     raw = array.reshape(-1).view(np.uint8)
     return name, tuple(array.shape), memoryview(raw.data)

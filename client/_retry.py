@@ -168,19 +168,25 @@ class Backoff:
 
 
 def call_with_retry(
-    call: Callable[[], T], budget: float, what: str, on_wait: OnWait | None = None
+    call: Callable[[], T],
+    budget: float,
+    what: str,
+    on_wait: OnWait | None = None,
+    *,
+    stream: bool = False,
 ) -> T:
     """``call()``, tried again on a busy or unreachable server within ``budget`` seconds.
 
     For metadata calls (model list, model info): they hold no stream, so a refused
-    connection is what there is to wait out (a server restarting).
+    connection is what there is to wait out (a server restarting). With ``stream``, a call
+    that reads a stream whole (a delta update) is tried again when the stream breaks too.
     """
     backoff = Backoff(budget)
     while True:
         try:
             return call()
         except WeightserveError as e:
-            reason, wait = backoff.retry_wait(e, stream=False)
+            reason, wait = backoff.retry_wait(e, stream=stream)
             log.warning("%s: %s (%s); retrying in %.1f s", what, reason, e, wait)
             backoff.sleep(reason, wait, on_wait)
 

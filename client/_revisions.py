@@ -12,7 +12,14 @@ from typing import Any, Protocol
 import numpy as np
 
 from weightserve.client._publish import Revision, hold, watch
-from weightserve.client._update import TensorUpdate, apply_updates, iter_updates
+from weightserve.client._retry import OnWait, call_with_retry
+from weightserve.client._update import (
+    TensorUpdate,
+    UpdateTarget,
+    apply_updates,
+    iter_updates,
+    remove_absent,
+)
 from weightserve.client.transports.base import ControlTransport
 from weightserve.client.wire.routes import split_revision
 
@@ -23,6 +30,9 @@ class Fetchable(Protocol):
 
 class RevisionsClient(Protocol):
     """What the revision verbs need of the model's client (``Client`` is one)."""
+
+    retry_seconds: float
+    on_wait: OnWait | None
 
     @property
     def transport(self) -> ControlTransport: ...
@@ -50,17 +60,38 @@ class ModelRevisions:
 
     def update(
         self, state: MutableMapping[str, Any], since: str, revision: str | None
-    ) -> tuple[Revision, dict[str, int]]:
-        """The revision ``state`` now holds, and what was done (by outcome)."""
-        target, updates = iter_updates(self.client.transport, self.plain, since, revision)
+    ) -> tuple[Revision, dict[str, int], list[str]]:
+        """The revision ``state`` now holds, what was done (by outcome, ``removed`` included)
+        and the names removed from ``state`` (tensors that revision does not have)."""
+        target, staged = self._staged_updates(since, revision)
 
         def fetch_whole(names: list[str]) -> dict[str, np.ndarray]:
             fetched = self.client.model(self.plain, revision=target.commit).fetch(names)
             return {name: np.asarray(array) for name, array in fetched.items()}
 
-        counts = apply_updates(state, updates, fetch_whole)
+        counts = apply_updates(state, iter(staged), fetch_whole)
+        removed = remove_absent(state, {update.name for update in staged})
+        counts["removed"] = len(removed)
         found = [r for r in self.client.revisions(self.plain) if r.commit == target.commit]
-        return (found[0] if found else Revision(target.commit, None, 0.0, 0)), counts
+        return (found[0] if found else Revision(target.commit, None, 0.0, 0)), counts, removed
+
+    def _staged_updates(
+        self, since: str, revision: str | None
+    ) -> tuple[UpdateTarget, list[TensorUpdate]]:
+        """The whole delta stream, read and checked before any of the caller's state changes
+        (all or nothing); a stream cut or refused is asked for again within the client's
+        retry budget, pinned to the commit its first answer named."""
+        pinned = revision
+
+        def read_whole() -> tuple[UpdateTarget, list[TensorUpdate]]:
+            nonlocal pinned
+            target, updates = iter_updates(self.client.transport, self.plain, since, pinned)
+            pinned = target.commit or pinned
+            return target, list(updates)
+
+        what = f"update of {self.plain!r}"
+        client = self.client
+        return call_with_retry(read_whole, client.retry_seconds, what, client.on_wait, stream=True)
 
     def hold(self, commit: str, seconds: float) -> float | None:
         return hold(self.client.transport, self.plain, commit, seconds)

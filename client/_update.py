@@ -92,7 +92,7 @@ def apply_updates(
         if not _is_tensor(value, header):  # missing, or another dtype or shape: a new array
             if update.kind == WHOLE:
                 assert update.data is not None
-                state[update.name] = _new_array(header, update.data)
+                state[update.name] = _new_array(header, update.data, like=value)
             else:
                 wrong.append(update.name)
             continue
@@ -121,8 +121,17 @@ def apply_updates(
             elif found is not None and _is_tensor(found, _shape_of(array, name)):
                 _put_back(state, name, found, fetched)
             else:
-                state[name] = np.array(array)
+                state[name] = _new_array(_shape_of(array, name), fetched.tobytes(), like=found)
     return counts
+
+
+def remove_absent(state: MutableMapping[str, Any], kept: set[str]) -> list[str]:
+    """Remove from ``state`` the tensors not in ``kept`` (the revision it now holds does not
+    have them); their names, in ``state``'s order."""
+    removed = [name for name in state if name not in kept]
+    for name in removed:
+        del state[name]
+    return removed
 
 
 def _is_torch(value: Any) -> bool:
@@ -195,5 +204,16 @@ def _put_back(state: MutableMapping[str, Any], name: str, value: Any, data: np.n
     state[name] = data.view(array.dtype).reshape(array.shape)
 
 
-def _new_array(header: DeltaHeader, data: bytes) -> np.ndarray:
+def _new_array(header: DeltaHeader, data: bytes, like: Any = None) -> Any:
+    """The tensor ``header`` describes, holding ``data``: a torch tensor on ``like``'s device
+    where the state held a torch tensor there (a state dict stays one), else a NumPy array."""
+    if like is not None and _is_torch(like):
+        import torch
+
+        dtype = getattr(torch, header.dtype, None)
+        if isinstance(dtype, torch.dtype):
+            if not data:  # frombuffer refuses an empty buffer
+                return torch.empty(header.shape, dtype=dtype, device=like.device)
+            flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            return flat.view(dtype).reshape(header.shape).to(like.device)
     return np.frombuffer(bytearray(data), dtype=numpy_dtype(header.dtype)).reshape(header.shape)

@@ -15,6 +15,7 @@ malformed stream can never make its reader allocate more than the tensor it name
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
@@ -23,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 
 from weightserve.client.errors import InvalidRequest
+from weightserve.client.wire.dtypes import DTYPES
 
 SAME = "same"
 PATCH = "patch"
@@ -133,6 +135,10 @@ def parse_header(line: bytes) -> DeltaHeader:
         raise InvalidRequest(
             f"the delta stream holds a header that is not a tensor's: {e}"
         ) from None
+    except RecursionError:  # JSON nested deeper than the parser's stack: never a header
+        raise InvalidRequest(
+            "the delta stream holds a header that is not a tensor's: JSON nested too deeply"
+        ) from None
     if header is None or not isinstance(header.name, str) or not header.name:
         raise InvalidRequest("the delta stream holds a header that is not a tensor's")
     check_header(header)
@@ -156,6 +162,12 @@ def check_header(header: DeltaHeader) -> None:
         or any(type(n) is not int or n < 0 for n in (*numbers, *header.shape))
     ):
         raise InvalidRequest(f"tensor {name!r}: the delta stream's header is malformed")
+    known = DTYPES.get(header.dtype)
+    if known is not None and known.nbytes(math.prod(header.shape)) != header.nbytes:
+        raise InvalidRequest(
+            f"tensor {name!r}: {header.nbytes} bytes declared for {header.dtype}"
+            f"{header.shape}, which holds {known.nbytes(math.prod(header.shape))}"
+        )
     if header.kind != PATCH:
         return
     if (
@@ -171,6 +183,22 @@ def check_header(header: DeltaHeader) -> None:
             f"tensor {name!r}: the patch changes {header.count} elements of a tensor of "
             f"{header.nbytes // header.element_bytes}"
         )
+    values_bound = (
+        compressed_bound(header.values_raw_bytes) if header.values_codec else header.values_bytes
+    )
+    if (
+        header.positions_bytes > compressed_bound(header.count * header.gap_bytes)
+        or header.values_bytes > values_bound
+    ):
+        raise InvalidRequest(
+            f"tensor {name!r}: the patch declares more bytes than {header.count} changes take"
+        )
+
+
+def compressed_bound(raw_bytes: int) -> int:
+    """The most bytes zstd makes of ``raw_bytes`` (its ZSTD_COMPRESSBOUND, with room to
+    spare): a declared payload above it is no compression of what it claims to hold."""
+    return raw_bytes + (raw_bytes >> 8) + 1024
 
 
 def decode_patch(

@@ -14,6 +14,8 @@ def load_json_object(raw: bytes, error_type: type[Exception], what: str) -> dict
         found = json.loads(raw)
     except ValueError as e:
         raise error_type(f"{what} is not JSON: {e}") from None
+    except RecursionError:  # nested deeper than the parser's stack
+        raise error_type(f"{what} is JSON nested too deeply") from None
     if not isinstance(found, dict):
         raise error_type(f"{what} must be a JSON object")
     return found

@@ -19,17 +19,20 @@ import logging
 import os
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+from weightserve.client.errors import InvalidRequest, RevisionNotFound
 from weightserve.client.wire.delta import WHOLE
 from weightserve.client.wire.delta_plan import DeltaEntry, element_bytes, header_line, plan_delta
+from weightserve.client.wire.routes import with_revision
 from weightserve.service.readers.base import TensorEntry
 from weightserve.service.serving.metrics import Metrics
 from weightserve.service.serving.streams import gathered_bytes
 from weightserve.service.sources.model import Model
+from weightserve.service.sources.revisions.pinning import MIN_PREFIX_CHARS, is_content_name
 from weightserve.service.sources.revisions.stores import KeptDeltas, KeptDeltaWriter
 
 log = logging.getLogger("weightserve.delta")
@@ -55,6 +58,24 @@ def _diff_pool() -> ThreadPoolExecutor:
         if _DIFFS is None:
             _DIFFS = ThreadPoolExecutor(DIFF_THREADS, thread_name_prefix="weightserve-diff")
         return _DIFFS
+
+
+def delta_base(resolve: Callable[[str], Model], model_id: str, since: str) -> Model | None:
+    """The revision a worker holds (``since``, resolved by ``resolve(ID@since)``), or None for
+    content this server does not hold (every tensor then travels whole). ``since`` must name a
+    revision: a ref the server holds, or a commit's or revision's hex digits; anything else
+    is InvalidRequest, never a silent full download."""
+    try:
+        return resolve(with_revision(model_id, since))
+    except RevisionNotFound:
+        if is_content_name(since):
+            return None
+        raise InvalidRequest(
+            f"since={since!r} names no revision of {model_id!r}: give the commit the worker "
+            f"holds (40 hex digits, or at least {MIN_PREFIX_CHARS} of them)"
+        ) from None
+    except InvalidRequest as e:
+        raise InvalidRequest(f"since={since!r}: {e}") from None
 
 
 def tensor_bytes(model: Model, entry: TensorEntry) -> memoryview:

@@ -12,7 +12,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from weightserve.client.errors import ModelUnavailable, ResourceExhausted
+from weightserve.client.errors import (
+    InvalidRequest,
+    ModelUnavailable,
+    ResourceExhausted,
+    RevisionNotFound,
+)
+from weightserve.client.wire.routes import split_revision, with_revision
 from weightserve.client.wire.schema import DEFAULT_CHUNK_BYTES
 from weightserve.service.serving.auth import Access, TokenStore
 from weightserve.service.serving.delta import DeltaCache
@@ -21,6 +27,7 @@ from weightserve.service.serving.idle import IdleCutter
 from weightserve.service.serving.metrics import Metrics, NodeCacheCollector
 from weightserve.service.sources.base import ModelSource
 from weightserve.service.sources.model import Model
+from weightserve.service.sources.revisions.pinning import names_content
 from weightserve.service.sources.revisions.stores import revision_record
 from weightserve.service.sources.served import Served
 
@@ -143,12 +150,22 @@ class ServiceState:
                     del self._per_client[client]
                 self._stream_ended.notify_all()
 
-    def readable_model(self, access: Access, model_id: str) -> Model:
+    def readable_model(self, access: Access, model_id: str, pin: str | None = None) -> Model:
         """The model an id names, if the caller may read it (else PermissionDenied /
         ModelNotFound): every transport's one way from an id to a model. ``ID@R`` is revision
-        R of it, resolved by the source (RevisionNotFound naming the revisions it holds)."""
+        R of it, resolved by the source (RevisionNotFound naming the revisions it holds).
+
+        ``pin``: the revision a stream was planned against (the index its client read). When
+        ``main`` has moved on since, the stream is served from that revision as ``ID@pin``
+        is, while the source holds it: a client that resolved ``main`` just before a publish
+        still loads what it resolved. One no longer held is left to the pin's check
+        (RevisionMismatch: start again)."""
         access.check(model_id)
-        return self.catalog.get(model_id, access.may_read)
+        model = self.catalog.get(model_id, access.may_read)
+        if pin and not names_content(model, pin) and split_revision(model_id)[1] is None:
+            with contextlib.suppress(RevisionNotFound, InvalidRequest):
+                return self.catalog.get(with_revision(model_id, pin), access.may_read)
+        return model
 
     def readable_metadata(self, access: Access, model_id: str, file: str | None = None) -> Model:
         """The model's index and files for its metadata (``ModelSource.describe``: no fill;

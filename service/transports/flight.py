@@ -185,9 +185,9 @@ class FlightService(flight.FlightServerBase):
                 message = from_ticket(ticket.ticket)
                 call = context.get_middleware("auth")
                 access = authorize(state.tokens, call.header)
-                model = state.readable_model(access, message.model)
                 chunk_bytes = LEAN_CHUNK_BYTES if call.lean else DEFAULT_CHUNK_BYTES
                 request = from_proto(message, chunk_bytes)
+                model = state.readable_model(access, message.model, request.revision)
                 planned = lease.plan(model, request, access.client_key(peer_host(context.peer())))
                 tensors = state.metrics.child(state.metrics.tensors_served, "flight", model.id)
                 chunks = stream_chunks(model, planned, request.chunk_bytes, tensors.inc)

@@ -202,8 +202,8 @@ class WeightService:
         one-tensor stream, without a stream's per-message cost."""
         state = self.state
         access = self._access(context)
-        model = state.readable_model(access, request.request.model)
         asked = from_proto(request.request)
+        model = state.readable_model(access, request.request.model, asked.revision)
         if asked.names is None or len(asked.names) != 1:
             raise InvalidRequest(
                 "GetTensor sends one tensor: give exactly one name (use_prefix false); "
@@ -355,8 +355,8 @@ class WeightService:
         try:
             with StreamLease(state, "grpc") as lease:
                 access = self._access(context)
-                model = state.readable_model(access, request.model)
                 tensor_request = from_proto(request)
+                model = state.readable_model(access, request.model, tensor_request.revision)
                 client = access.client_key(peer_host(context.peer()))
                 planned = lease.plan(model, tensor_request, client)
                 lease.watch_idle(_cancel_when_idle(context, state.limits.idle_timeout))

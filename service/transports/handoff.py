@@ -238,8 +238,8 @@ class HandoffServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         model_id = message.get("model")
         if not isinstance(model_id, str):
             raise InvalidRequest("a handoff names a model")
-        model = state.readable_model(access, model_id)
         request = from_handoff(message)
+        model = state.readable_model(access, model_id, request.revision)
         planned = plan_stream(model, request, state.limits.max_names)
         in_files = [p for p in planned if p.byte_offset is not None and p.nbytes]
         # Empty tensors need no file (an empty file has no mapping to pass on).

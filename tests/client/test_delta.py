@@ -184,3 +184,43 @@ def test_the_wire_form_is_readable_without_the_client(server: WeightServer) -> N
         seen[header["name"]] = header["kind"]
     assert seen == {"layers.0.w": "patch", "norm": "patch", "embed.q": "same", "head": "whole"}
     conn.close()
+
+
+def test_a_zero_dim_array_keeps_no_dimensions(server: WeightServer) -> None:
+    """A 0-dim array (a step counter, a scale) is published as shape [] and read back 0-dim;
+    a torch module's 0-dim buffer is updated in place as the 0-dim tensor it is."""
+    torch = pytest.importorskip("torch")
+    weights = dict(first_weights(), scale=np.array(0.5, np.float32))
+    with Client(server.http_url) as c:
+        r1 = c.publish(MODEL, weights)
+        model = c.model(MODEL)
+        assert tuple(model.tensors["scale"].shape) == ()
+        got = model.fetch(["scale"])["scale"]
+        assert got.shape == () and float(got) == 0.5
+        trainer = torch.nn.Linear(8, 4)
+        trainer.register_buffer("steps", torch.tensor(3, dtype=torch.int64))
+        trainer.register_buffer("none", torch.zeros(0))
+        worker = torch.nn.Linear(8, 4)
+        worker.register_buffer("steps", torch.tensor(3, dtype=torch.int64))
+        worker.register_buffer("none", torch.zeros(0))
+        worker.load_state_dict(trainer.state_dict())
+        t1 = c.publish(MODEL, trainer.state_dict())
+        with torch.no_grad():
+            trainer.steps += 1
+        t2 = c.publish(MODEL, trainer.state_dict(), base=t1.commit)
+        state = worker.state_dict()
+        buffer = state["steps"]
+        assert c.model(MODEL).update(state, since=t1.commit).commit == t2.commit
+    assert state["steps"] is buffer and isinstance(state["steps"], torch.Tensor)
+    assert state["steps"].shape == () and int(worker.steps) == 4
+    # A state that held it as shape [1] (as such arrays were once published) gets the 0-dim
+    # tensor whole, and a torch tensor still.
+    with Client(server.http_url) as c:
+        state = {n: t.clone() for n, t in worker.state_dict().items()}
+        state["steps"] = torch.tensor([3], dtype=torch.int64)
+        state["none"] = torch.zeros(2)  # another shape: it comes whole, empty
+        c.model(MODEL).update(state, since=t1.commit)
+    assert isinstance(state["steps"], torch.Tensor), type(state["steps"])
+    assert state["steps"].shape == () and int(state["steps"]) == 4
+    assert isinstance(state["none"], torch.Tensor) and state["none"].shape == (0,)
+    assert r1.commit != t1.commit

@@ -130,6 +130,12 @@ class CuttingProxy:
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
 
+    def __enter__(self) -> CuttingProxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         self._stop.set()
         self.listener.close()

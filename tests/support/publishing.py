@@ -3,10 +3,13 @@ arrays of a first revision to publish."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -54,3 +57,17 @@ def serve(root: Path, **options: object) -> WeightServer:
         rescan_seconds=0, watch=False, **options,  # type: ignore[arg-type]
     )  # fmt: skip
     return WeightServer(config)
+
+
+def put_patch(port: int, model: str, base: str, body: bytes) -> tuple[int, dict[str, Any]]:
+    """The server's answer to ``body`` sent as a patch against ``base`` in a new upload."""
+    uploads = f"/v1/models/{model}/-/uploads"
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request("POST", uploads, body=json.dumps({"base": base}).encode())
+        upload = json.loads(conn.getresponse().read())["upload"]
+        conn.request("PUT", f"{uploads}/{upload}/patch", body=body)
+        reply = conn.getresponse()
+        return reply.status, json.loads(reply.read())
+    finally:
+        conn.close()

@@ -6,7 +6,6 @@ decompressed or allocated."""
 
 from __future__ import annotations
 
-import http.client
 import io
 import json
 import tempfile
@@ -17,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from tests.support.publishing import put_patch
 from weightserve.client._client import Client
 from weightserve.client.errors import InvalidRequest
 from weightserve.client.wire.delta import (
@@ -89,6 +89,20 @@ MALFORMED = {
     "positions outside the tensor": patch([ELEMENTS], [7]),
     "fewer positions than declared": patch([1], [7, 8]),
     "a header line too long": b"{" + b" " * MAX_HEADER_LINE + b"}\n",
+    "more bytes than its shape holds": line(kind="whole", nbytes=1 << 40) + b"\0" * 16,
+    "positions longer than their gaps compress to": line(
+        count=1, positions_bytes=1 << 40, values_bytes=4, values_raw_bytes=4
+    )
+    + b"\0" * 8,  # fmt: skip
+    "JSON nested too deeply": b"[" * 100_000 + b"]" * 100_000 + b"\n",
+    "an object nested too deeply": b'{"kind": "same", "name": "w", "x": '
+    + b"[" * 100_000
+    + b"]" * 100_000
+    + b"}\n",
+    "2^34 changes of the tensor": line(
+        count=1 << 34, values_bytes=8, values_raw_bytes=4 << 34, values_codec="zstd"
+    )
+    + b"\0" * 8,  # fmt: skip
 }
 
 
@@ -107,16 +121,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[WeightSer
 
 def upload_refusal(srv: WeightServer, base: str, body: bytes) -> tuple[int, dict[str, Any]]:
     """The server's answer to ``body`` as a patch against ``base``."""
-    uploads = f"/v1/models/{MODEL}/-/uploads"
-    conn = http.client.HTTPConnection("127.0.0.1", srv.http_port, timeout=30)
-    try:
-        conn.request("POST", uploads, body=json.dumps({"base": base}).encode())
-        upload = json.loads(conn.getresponse().read())["upload"]
-        conn.request("PUT", f"{uploads}/{upload}/patch", body=body)
-        reply = conn.getresponse()
-        return reply.status, json.loads(reply.read())
-    finally:
-        conn.close()
+    return put_patch(srv.http_port, MODEL, base, body)
 
 
 @pytest.mark.parametrize("case", list(MALFORMED))

@@ -22,15 +22,16 @@ MIN_PREFIX_CHARS = 12
 _HEX = re.compile(r"[0-9a-f]+")
 
 
+def is_content_name(name: str) -> bool:
+    """Whether ``name`` has the form of content (at least ``MIN_PREFIX_CHARS`` hex digits of
+    a revision or commit): a name some server may hold, whether or not this one does."""
+    return len(name) >= MIN_PREFIX_CHARS and _HEX.fullmatch(name.lower()) is not None
+
+
 def names_content(model: Model, name: str) -> bool:
     """Whether ``name`` (the revision, the commit, or a prefix of at least
     ``MIN_PREFIX_CHARS`` hex digits of them) names the model's content."""
-    name = name.lower()
-    return (
-        len(name) >= MIN_PREFIX_CHARS
-        and _HEX.fullmatch(name) is not None
-        and model.revision_digest().startswith(name)
-    )
+    return is_content_name(name) and model.revision_digest().startswith(name.lower())
 
 
 def pick_revision(model_id: str, revision: str, held: Mapping[str, Model]) -> Model:

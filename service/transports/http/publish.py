@@ -21,15 +21,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
-from weightserve.client.errors import InvalidRequest, ResourceExhausted, RevisionNotFound
+from weightserve.client.errors import InvalidRequest, ResourceExhausted
 from weightserve.client.wire.delta import DELTA_MEDIA_TYPE
 from weightserve.client.wire.json_body import load_json_object
 from weightserve.client.wire.routes import MAIN_REVISION, UPLOADS_ROUTE, with_revision
+from weightserve.service.serving.delta import delta_base
 from weightserve.service.serving.feed import DRAIN_CHECK_SECONDS, EVERY_MODEL, HEARTBEAT_SECONDS
 from weightserve.service.serving.lease import StreamLease
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.sources.base import RevisionLog
-from weightserve.service.sources.model import Model
 from weightserve.service.sources.publishing.uploads import Publishing, Upload
 from weightserve.service.transports.http.common import OPERATION_KEY, AccessCheck, off_loop
 from weightserve.service.transports.http.routes import get_and_head
@@ -293,8 +293,9 @@ def add_publish_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -
     ) -> Response:
         """What a worker holding revision `since` needs to hold `revision` (default `main`):
         per tensor, one JSON line (`kind` `same`, `patch` or `whole`) and its bytes
-        (docs/protocol.md, "Delta updates"). A `since` the server no longer holds gives every
-        tensor whole (`x-weightserve-delta-base` empty). A data route: it takes a stream slot
+        (docs/protocol.md, "Delta updates"). A commit `since` the server does not hold gives
+        every tensor whole (`x-weightserve-delta-base` empty); a `since` that is neither a ref
+        it holds nor a commit's hex digits is a 400. A data route: it takes a stream slot
         as the tensor streams do, and holds both revisions' files while it runs."""
         http.scope[OPERATION_KEY] = "stream"
         return await run_in_threadpool(_start_delta, http, model, since, revision)
@@ -302,10 +303,7 @@ def add_publish_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -
     def _start_delta(http: Request, model: str, since: str, revision: str) -> Response:
         caller = access(http)
         target = state.readable_model(caller, with_revision(model, revision))
-        try:
-            base: Model | None = state.readable_model(caller, with_revision(model, since))
-        except RevisionNotFound:
-            base = None
+        base = delta_base(lambda named: state.readable_model(caller, named), model, since)
         headers = {
             "x-weightserve-revision": target.revision,
             "x-weightserve-commit": target.commit,

@@ -203,7 +203,7 @@ class TensorStreams:
         state = self.state
         http.scope[OPERATION_KEY] = "stream"  # whichever route led here
         caller = self.access(http)
-        model = state.readable_model(caller, model_id)
+        model = state.readable_model(caller, model_id, request.revision)
         client = caller.client_key(http.client.host if http.client else "")
         # CallMetrics counts the request; the lease its slot, files and bytes.
         key = self._kept.key(model, request) if http.method != "HEAD" else None

@@ -138,21 +138,21 @@ def test_concurrent_deltas_are_admitted_two_at_a_time(tmp_path: Path) -> None:
 
 
 def test_a_since_the_server_never_held_streams_under_the_lease_too(tmp_path: Path) -> None:
-    """An unknown ``since`` gets every tensor whole (the documented answer): a full download,
-    so it waits for a slot like any other; a malformed one is a 400."""
+    """An unknown commit as ``since`` gets every tensor whole (the documented answer): a full
+    download, so it waits for a slot like any other; one that names no revision is a 400."""
     with serving(tmp_path) as (srv, _, second):
         with contextlib.ExitStack() as held:
             for _ in range(2):
                 held.enter_context(srv.state.stream_slot("http", "another client"))
-            for since in ("0" * 40, "not-a-revision"):
-                answer = open_delta(srv, delta_path(since, second))
-                answer.read()
-                answer.close()
-                assert answer.status == 429, (since, answer.status)
-        answer = open_delta(srv, delta_path("a:b", second))
-        answer.read()
-        answer.close()
-        assert answer.status == 400
+            answer = open_delta(srv, delta_path("0" * 40, second))
+            answer.read()
+            answer.close()
+            assert answer.status == 429, answer.status
+        for since in ("a:b", "not-a-revision"):
+            answer = open_delta(srv, delta_path(since, second))
+            answer.read()
+            answer.close()
+            assert answer.status == 400, (since, answer.status)
         answer = open_delta(srv, delta_path("0" * 40, second))
         body = answer.read()
         answer.close()

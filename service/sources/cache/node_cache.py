@@ -40,6 +40,7 @@ from weightserve.service.sources.cache.records import CacheBook, FillRecord, _ch
 from weightserve.service.sources.cache.room import CacheRoom, Room
 from weightserve.service.sources.cache.stats import CacheStats
 from weightserve.service.sources.files.stamps import FileStamp
+from weightserve.service.sources.origin.base import FillPlan
 
 if TYPE_CHECKING:
     from weightserve.service.sources.origin.base import Origin, OriginFile
@@ -79,7 +80,7 @@ class NodeCache:
         self.stats = self.book.stats
         self.space = Room(self.book, size_limit_bytes)
         self.integrity = Integrity(self.book, origin.description)
-        self.fills = Fills(self.book, self.space, origin, concurrency, part_bytes)
+        self.fills = Fills(self.book, self.space, origin, FillPlan(concurrency, part_bytes))
         self._lock_file = _lock_directory(self.directory)
         # Files that no longer match their fill record are dropped (a stat each; one whose
         # stamp changed is hashed again), then what no whole model records is removed.

@@ -33,7 +33,7 @@ from weightserve.client import Client
 from weightserve.client._cli import main as cli_main
 from weightserve.service.server import ServerConfig, WeightServer
 from weightserve.service.sources.cache.node_cache import NodeCache
-from weightserve.service.sources.origin.base import Origin, OriginFile
+from weightserve.service.sources.origin.base import DEFAULT_PLAN, FillPlan, Origin, OriginFile
 from weightserve.service.sources.origin.catalog import OriginCatalog
 from weightserve.service.sources.origin.opening import open_origin
 
@@ -270,9 +270,9 @@ class GatedOrigin:
     def list_files(self) -> list[OriginFile]:
         return self.origin.list_files()
 
-    def fetch(self, file: OriginFile, dest: Path, **options: object) -> None:
+    def fetch(self, file: OriginFile, dest: Path, plan: FillPlan = DEFAULT_PLAN) -> str | None:
         assert self.release.wait(30), "the test never released the fill"
-        self.origin.fetch(file, dest, **options)  # type: ignore[arg-type]
+        return self.origin.fetch(file, dest, plan)
 
 
 def test_request_during_a_long_fill_gets_503_with_retry_after_and_progress(

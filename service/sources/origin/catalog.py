@@ -41,7 +41,7 @@ from weightserve.service.sources.layout import (
     validate_model_id,
 )
 from weightserve.service.sources.local.catalog import Catalog
-from weightserve.service.sources.model import Model
+from weightserve.service.sources.model import Model, ReadCheck
 from weightserve.service.sources.origin.admin import CacheAdmin
 from weightserve.service.sources.origin.announced import HeldRevisions
 from weightserve.service.sources.origin.base import Origin, OriginFile
@@ -249,7 +249,7 @@ class OriginCatalog:
             fields.update(revision=digest[:REVISION_CHARS], commit=digest[:COMMIT_CHARS])
         return fields
 
-    def remote_summaries(self, may_read: Callable[[str], bool]) -> list[dict[str, Any]]:
+    def remote_summaries(self, may_read: ReadCheck) -> list[dict[str, Any]]:
         """The listed models not cached yet, as model summaries with their state and the
         revision and commit the origin lists (where its listing tells them)."""
         summaries = []
@@ -271,7 +271,7 @@ class OriginCatalog:
             )
         return summaries
 
-    def get(self, model_id: str, may_read: Callable[[str], bool] | None = None) -> Model:
+    def get(self, model_id: str, may_read: ReadCheck | None = None) -> Model:
         """The model, filled into the cache first if it is not there (see ``fill``)."""
         plain, revision = split_revision(validate_model_id(model_id))
         base = base_model_id(plain)  # ID@R: the local catalog picks R
@@ -339,10 +339,7 @@ class OriginCatalog:
         return True
 
     def describe(
-        self,
-        model_id: str,
-        may_read: Callable[[str], bool] | None = None,
-        file: str | None = None,
+        self, model_id: str, may_read: ReadCheck | None = None, file: str | None = None
     ) -> Model:
         """The model's metadata: a model listed by the origin and not cached (or cached of
         files the origin changed since) is described from ranged reads of its headers

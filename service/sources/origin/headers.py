@@ -32,7 +32,7 @@ from weightserve.service.sources.files.stamps import FileStamp, file_stamp
 from weightserve.service.sources.layout import INDEX_NAME, checkpoint_format, hub_repo_file
 from weightserve.service.sources.local.catalog import Catalog
 from weightserve.service.sources.local.discovery import MAX_INDEX_BYTES
-from weightserve.service.sources.model import Model
+from weightserve.service.sources.model import Model, ReadCheck
 from weightserve.service.sources.origin.base import FillPlan, Origin, OriginFile
 from weightserve.service.sources.revisions.content import DigestStore, FileChanged, hash_file
 
@@ -121,7 +121,7 @@ class HeaderImages:
         model_id: str,
         base: str,
         files: tuple[OriginFile, ...],
-        may_read: Callable[[str], bool] | None = None,
+        may_read: ReadCheck | None = None,
         side_file: str | None = None,
     ) -> HeaderModel:
         """``model_id`` (of the directory or file model ``base``, whose origin files are

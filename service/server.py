@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import ssl
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -332,31 +333,35 @@ def _origin_catalog(config: ServerConfig, events: _SourceEvents) -> OriginCatalo
         raise StartupError("root", str(e)) from None
     cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
     directory = cache_dir / "node-cache"
+
+    def open_cache(*, on_evict: Callable[[], None]) -> NodeCache:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            return NodeCache(
+                origin,
+                directory,
+                config.cache_size or None,  # None: a share of the file system's room, per fill
+                concurrency=config.fill_concurrency,
+                part_bytes=config.fill_part_size,
+                pins=config.pins,
+                watch=config.watch,
+                on_evict=on_evict,
+            )
+        except OSError as e:
+            raise StartupError(
+                "cache_dir", f"cannot use {directory} as the node cache: {e.strerror or e}"
+            ) from None
+        except ModelUnavailable as e:  # the directory is another server's
+            raise StartupError("cache_dir", str(e)) from None
+
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        cache = NodeCache(
-            origin,
-            directory,
-            config.cache_size or None,  # None: a share of the file system's room, read per fill
-            concurrency=config.fill_concurrency,
-            part_bytes=config.fill_part_size,
-            pins=config.pins,
-            watch=config.watch,
+        catalog = OriginCatalog(
+            open_cache, on_refused=events.refused, on_revision=events.feed.announce
         )
-    except OSError as e:
-        origin.close()
-        raise StartupError(
-            "cache_dir", f"cannot use {directory} as the node cache: {e.strerror or e}"
-        ) from None
-    except ModelUnavailable as e:  # the directory is another server's
-        origin.close()
-        raise StartupError("cache_dir", str(e)) from None
-    try:
-        catalog = OriginCatalog(cache, on_refused=events.refused, on_revision=events.feed.announce)
-    except BaseException:
-        cache.close()
+    except BaseException:  # the catalog closed the cache it opened
         origin.close()
         raise
+    cache = catalog.cache
     try:
         cache.warm(None if catalog.origin_error else _listing(catalog))
     except WeightserveError as e:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -279,7 +280,7 @@ def test_request_during_a_long_fill_gets_503_with_retry_after_and_progress(
     repository: Path, tmp_path: Path
 ) -> None:
     origin = GatedOrigin(open_origin(repository.as_uri()))
-    catalog = OriginCatalog(NodeCache(origin, tmp_path, 1 << 30), fill_wait_seconds=0.2)
+    catalog = OriginCatalog(partial(NodeCache, origin, tmp_path, 1 << 30), fill_wait_seconds=0.2)
     with WeightServer(config(repository.as_uri(), tmp_path), catalog=catalog) as server:
         reply = http_request(server.http_port, "/v1/models/big/-/stream?prefix=")
         assert reply.status == 503, reply.body

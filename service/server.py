@@ -26,7 +26,7 @@ from weightserve.service.config import default_of
 from weightserve.service.serving.auth import TokenStore
 from weightserve.service.serving.feed import RevisionFeed
 from weightserve.service.serving.metrics import Metrics
-from weightserve.service.serving.state import Limits, ServiceState
+from weightserve.service.serving.state import Lifecycle, Limits, Ports, ServiceState
 from weightserve.service.sources.base import FillsOnRequest, ModelSource, Problem
 from weightserve.service.sources.cache.node_cache import NodeCache
 from weightserve.service.sources.local.catalog import Catalog
@@ -386,6 +386,11 @@ class WeightServer:
         served = build_served(config, metrics, feed, catalog)
         self.catalog: ModelSource = served.source
         self._follower = served.follower
+        self.listeners: list[Listener] = []  # those started (or starting), in start order
+        self._http: UvicornListener | None = None
+        self._grpc: GrpcListener | None = None
+        self._flight: FlightListener | None = None
+        self._handoff_listener: HandoffListener | None = None
         self.state = ServiceState(
             served,
             config.limits,
@@ -395,12 +400,8 @@ class WeightServer:
             metrics=metrics,
             feed=feed,
             uds=uds_paths(config.uds)["http"] if config.uds else None,
+            lifecycle=Lifecycle(self._advertised_ports),
         )
-        self.listeners: list[Listener] = []  # those started (or starting), in start order
-        self._http: UvicornListener | None = None
-        self._grpc: GrpcListener | None = None
-        self._flight: FlightListener | None = None
-        self._handoff_listener: HandoffListener | None = None
         self._stop_rescan = threading.Event()
 
     # The ports bound (0: not listening, or not yet).
@@ -415,6 +416,12 @@ class WeightServer:
     @property
     def flight_port(self) -> int:
         return self._flight.port if self._flight is not None else 0
+
+    def _advertised_ports(self) -> Ports:
+        """What the transports report: each listener's port once bound, Flight's as clients
+        are told to dial it."""
+        flight = self._flight.advertised_port if self._flight is not None else 0
+        return Ports(self.http_port, self.grpc_port, flight)
 
     @property
     def tls(self) -> bool:
@@ -484,7 +491,6 @@ class WeightServer:
         for listener in self._planned_listeners():
             self.listeners.append(listener)  # first: a listener that fails half-way is stopped
             listener.start()
-        self.state.http_port, self.state.grpc_port = self.http_port, self.grpc_port
         self._start_catalog_upkeep()
         catalog = self.catalog
         # A node cache serves what its origin lists (the banner's count), cached or not.
@@ -653,7 +659,7 @@ class WeightServer:
         self._stop_rescan.set()
         if self._follower is not None:
             self._follower.stop()
-        self.state.draining = True
+        self.state.lifecycle.draining.set()
         for listener in self.listeners:
             listener.drain()
         drained = self.state.wait_for_streams(grace)

@@ -188,11 +188,12 @@ class WeightService:
     @_unary_call("server_info")
     def GetServerInfo(self, request: pb.GetServerInfoRequest, context: grpc.ServicerContext) -> Any:
         state = self.state
+        ports = state.lifecycle.ports()
         return pb.ServerInfo(
             version=server_version(),
-            flight_port=state.flight_port,
+            flight_port=ports.flight,
             instance=state.instance,
-            http_port=state.http_port,
+            http_port=ports.http,
             uds=state.uds or "",
         )
 

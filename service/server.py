@@ -47,7 +47,7 @@ from weightserve.service.sources.revisions.stores import (
 from weightserve.service.sources.served import Served
 from weightserve.service.transports.flight import FlightListener
 from weightserve.service.transports.grpc import GrpcListener
-from weightserve.service.transports.handoff import HandoffListener, HandoffServer
+from weightserve.service.transports.handoff import HandoffEndpoint, HandoffListener, HandoffServer
 from weightserve.service.transports.http.app import create_app
 from weightserve.service.transports.http.uvicorn_listener import UvicornListener
 from weightserve.service.transports.listener import (
@@ -543,7 +543,8 @@ class WeightServer:
         if paths is not None:
             uids = frozenset(c.uds_uids) if c.uds_uids else None
             self._handoff_listener = HandoffListener(
-                paths["handoff"], self.state, c.uds_mode, uids, c.handoff_snapshot_bytes
+                HandoffEndpoint(paths["handoff"], c.uds_mode, uids, c.handoff_snapshot_bytes),
+                self.state,
             )
             planned.append(self._handoff_listener)
         return planned

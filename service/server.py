@@ -399,8 +399,9 @@ class WeightServer:
             allow_publish=config.allow_publish,
             metrics=metrics,
             feed=feed,
-            uds=uds_paths(config.uds)["http"] if config.uds else None,
-            lifecycle=Lifecycle(self._advertised_ports),
+            lifecycle=Lifecycle(
+                self._advertised_ports, uds_paths(config.uds)["http"] if config.uds else None
+            ),
         )
         self._stop_rescan = threading.Event()
 

@@ -53,12 +53,14 @@ class Ports:
 
 
 class Lifecycle:
-    """Where the server stands, for the transports to report: the ports its listeners bound
-    (``ports()``, asked of the listeners each time) and whether it drains (``draining``, set
-    once stop begins: readiness turns false and new streams are refused)."""
+    """Where the server listens and stands, for the transports to report: the ports its
+    listeners bound (``ports()``, asked of the listeners each time), its same-node HTTP socket
+    (``uds``, --uds, as this server sees it) and whether it drains (``draining``, set once
+    stop begins: readiness turns false and new streams are refused)."""
 
-    def __init__(self, ports: Callable[[], Ports] = Ports) -> None:
+    def __init__(self, ports: Callable[[], Ports] = Ports, uds: str | None = None) -> None:
         self.ports = ports
+        self.uds = uds
         self.draining = threading.Event()
 
 
@@ -73,13 +75,12 @@ class ServiceState:
         allow_publish: bool = False,
         metrics: Metrics | None = None,
         feed: RevisionFeed | None = None,
-        uds: str | None = None,
         lifecycle: Lifecycle | None = None,
     ) -> None:
         """``served``: the composed whole (a bare source serves alone). ``metrics`` and
         ``feed`` are given when the source's callbacks (refusals counted, revisions
-        announced) were built to reach them; ``uds``: the same-node HTTP socket;
-        ``lifecycle``: the server's ports and draining (none bound, never draining: alone)."""
+        announced) were built to reach them; ``lifecycle``: where the server listens and
+        whether it drains (none bound, never draining: alone)."""
         self.served = served if isinstance(served, Served) else Served(served)
         self.catalog = self.served.source
         self.publisher = self.served.publisher
@@ -99,7 +100,6 @@ class ServiceState:
         # What server info advertises, so a client can choose its data plane (client/transports/planes.py)
         # and tell whether a same-node socket it finds is this server's.
         self.instance = uuid.uuid4().hex
-        self.uds = uds  # the same-node HTTP socket (--uds), as this server sees it
         self._streams = 0
         self._lock = threading.Lock()
         self._stream_ended = threading.Condition(self._lock)

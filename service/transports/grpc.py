@@ -194,7 +194,7 @@ class WeightService:
             flight_port=ports.flight,
             instance=state.instance,
             http_port=ports.http,
-            uds=state.uds or "",
+            uds=state.lifecycle.uds or "",
         )
 
     @_unary_call("stream")

@@ -42,7 +42,7 @@ def add_operations_routes(app: FastAPI, state: ServiceState, access: AccessCheck
             "http_port": ports.http,
             "grpc_port": ports.grpc,
             "flight_port": ports.flight,
-            "uds": state.uds,
+            "uds": state.lifecycle.uds,
         }
 
     @get_and_head(app, "/readyz", tags=["operations"])

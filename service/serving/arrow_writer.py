@@ -75,6 +75,17 @@ def schema_message() -> bytes:
     return stream[: -len(END_OF_STREAM)]
 
 
+def _int64_pairs(b: flatbuffers.Builder, pairs: list[tuple[int, int]]) -> int:
+    """A vector of 16-byte structs of two int64 fields, in order (Arrow's FieldNode and
+    Buffer); vectors of structs are written back to front."""
+    b.StartVector(16, len(pairs), 8)
+    for first, second in reversed(pairs):
+        b.Prep(8, 16)
+        b.PrependInt64(second)
+        b.PrependInt64(first)
+    return b.EndVector()
+
+
 def build_metadata(
     nodes: list[tuple[int, int]], buffers: list[tuple[int, int]], body_length: int
 ) -> bytes:
@@ -86,19 +97,8 @@ def build_metadata(
     numbers into it; this function is the reference the tests compare the template against.
     """
     b = flatbuffers.Builder(1024)
-    # Vectors of structs are written back to front.
-    b.StartVector(16, len(nodes), 8)
-    for length, null_count in reversed(nodes):
-        b.Prep(8, 16)
-        b.PrependInt64(null_count)
-        b.PrependInt64(length)
-    nodes_vec = b.EndVector()
-    b.StartVector(16, len(buffers), 8)
-    for offset, length in reversed(buffers):
-        b.Prep(8, 16)
-        b.PrependInt64(length)
-        b.PrependInt64(offset)
-    buffers_vec = b.EndVector()
+    nodes_vec = _int64_pairs(b, nodes)  # (length, null_count) each
+    buffers_vec = _int64_pairs(b, buffers)  # (offset, length) each
 
     b.StartObject(5)  # RecordBatch: length, nodes, buffers, compression, variadicBufferCounts
     b.PrependInt64Slot(_BATCH_LENGTH, 1, 0)

@@ -573,10 +573,10 @@ class WeightServer:
             try:
                 self.catalog.warm_revisions()
             finally:
-                self.state.warming = False
+                self.state.lifecycle.warming.clear()
                 warmed.set()
 
-        self.state.warming = True
+        self.state.lifecycle.warming.set()
         threading.Thread(target=warm, name="weightserve-revisions", daemon=True).start()
         if not warmed.wait(self.WARM_WAIT_SECONDS):
             log.info(

@@ -1,8 +1,7 @@
 """What the four transports (HTTP, gRPC, Flight, the same-node handoff) share in one process:
 the source and what comes with it (service/sources/served.py), settings, metrics, stream
 limits and the idle cut, and where the server stands (``Lifecycle``: the ports its listeners
-bound, whether it drains). Built whole: nothing is set on it afterwards but the warming flag
-start-up turns."""
+bound, whether it warms or drains). Built whole: nothing is set on it afterwards."""
 
 from __future__ import annotations
 
@@ -55,12 +54,14 @@ class Ports:
 class Lifecycle:
     """Where the server listens and stands, for the transports to report: the ports its
     listeners bound (``ports()``, asked of the listeners each time), its same-node HTTP socket
-    (``uds``, --uds, as this server sees it) and whether it drains (``draining``, set once
-    stop begins: readiness turns false and new streams are refused)."""
+    (``uds``, --uds, as this server sees it), whether it warms (``warming``: the content
+    revisions of the models found at start being computed) and whether it drains
+    (``draining``, set once stop begins: readiness turns false and new streams are refused)."""
 
     def __init__(self, ports: Callable[[], Ports] = Ports, uds: str | None = None) -> None:
         self.ports = ports
         self.uds = uds
+        self.warming = threading.Event()
         self.draining = threading.Event()
 
 
@@ -96,7 +97,6 @@ class ServiceState:
         # root's published revisions).
         self.deltas = DeltaCache(metrics=self.metrics, kept=self.served.kept_deltas)
         self.lifecycle = lifecycle or Lifecycle()
-        self.warming = False  # content revisions of the models found at start being computed
         # What server info advertises, so a client can choose its data plane (client/transports/planes.py)
         # and tell whether a same-node socket it finds is this server's.
         self.instance = uuid.uuid4().hex
@@ -115,6 +115,10 @@ class ServiceState:
     @property
     def draining(self) -> bool:
         return self.lifecycle.draining.is_set()
+
+    @property
+    def warming(self) -> bool:
+        return self.lifecycle.warming.is_set()
 
     @property
     def open_streams(self) -> int:

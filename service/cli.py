@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -129,43 +130,31 @@ def _configured_server(args: argparse.Namespace) -> WeightServer:
         raise StartupError(
             "root", f"model root {root} is not readable by this process (uid {os.getuid()})"
         )
-    config = ServerConfig(
-        root=args.root if root is None else str(root),
-        host=args.host,
-        http_port=args.http_port,
-        grpc_port=args.grpc_port,
-        flight_port=None if args.flight_port < 0 else args.flight_port,
-        flight_public_port=args.flight_public_port or None,
-        grace_seconds=args.grace,
-        limits=Limits(
+    # A setting named as a ServerConfig field is taken as given; the others are shaped here.
+    as_given = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(ServerConfig)
+        if f.name in SETTINGS_BY_DEST
+    }
+    shaped = {
+        "root": args.root if root is None else str(root),
+        "flight_port": None if args.flight_port < 0 else args.flight_port,
+        "flight_public_port": args.flight_public_port or None,
+        "grace_seconds": args.grace,
+        "limits": Limits(
             max_streams=args.max_streams,
             max_streams_per_client=args.max_streams_per_client,
             idle_timeout=args.idle_timeout,
         ),
-        token_file=args.token_file,
-        protect_metrics=args.protect_metrics,
-        allow_publish=args.allow_publish,
-        max_upload_bytes=args.max_upload_bytes,
-        keep_revisions=args.keep_revisions,
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-        tls_client_ca=args.tls_client_ca,
-        rescan_seconds=args.rescan,
-        watch=not args.no_watch,
-        follow=not args.no_follow,
-        cache_dir=str(cache_dir),
-        cache_size=args.cache_size,
-        fill_concurrency=args.fill_concurrency,
-        fill_part_size=args.fill_part_size,
-        pins=tuple(args.pin),
-        origin_token=args.origin_token,
-        origin_tls=(args.origin_ca, args.origin_cert, args.origin_key),
-        origin_stall_seconds=args.origin_stall_seconds,
-        uds=args.uds,
-        uds_mode=args.uds_mode,
-        uds_uids=args.uds_uids or (),
-        handoff_snapshot_bytes=args.handoff_snapshot_bytes,
-    )
+        "rescan_seconds": args.rescan,
+        "watch": not args.no_watch,
+        "follow": not args.no_follow,
+        "cache_dir": str(cache_dir),
+        "pins": tuple(args.pin),
+        "origin_tls": (args.origin_ca, args.origin_cert, args.origin_key),
+        "uds_uids": args.uds_uids or (),
+    }
+    config = ServerConfig(**{**as_given, **shaped})
     check_listeners(config)  # before the scan: a taken port is the only line on stderr
     server = WeightServer(config)
     catalog = server.catalog

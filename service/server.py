@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import ssl
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from weightserve.service.config import default_of
 from weightserve.service.serving.auth import TokenStore
 from weightserve.service.serving.feed import RevisionFeed
 from weightserve.service.serving.metrics import Metrics
-from weightserve.service.serving.state import Limits, ServiceState
+from weightserve.service.serving.state import Lifecycle, Limits, Ports, ServiceState
 from weightserve.service.sources.base import FillsOnRequest, ModelSource, Problem
 from weightserve.service.sources.cache.node_cache import NodeCache
 from weightserve.service.sources.local.catalog import Catalog
@@ -46,7 +47,7 @@ from weightserve.service.sources.revisions.stores import (
 from weightserve.service.sources.served import Served
 from weightserve.service.transports.flight import FlightListener
 from weightserve.service.transports.grpc import GrpcListener
-from weightserve.service.transports.handoff import HandoffListener, HandoffServer
+from weightserve.service.transports.handoff import HandoffEndpoint, HandoffListener, HandoffServer
 from weightserve.service.transports.http.app import create_app
 from weightserve.service.transports.http.uvicorn_listener import UvicornListener
 from weightserve.service.transports.listener import (
@@ -332,31 +333,35 @@ def _origin_catalog(config: ServerConfig, events: _SourceEvents) -> OriginCatalo
         raise StartupError("root", str(e)) from None
     cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
     directory = cache_dir / "node-cache"
+
+    def open_cache(*, on_evict: Callable[[], None]) -> NodeCache:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            return NodeCache(
+                origin,
+                directory,
+                config.cache_size or None,  # None: a share of the file system's room, per fill
+                concurrency=config.fill_concurrency,
+                part_bytes=config.fill_part_size,
+                pins=config.pins,
+                watch=config.watch,
+                on_evict=on_evict,
+            )
+        except OSError as e:
+            raise StartupError(
+                "cache_dir", f"cannot use {directory} as the node cache: {e.strerror or e}"
+            ) from None
+        except ModelUnavailable as e:  # the directory is another server's
+            raise StartupError("cache_dir", str(e)) from None
+
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        cache = NodeCache(
-            origin,
-            directory,
-            config.cache_size or None,  # None: a share of the file system's room, read per fill
-            concurrency=config.fill_concurrency,
-            part_bytes=config.fill_part_size,
-            pins=config.pins,
-            watch=config.watch,
+        catalog = OriginCatalog(
+            open_cache, on_refused=events.refused, on_revision=events.feed.announce
         )
-    except OSError as e:
-        origin.close()
-        raise StartupError(
-            "cache_dir", f"cannot use {directory} as the node cache: {e.strerror or e}"
-        ) from None
-    except ModelUnavailable as e:  # the directory is another server's
-        origin.close()
-        raise StartupError("cache_dir", str(e)) from None
-    try:
-        catalog = OriginCatalog(cache, on_refused=events.refused, on_revision=events.feed.announce)
-    except BaseException:
-        cache.close()
+    except BaseException:  # the catalog closed the cache it opened
         origin.close()
         raise
+    cache = catalog.cache
     try:
         cache.warm(None if catalog.origin_error else _listing(catalog))
     except WeightserveError as e:
@@ -381,6 +386,11 @@ class WeightServer:
         served = build_served(config, metrics, feed, catalog)
         self.catalog: ModelSource = served.source
         self._follower = served.follower
+        self.listeners: list[Listener] = []  # those started (or starting), in start order
+        self._http: UvicornListener | None = None
+        self._grpc: GrpcListener | None = None
+        self._flight: FlightListener | None = None
+        self._handoff_listener: HandoffListener | None = None
         self.state = ServiceState(
             served,
             config.limits,
@@ -389,13 +399,10 @@ class WeightServer:
             allow_publish=config.allow_publish,
             metrics=metrics,
             feed=feed,
-            uds=uds_paths(config.uds)["http"] if config.uds else None,
+            lifecycle=Lifecycle(
+                self._advertised_ports, uds_paths(config.uds)["http"] if config.uds else None
+            ),
         )
-        self.listeners: list[Listener] = []  # those started (or starting), in start order
-        self._http: UvicornListener | None = None
-        self._grpc: GrpcListener | None = None
-        self._flight: FlightListener | None = None
-        self._handoff_listener: HandoffListener | None = None
         self._stop_rescan = threading.Event()
 
     # The ports bound (0: not listening, or not yet).
@@ -410,6 +417,12 @@ class WeightServer:
     @property
     def flight_port(self) -> int:
         return self._flight.port if self._flight is not None else 0
+
+    def _advertised_ports(self) -> Ports:
+        """What the transports report: each listener's port once bound, Flight's as clients
+        are told to dial it."""
+        flight = self._flight.advertised_port if self._flight is not None else 0
+        return Ports(self.http_port, self.grpc_port, flight)
 
     @property
     def tls(self) -> bool:
@@ -479,7 +492,6 @@ class WeightServer:
         for listener in self._planned_listeners():
             self.listeners.append(listener)  # first: a listener that fails half-way is stopped
             listener.start()
-        self.state.http_port, self.state.grpc_port = self.http_port, self.grpc_port
         self._start_catalog_upkeep()
         catalog = self.catalog
         # A node cache serves what its origin lists (the banner's count), cached or not.
@@ -532,7 +544,8 @@ class WeightServer:
         if paths is not None:
             uids = frozenset(c.uds_uids) if c.uds_uids else None
             self._handoff_listener = HandoffListener(
-                paths["handoff"], self.state, c.uds_mode, uids, c.handoff_snapshot_bytes
+                HandoffEndpoint(paths["handoff"], c.uds_mode, uids, c.handoff_snapshot_bytes),
+                self.state,
             )
             planned.append(self._handoff_listener)
         return planned
@@ -560,10 +573,10 @@ class WeightServer:
             try:
                 self.catalog.warm_revisions()
             finally:
-                self.state.warming = False
+                self.state.lifecycle.warming.clear()
                 warmed.set()
 
-        self.state.warming = True
+        self.state.lifecycle.warming.set()
         threading.Thread(target=warm, name="weightserve-revisions", daemon=True).start()
         if not warmed.wait(self.WARM_WAIT_SECONDS):
             log.info(
@@ -648,7 +661,7 @@ class WeightServer:
         self._stop_rescan.set()
         if self._follower is not None:
             self._follower.stop()
-        self.state.draining = True
+        self.state.lifecycle.draining.set()
         for listener in self.listeners:
             listener.drain()
         drained = self.state.wait_for_streams(grace)

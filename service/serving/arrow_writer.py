@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import struct
 from functools import cache
+from typing import NamedTuple
 
 import flatbuffers
 import pyarrow as pa
 
 from weightserve.client.wire.schema import TENSOR_SCHEMA, ChunkHeader
 
-__all__ = ["END_OF_STREAM", "chunk_message", "prefix_length", "schema_message"]
+__all__ = ["END_OF_STREAM", "TensorFields", "chunk_message", "prefix_length", "schema_message"]
 
 END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"
 
@@ -74,6 +75,17 @@ def schema_message() -> bytes:
     return stream[: -len(END_OF_STREAM)]
 
 
+def _int64_pairs(b: flatbuffers.Builder, pairs: list[tuple[int, int]]) -> int:
+    """A vector of 16-byte structs of two int64 fields, in order (Arrow's FieldNode and
+    Buffer); vectors of structs are written back to front."""
+    b.StartVector(16, len(pairs), 8)
+    for first, second in reversed(pairs):
+        b.Prep(8, 16)
+        b.PrependInt64(second)
+        b.PrependInt64(first)
+    return b.EndVector()
+
+
 def build_metadata(
     nodes: list[tuple[int, int]], buffers: list[tuple[int, int]], body_length: int
 ) -> bytes:
@@ -85,19 +97,8 @@ def build_metadata(
     numbers into it; this function is the reference the tests compare the template against.
     """
     b = flatbuffers.Builder(1024)
-    # Vectors of structs are written back to front.
-    b.StartVector(16, len(nodes), 8)
-    for length, null_count in reversed(nodes):
-        b.Prep(8, 16)
-        b.PrependInt64(null_count)
-        b.PrependInt64(length)
-    nodes_vec = b.EndVector()
-    b.StartVector(16, len(buffers), 8)
-    for offset, length in reversed(buffers):
-        b.Prep(8, 16)
-        b.PrependInt64(length)
-        b.PrependInt64(offset)
-    buffers_vec = b.EndVector()
+    nodes_vec = _int64_pairs(b, nodes)  # (length, null_count) each
+    buffers_vec = _int64_pairs(b, buffers)  # (offset, length) each
 
     b.StartObject(5)  # RecordBatch: length, nodes, buffers, compression, variadicBufferCounts
     b.PrependInt64Slot(_BATCH_LENGTH, 1, 0)
@@ -182,13 +183,18 @@ class _Fixed:
         self.body_before_tail = body_before_tail
 
 
-def _build_fixed(
-    name: str,
-    dtype: str,
-    shape: tuple[int, ...],
-    logical_shape: tuple[int, ...],
-    encoding: str | None,
-) -> _Fixed:
+class TensorFields(NamedTuple):
+    """The fields every chunk of one tensor repeats (``ChunkHeader``'s first five)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    logical_shape: tuple[int, ...]
+    encoding: str | None
+
+
+def _build_fixed(tensor: TensorFields) -> _Fixed:
+    name, dtype, shape, logical_shape, encoding = tensor
     buffers: list[int] = []
     body: list[bytes] = []
     at = _string_buffers(name.encode(), 0, buffers, body)
@@ -216,33 +222,27 @@ def _build_fixed(
 
 # Chunks of one tensor, and the same tensor requested again by other clients, share all but
 # the last 32 bytes of the prefix. Bounded; cleared wholesale when full (thread-safe, simple).
-_FIXED_CACHE: dict[tuple, _Fixed] = {}
+_FIXED_CACHE: dict[TensorFields, _Fixed] = {}
 _FIXED_CACHE_MAX = 4096
 
 
-def _fixed(key: tuple) -> _Fixed:
+def _fixed(key: TensorFields) -> _Fixed:
     fixed = _FIXED_CACHE.get(key)
     if fixed is None:
-        fixed = _build_fixed(*key)
+        fixed = _build_fixed(key)
         if len(_FIXED_CACHE) >= _FIXED_CACHE_MAX:
             _FIXED_CACHE.clear()
         _FIXED_CACHE[key] = fixed
     return fixed
 
 
-def prefix_length(
-    name: str,
-    dtype: str,
-    shape: tuple[int, ...],
-    logical_shape: tuple[int, ...],
-    encoding: str | None,
-) -> int:
+def prefix_length(tensor: TensorFields) -> int:
     """The length of every chunk prefix of this tensor (``chunk_message``): a stream's length
     is known without framing each chunk."""
     try:
-        return len(_fixed((name, dtype, shape, logical_shape, encoding)).head) + _TAIL.size
+        return len(_fixed(tensor).head) + _TAIL.size
     except struct.error as exc:
-        raise ValueError(f"tensor {name!r} does not fit the tensor schema: {exc}") from None
+        raise ValueError(f"tensor {tensor.name!r} does not fit the tensor schema: {exc}") from None
 
 
 def chunk_message(header: ChunkHeader) -> tuple[bytes, bytes]:
@@ -254,7 +254,9 @@ def chunk_message(header: ChunkHeader) -> tuple[bytes, bytes]:
     the schema's types.
     """
     nbytes = header.nbytes
-    key = (header.name, header.dtype, header.shape, header.logical_shape, header.encoding)
+    key = TensorFields(
+        header.name, header.dtype, header.shape, header.logical_shape, header.encoding
+    )
     try:
         fixed = _fixed(key)
         if nbytes < 0:

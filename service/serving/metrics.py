@@ -23,17 +23,26 @@ from weightserve.service.sources.origin.base import ORIGIN_BYTE_KINDS, ORIGIN_RE
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter(
+
+        def counter(name: str, documentation: str, *labels: str) -> Counter:
+            return Counter(name, documentation, labels, registry=self.registry)
+
+        def gauge(name: str, documentation: str, *labels: str) -> Gauge:
+            return Gauge(name, documentation, labels, registry=self.registry)
+
+        self.requests = counter(
             "weightserve_requests_total",
             "Requests by transport, operation (the call) and the status code the client got",
-            ["transport", "operation", "code"],
-            registry=self.registry,
+            "transport",
+            "operation",
+            "code",
         )
-        self.errors = Counter(
+        self.errors = counter(
             "weightserve_errors_total",
             "Failed requests, and streams cut after they started, by error class",
-            ["transport", "operation", "error"],
-            registry=self.registry,
+            "transport",
+            "operation",
+            "error",
         )
         self.latency = Histogram(
             "weightserve_request_seconds",
@@ -60,56 +69,40 @@ class Metrics:
                 120,
             ),
         )
-        self.bytes_served = Counter(
-            "weightserve_bytes_served_total",
-            "Tensor data bytes sent",
-            ["transport", "model"],
-            registry=self.registry,
+        self.bytes_served = counter(
+            "weightserve_bytes_served_total", "Tensor data bytes sent", "transport", "model"
         )
-        self.tensors_served = Counter(
+        self.tensors_served = counter(
             "weightserve_tensors_served_total",
             "Tensors (or slices) sent completely",
-            ["transport", "model"],
-            registry=self.registry,
+            "transport",
+            "model",
         )
-        self.open_streams = Gauge(
-            "weightserve_open_streams",
-            "Tensor streams in progress",
-            ["transport"],
-            registry=self.registry,
+        self.open_streams = gauge(
+            "weightserve_open_streams", "Tensor streams in progress", "transport"
         )
-        self.models = Gauge(
-            "weightserve_models",
-            "Models in the catalog",
-            registry=self.registry,
+        self.models = gauge("weightserve_models", "Models in the catalog")
+        self.refused_models = gauge(
+            "weightserve_refused_models", "Models found but refused (failed validation)"
         )
-        self.refused_models = Gauge(
-            "weightserve_refused_models",
-            "Models found but refused (failed validation)",
-            registry=self.registry,
-        )
-        self.model_refusals = Counter(
+        self.model_refusals = counter(
             "weightserve_model_refusals_total",
             "Times a model was refused (once per version of its files: not per rescan)",
-            registry=self.registry,
         )
-        self.revisions = Counter(
+        self.revisions = counter(
             "weightserve_revisions_total",
             "Published revisions, by event: published (became main), removed (retention)",
-            ["event"],
-            registry=self.registry,
+            "event",
         )
-        self.delta_computed = Counter(
+        self.delta_computed = counter(
             "weightserve_delta_computed_total",
             "Delta entries computed (one per base, target and tensor: a diff)",
-            registry=self.registry,
         )
-        self.delta_served = Counter(
+        self.delta_served = counter(
             "weightserve_delta_served_total",
             "Delta entries served, by source: memory (kept in memory), disk (kept beside the "
             "revisions), computed (diffed for this request or one it waited on)",
-            ["source"],
-            registry=self.registry,
+            "source",
         )
         # One recorder per transport: a request resolves no label there (see CallRecorder).
         self.http = CallRecorder(self, "http")
@@ -258,17 +251,16 @@ class CallRecorder:
         then the status already sent). ``error`` is our error class name, ``Cancelled`` (the
         client went away), ``IdleTimeout`` (it read nothing for too long) or ``Internal``."""
         self._count(operation, code)
-        key = (operation, error)
-        errors = self._errors.get(key)
-        if errors is None:
-            errors = self._metrics.errors.labels(self._transport, operation, error)
-            self._errors[key] = errors
-        errors.inc()
+        self._child(self._errors, self._metrics.errors, operation, error).inc()
 
     def _count(self, operation: str, code: str) -> None:
-        key = (operation, code)
-        requests = self._requests.get(key)
-        if requests is None:
-            requests = self._metrics.requests.labels(self._transport, operation, code)
-            self._requests[key] = requests
-        requests.inc()
+        self._child(self._requests, self._metrics.requests, operation, code).inc()
+
+    def _child(
+        self, made: dict[tuple[str, str], Counter], metric: Counter, operation: str, label: str
+    ) -> Counter:
+        """``metric``'s child for this transport, ``operation`` and ``label``, made once."""
+        child = made.get((operation, label))
+        if child is None:
+            child = made[operation, label] = metric.labels(self._transport, operation, label)
+        return child

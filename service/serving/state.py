@@ -1,14 +1,14 @@
 """What the four transports (HTTP, gRPC, Flight, the same-node handoff) share in one process:
 the source and what comes with it (service/sources/served.py), settings, metrics, stream
-limits and the idle cut. Built whole: nothing is set on it afterwards but the ports bound and
-the flags start-up and shutdown turn."""
+limits and the idle cut, and where the server stands (``Lifecycle``: the ports its listeners
+bound, whether it warms or drains). Built whole: nothing is set on it afterwards."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +49,29 @@ class Limits:
     retry_after: float = 1.0
 
 
+@dataclass(frozen=True)
+class Ports:
+    """The ports a server advertises (what its listeners bound; 0: none, or not yet)."""
+
+    http: int = 0
+    grpc: int = 0
+    flight: int = 0  # the Flight port clients dial (--flight-public-port where given)
+
+
+class Lifecycle:
+    """Where the server listens and stands, for the transports to report: the ports its
+    listeners bound (``ports()``, asked of the listeners each time), its same-node HTTP socket
+    (``uds``, --uds, as this server sees it), whether it warms (``warming``: the content
+    revisions of the models found at start being computed) and whether it drains
+    (``draining``, set once stop begins: readiness turns false and new streams are refused)."""
+
+    def __init__(self, ports: Callable[[], Ports] = Ports, uds: str | None = None) -> None:
+        self.ports = ports
+        self.uds = uds
+        self.warming = threading.Event()
+        self.draining = threading.Event()
+
+
 class ServiceState:
     def __init__(
         self,
@@ -60,11 +83,12 @@ class ServiceState:
         allow_publish: bool = False,
         metrics: Metrics | None = None,
         feed: RevisionFeed | None = None,
-        uds: str | None = None,
+        lifecycle: Lifecycle | None = None,
     ) -> None:
         """``served``: the composed whole (a bare source serves alone). ``metrics`` and
         ``feed`` are given when the source's callbacks (refusals counted, revisions
-        announced) were built to reach them; ``uds``: the same-node HTTP socket."""
+        announced) were built to reach them; ``lifecycle``: where the server listens and
+        whether it drains (none bound, never draining: alone)."""
         self.served = served if isinstance(served, Served) else Served(served)
         self.catalog = self.served.source
         self.publisher = self.served.publisher
@@ -79,15 +103,10 @@ class ServiceState:
         # Patches between revisions, computed once for all (and kept on disk beside a local
         # root's published revisions).
         self.deltas = DeltaCache(metrics=self.metrics, kept=self.served.kept_deltas)
-        self.draining = False
-        self.warming = False  # content revisions of the models found at start being computed
-        self.flight_port = 0  # set when the Flight endpoint runs; GetServerInfo reports it
+        self.lifecycle = lifecycle or Lifecycle()
         # What server info advertises, so a client can choose its data plane (client/transports/planes.py)
         # and tell whether a same-node socket it finds is this server's.
         self.instance = uuid.uuid4().hex
-        self.http_port = 0
-        self.grpc_port = 0
-        self.uds = uds  # the same-node HTTP socket (--uds), as this server sees it
         self._streams = 0
         self._lock = threading.Lock()
         self._stream_ended = threading.Condition(self._lock)
@@ -99,6 +118,14 @@ class ServiceState:
     def refresh_gauges(self) -> None:
         self.metrics.models.set(len(self.catalog.models))
         self.metrics.refused_models.set(len(self.catalog.problems))
+
+    @property
+    def draining(self) -> bool:
+        return self.lifecycle.draining.is_set()
+
+    @property
+    def warming(self) -> bool:
+        return self.lifecycle.warming.is_set()
 
     @property
     def open_streams(self) -> int:

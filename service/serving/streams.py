@@ -28,6 +28,7 @@ from weightserve.client.wire.schema import ChunkHeader
 from weightserve.service.readers.base import TensorEntry
 from weightserve.service.serving.arrow_writer import (
     END_OF_STREAM,
+    TensorFields,
     chunk_message,
     prefix_length,
     schema_message,
@@ -227,7 +228,9 @@ def stream_length(planned: Sequence[PlannedTensor], chunk_bytes: int) -> int:
     total = len(schema_message()) + len(END_OF_STREAM)
     for p in planned:
         # Every chunk of a tensor has a prefix of one length; only its padding varies.
-        prefix = prefix_length(p.entry.name, p.dtype, p.shape, p.logical_shape, p.encoding)
+        prefix = prefix_length(
+            TensorFields(p.entry.name, p.dtype, p.shape, p.logical_shape, p.encoding)
+        )
         for _, n in _chunk_bounds(p, chunk_bytes):
             total += prefix + n + (-n & 7)
     return total

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Callable
 from typing import Any
 
 from weightserve.service.readers.base import TensorEntry
 from weightserve.service.sources.base import FillsOnRequest, ModelSource
-from weightserve.service.sources.model import Model
+from weightserve.service.sources.model import Model, ReadCheck
 
 
 def server_version() -> str:
@@ -58,9 +57,7 @@ def model_info(model: Model) -> dict[str, Any]:
     }
 
 
-def model_list(
-    catalog: ModelSource, may_read: Callable[[str], bool] = lambda _: True
-) -> dict[str, Any]:
+def model_list(catalog: ModelSource, may_read: ReadCheck = lambda _: True) -> dict[str, Any]:
     """Models (and refused models) the caller may read; the others are not even named.
     Over a node cache, each model has a ``state`` (``cached``, ``outdated``, ``filling``,
     ``remote``) and the revision the origin lists now, and the origin's models not cached

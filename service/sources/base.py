@@ -8,14 +8,14 @@ composed whole (service/sources/served.py) or checks the protocol, never probes 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from weightserve.client.errors import OriginUnavailable
-from weightserve.service.sources.model import Model
+from weightserve.service.sources.model import Model, ReadCheck
 
 
 @dataclass(frozen=True)
@@ -128,17 +128,14 @@ class ModelSource(Protocol):
         without touching a file or waiting on a lock."""
         ...
 
-    def get(self, model_id: str, may_read: Callable[[str], bool] | None = None) -> Model:
+    def get(self, model_id: str, may_read: ReadCheck | None = None) -> Model:
         """The model as its files are now (``ID@R``: revision R of it, or RevisionNotFound
         naming those held), or ModelNotFound (a suggestion only among ids ``may_read``
         allows), ModelUnavailable, ModelFilling, OriginUnavailable."""
         ...
 
     def describe(
-        self,
-        model_id: str,
-        may_read: Callable[[str], bool] | None = None,
-        file: str | None = None,
+        self, model_id: str, may_read: ReadCheck | None = None, file: str | None = None
     ) -> Model:
         """The model's index, metadata and files, as ``get`` raises for it, without copying
         it: over a node cache an uncached model is described from its headers (no tensor
@@ -167,7 +164,7 @@ class FillsOnRequest(Protocol):
         """Why the origin could not be listed at the last scan; None when it was."""
         ...
 
-    def remote_summaries(self, may_read: Callable[[str], bool]) -> list[dict[str, Any]]:
+    def remote_summaries(self, may_read: ReadCheck) -> list[dict[str, Any]]:
         """The models offered but not indexed here yet, as model summaries with their
         ``state``."""
         ...

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +22,10 @@ from weightserve.service.sources.revisions.content import (
     FileChanged,
     content_revision,
 )
+
+# Whether the caller may read the model an id names (``Access.may_read``): a suggestion for a
+# mistyped id is only ever among ids it allows. None where a source is asked for no caller.
+ReadCheck = Callable[[str], bool]
 
 
 @dataclass(frozen=True)

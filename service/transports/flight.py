@@ -232,7 +232,11 @@ class FlightListener:
                 f"since it was checked?): {e}",
             ) from e
         self.port = self.service.port
-        self.state.flight_port = self.public_port or self.port
+
+    @property
+    def advertised_port(self) -> int:
+        """The port clients are told to dial: ``public_port`` where given; 0 until bound."""
+        return (self.public_port or self.port) if self.port else 0
 
     def drain(self) -> None:
         """Nothing to announce: GetServerInfo and /readyz say so from the shared state."""

@@ -188,12 +188,13 @@ class WeightService:
     @_unary_call("server_info")
     def GetServerInfo(self, request: pb.GetServerInfoRequest, context: grpc.ServicerContext) -> Any:
         state = self.state
+        ports = state.lifecycle.ports()
         return pb.ServerInfo(
             version=server_version(),
-            flight_port=state.flight_port,
+            flight_port=ports.flight,
             instance=state.instance,
-            http_port=state.http_port,
-            uds=state.uds or "",
+            http_port=ports.http,
+            uds=state.lifecycle.uds or "",
         )
 
     @_unary_call("stream")

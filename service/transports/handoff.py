@@ -151,32 +151,37 @@ def _send_with_fds(sock: socket.socket, frame: bytes, fds: list[int]) -> None:
         socket.send_fds(sock, [b"F"], rest[i : i + FDS_PER_MESSAGE])
 
 
+@dataclass(frozen=True)
+class HandoffEndpoint:
+    """Where the handoff listens and for whom: ``path`` (a Unix socket, replaced if a stale one
+    is there), its permission ``mode``, the user ids given descriptors (None: any) and the
+    memory for sealed snapshots (None: ``default_snapshot_bytes()``)."""
+
+    path: str
+    mode: int = 0o666
+    allowed_uids: frozenset[int] | None = None
+    snapshot_bytes: int | None = None
+
+
 class HandoffServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-    """The handoff endpoint on ``path`` (a Unix socket, replaced if a stale one is there)."""
+    """The handoff endpoint listening on ``endpoint.path``."""
 
     daemon_threads = True
     allow_reuse_address = False
 
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        state: ServiceState,
-        instance: str,
-        mode: int = 0o666,
-        allowed_uids: frozenset[int] | None = None,
-        snapshot_bytes: int | None = None,
-    ) -> None:
-        self.path = Path(path)
+    def __init__(self, endpoint: HandoffEndpoint, state: ServiceState) -> None:
+        self.path = Path(endpoint.path)
         self.state = state
-        self.instance = instance
-        self.allowed_uids = allowed_uids
+        self.instance = state.instance
+        self.allowed_uids = endpoint.allowed_uids
+        snapshot_bytes = endpoint.snapshot_bytes
         self.snapshots = SnapshotStore(
             default_snapshot_bytes() if snapshot_bytes is None else snapshot_bytes
         )
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
         super().__init__(str(self.path), _Handler)
-        os.chmod(self.path, mode)
+        os.chmod(self.path, endpoint.mode)
         self._thread: threading.Thread | None = None
 
     def start(self) -> HandoffServer:
@@ -351,29 +356,15 @@ class HandoffListener:
 
     name = "handoff"
 
-    def __init__(
-        self,
-        path: str,
-        state: ServiceState,
-        mode: int = 0o666,
-        allowed_uids: frozenset[int] | None = None,
-        snapshot_bytes: int | None = None,
-    ) -> None:
-        self.path, self.state, self.mode, self.allowed_uids = path, state, mode, allowed_uids
-        self.snapshot_bytes = snapshot_bytes  # None: default_snapshot_bytes()
+    def __init__(self, endpoint: HandoffEndpoint, state: ServiceState) -> None:
+        self.endpoint, self.state = endpoint, state
+        self.path = endpoint.path
         self.server: HandoffServer | None = None
 
     def start(self) -> None:
         claim_socket_path(self.path)
         try:
-            self.server = HandoffServer(
-                self.path,
-                self.state,
-                self.state.instance,
-                self.mode,
-                self.allowed_uids,
-                self.snapshot_bytes,
-            ).start()
+            self.server = HandoffServer(self.endpoint, self.state).start()
         except OSError as e:
             raise StartupError("uds", f"cannot listen on {self.path}: {e.strerror or e}") from None
 

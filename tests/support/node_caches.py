@@ -14,7 +14,7 @@ from safetensors.numpy import load_file, save_file
 from tests.support import fixtures_safetensors
 from weightserve.client import Client
 from weightserve.service.server import ServerConfig, WeightServer
-from weightserve.service.sources.origin.base import Origin, OriginFile
+from weightserve.service.sources.origin.base import DEFAULT_PLAN, FillPlan, Origin, OriginFile
 from weightserve.service.sources.origin.catalog import OriginCatalog
 
 
@@ -75,13 +75,13 @@ class CountingOrigin:
         self.listings += 1
         return self.inner.list_files()
 
-    def fetch(self, file: OriginFile, dest: Path, **options) -> None:
+    def fetch(self, file: OriginFile, dest: Path, plan: FillPlan = DEFAULT_PLAN) -> str | None:
         with self._lock:
             self.fetched.append(file.name)
         self.fetch_started.set()
         if self.gate is not None:
             assert self.gate.wait(10), "the test never released the fetch"
-        self.inner.fetch(file, dest, **options)
+        return self.inner.fetch(file, dest, plan)
 
     def close(self) -> None:
         self.inner.close()

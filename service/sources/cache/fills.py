@@ -9,11 +9,13 @@ One lock guards the bookkeeping; fetches run outside it, one fill per model at a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
 import secrets
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,7 +41,7 @@ from weightserve.service.sources.layout import hub_repo_file, split_gguf_model
 from weightserve.service.sources.revisions.content import hash_file
 
 if TYPE_CHECKING:
-    from weightserve.service.sources.origin.base import Origin, OriginFile
+    from weightserve.service.sources.origin.base import FillPlan, Origin, OriginFile
 
 log = logging.getLogger("weightserve.node_cache")
 
@@ -50,20 +52,17 @@ _DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPE
 _DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 
 
+@dataclass
 class Fills:
     """Models filled from ``origin``: one fill per model at a time (concurrent callers wait for
-    it), only the files stale or missing, each fetched in parallel parts, made room for first
-    (``room``), written again after evicting idle models when the file system is full, and put
-    in place with its fill record once verified and on disk."""
+    it), only the files stale or missing, each fetched in parallel parts as ``plan`` says, made
+    room for first (``room``), written again after evicting idle models when the file system is
+    full, and put in place with its fill record once verified and on disk."""
 
-    def __init__(
-        self, book: CacheBook, room: Room, origin: Origin, concurrency: int, part_bytes: int
-    ) -> None:
-        self.book = book
-        self.room = room
-        self.origin = origin
-        self.concurrency = concurrency
-        self.part_bytes = part_bytes
+    book: CacheBook
+    room: Room
+    origin: Origin
+    plan: FillPlan
 
     def ensure(self, model_id: str, files: list[OriginFile] | None = None) -> Path:
         """The model's path in the cache, filled first if any of its files is missing or stale.
@@ -289,10 +288,11 @@ class Fills:
                     digest = self.origin.fetch(
                         file,
                         partial,
-                        concurrency=self.concurrency,
-                        part_bytes=self.part_bytes,
-                        on_bytes=on_bytes,
-                        on_landed=landing._landed if landing is not None else None,
+                        dataclasses.replace(
+                            self.plan,
+                            on_bytes=on_bytes,
+                            on_landed=landing._landed if landing is not None else None,
+                        ),
                     )
                     break
                 except OSError as e:

@@ -40,6 +40,7 @@ from weightserve.service.sources.cache.records import CacheBook, FillRecord, _ch
 from weightserve.service.sources.cache.room import CacheRoom, Room
 from weightserve.service.sources.cache.stats import CacheStats
 from weightserve.service.sources.files.stamps import FileStamp
+from weightserve.service.sources.origin.base import FillPlan
 
 if TYPE_CHECKING:
     from weightserve.service.sources.origin.base import Origin, OriginFile
@@ -67,6 +68,7 @@ class NodeCache:
         part_bytes: int = 16 << 20,
         pins: Iterable[str] = (),
         watch: bool = False,
+        on_evict: Callable[[], None] | None = None,
     ) -> None:
         if size_limit_bytes is not None and size_limit_bytes <= 0:
             raise ValueError(f"the cache size must be positive, not {size_limit_bytes} bytes")
@@ -77,9 +79,10 @@ class NodeCache:
         self.book = CacheBook(self.directory, self.pins)
         self.data_dir = self.book.data_dir
         self.stats = self.book.stats
-        self.space = Room(self.book, size_limit_bytes)
+        # Called (outside the lock) after models were evicted (``Room.on_evict``).
+        self.space = Room(self.book, size_limit_bytes, on_evict)
         self.integrity = Integrity(self.book, origin.description)
-        self.fills = Fills(self.book, self.space, origin, concurrency, part_bytes)
+        self.fills = Fills(self.book, self.space, origin, FillPlan(concurrency, part_bytes))
         self._lock_file = _lock_directory(self.directory)
         # Files that no longer match their fill record are dropped (a stat each; one whose
         # stamp changed is hashed again), then what no whole model records is removed.
@@ -88,15 +91,6 @@ class NodeCache:
         self.book.remove_unrecorded()
         if watch:  # the files changed on disk are checked as the kernel reports them
             self.integrity.start_watching()
-
-    @property
-    def on_evict(self) -> Callable[[], None] | None:
-        """Called (outside the lock) after models were evicted (``Room.on_evict``)."""
-        return self.space.on_evict
-
-    @on_evict.setter
-    def on_evict(self, callback: Callable[[], None] | None) -> None:
-        self.space.on_evict = callback
 
     # -- filling -----------------------------------------------------------------------------
 

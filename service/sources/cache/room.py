@@ -64,10 +64,15 @@ class Room:
     space is counted on: whoever maps cached files lets go of the evicted ones, or the space
     stays used."""
 
-    def __init__(self, book: CacheBook, size_limit_bytes: int | None) -> None:
+    def __init__(
+        self,
+        book: CacheBook,
+        size_limit_bytes: int | None,
+        on_evict: Callable[[], None] | None = None,
+    ) -> None:
         self.book = book
         self.size_limit_bytes = size_limit_bytes
-        self.on_evict: Callable[[], None] | None = None
+        self.on_evict = on_evict
         self.evicted_unreleased = False
 
     def now(self) -> CacheRoom:

@@ -32,7 +32,7 @@ from weightserve.service.sources.layout import (
     validate_model_id,
 )
 from weightserve.service.sources.local.discovery import Discovery
-from weightserve.service.sources.model import Model
+from weightserve.service.sources.model import Model, ReadCheck
 from weightserve.service.sources.revisions.content import DigestStore
 from weightserve.service.sources.revisions.pinning import pick_revision
 
@@ -258,9 +258,7 @@ class Catalog:
         reason = problem.reason if problem else "its files are gone"
         raise ModelUnavailable(f"model {model.id!r} changed on disk and is refused: {reason}")
 
-    def _pinned(
-        self, model_id: str, revision: str, may_read: Callable[[str], bool] | None
-    ) -> Model:
+    def _pinned(self, model_id: str, revision: str, may_read: ReadCheck | None) -> Model:
         """Revision ``revision`` of ``model_id`` among those this root holds: the model's
         files as they are now (``main``) and a hub cache's other snapshots and refs
         (``ID@REF``), by ``pick_revision``'s rule; RevisionNotFound names them."""
@@ -284,10 +282,7 @@ class Catalog:
         return pick_revision(model_id, revision, held)
 
     def describe(
-        self,
-        model_id: str,
-        may_read: Callable[[str], bool] | None = None,
-        file: str | None = None,
+        self, model_id: str, may_read: ReadCheck | None = None, file: str | None = None
     ) -> Model:
         """The model as ``get`` gives it: its files are all here."""
         return self.get(model_id, may_read)
@@ -342,7 +337,7 @@ class Catalog:
             and time.monotonic() - model.checked_at < self.recheck_seconds
         )
 
-    def get(self, model_id: str, may_read: Callable[[str], bool] | None = None) -> Model:
+    def get(self, model_id: str, may_read: ReadCheck | None = None) -> Model:
         """The model, or ModelNotFound; ``ID@R`` is revision R of it (``_pinned``). ``may_read``
         limits the "did you mean" suggestion and the revisions offered to ids the caller may
         see: an error must not reveal what exists beyond a grant."""

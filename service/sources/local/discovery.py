@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from weightserve.client.wire.routes import RESERVED_PART
@@ -62,6 +63,18 @@ OUTSIDE_ROOT = "symlink points outside the model root"
 # Side files larger than this are not served (weights and their leftovers are exempt): they
 # are configs, tokenizers and templates, not bulk data.
 SIDE_FILE_MAX_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class _Walk:
+    """Where one discovery stands: the models found so far (shared by the whole walk) and the
+    directories walked down to the current one (a symlink back to one of them is a loop)."""
+
+    found: dict[str, tuple[str, Path, list[Path]]]
+    visiting: tuple[Path, ...]
+
+    def into(self, directory: Path) -> _Walk:
+        return _Walk(self.found, (*self.visiting, directory))
 
 
 class Discovery:
@@ -92,9 +105,9 @@ class Discovery:
         self._found_variants = {}
         hub_repo = hub_repo_id(self.root.name)
         if hub_repo is not None and (self.root / "snapshots").is_dir():
-            self._discover_hub_repo(self.root, hub_repo, found, (self.root,))
+            self._discover_hub_repo(self.root, hub_repo, _Walk(found, (self.root,)))
         else:
-            self._discover_tree(self.root, "", found, (self.root,))
+            self._discover_tree(self.root, "", _Walk(found, (self.root,)))
         self.variants = self._found_variants
         return found
 
@@ -120,16 +133,10 @@ class Discovery:
                 "rename one of them",
             )
 
-    def _discover_tree(
-        self,
-        directory: Path,
-        id_prefix: str,
-        found: dict[str, tuple[str, Path, list[Path]]],
-        visiting: tuple[Path, ...],
-    ) -> None:
+    def _discover_tree(self, directory: Path, id_prefix: str, walk: _Walk) -> None:
         """The models in ``directory`` (a real directory inside the root) and below it;
-        ``id_prefix`` is its id ('' for the root), ``visiting`` the directories walked down
-        to it (a symlink back to one of them is a loop)."""
+        ``id_prefix`` is its id ('' for the root)."""
+        found = walk.found
         at_root = id_prefix == ""
         try:
             entries = sorted(os.scandir(directory), key=lambda e: e.name)
@@ -166,17 +173,17 @@ class Discovery:
                 self._refuse(rel, rel, RESERVED_CHARACTER)
                 continue
             real = p.resolve() if is_link else p
-            if real in visiting:
+            if real in walk.visiting:
                 self._refuse(rel, rel, "symlink loop: it points to a directory above it")
                 continue
             hub_repo = hub_repo_id(name)
             if hub_repo is not None and (real / "snapshots").is_dir():
                 if name.startswith("models--"):  # datasets and spaces hold no models
                     repo_id = rel if is_link else f"{id_prefix}/{hub_repo}".lstrip("/")
-                    self._discover_hub_repo(real, repo_id, found, (*visiting, real))
+                    self._discover_hub_repo(real, repo_id, walk.into(real))
                 continue
             # A symlinked directory inside the root is an alias: its own ids, same content.
-            self._discover_tree(real, rel, found, (*visiting, real))
+            self._discover_tree(real, rel, walk.into(real))
 
         self._discover_gguf(files, id_prefix, found)
         if at_root:
@@ -251,13 +258,7 @@ class Discovery:
             return None
         return set(weight_map.values())
 
-    def _discover_hub_repo(
-        self,
-        repo_dir: Path,
-        repo_id: str,
-        found: dict[str, tuple[str, Path, list[Path]]],
-        visiting: tuple[Path, ...],
-    ) -> None:
+    def _discover_hub_repo(self, repo_dir: Path, repo_id: str, walk: _Walk) -> None:
         """A repository of the Hugging Face hub cache (``models--ORG--NAME``): ``ORG/NAME`` is
         the snapshot ``refs/main`` names (without refs, the only snapshot), ``ORG/NAME@REV``
         every snapshot by its commit and every other ref by its name."""
@@ -298,8 +299,8 @@ class Discovery:
         )
         for model_id, commit in ids.items():
             snapshot = snapshots[commit]
-            if snapshot not in visiting:
-                self._discover_tree(snapshot, model_id, found, (*visiting, snapshot))
+            if snapshot not in walk.visiting:
+                self._discover_tree(snapshot, model_id, walk.into(snapshot))
 
     def side_files(self, path: Path, files: list[Path], model_dirs: set[Path]) -> list[Path]:
         """The other files of a directory model's repository: every regular file below it

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
 from typing import Any, Protocol
 
 from weightserve.client.errors import (
@@ -18,7 +17,7 @@ from weightserve.service.sources.layout import (
     base_model_id,
     validate_model_id,
 )
-from weightserve.service.sources.model import Model
+from weightserve.service.sources.model import Model, ReadCheck
 from weightserve.service.sources.origin.announced import CatalogParts, _cached_id
 from weightserve.service.sources.origin.base import OriginFile
 from weightserve.service.sources.origin.listing import RemoteModel
@@ -36,13 +35,10 @@ class AdministeredCatalog(CatalogParts, Protocol):
     origin_error: OriginUnavailable | None
     past: PastCopies
 
-    def get(self, model_id: str, may_read: Callable[[str], bool] | None = None) -> Model: ...
+    def get(self, model_id: str, may_read: ReadCheck | None = None) -> Model: ...
 
     def describe(
-        self,
-        model_id: str,
-        may_read: Callable[[str], bool] | None = None,
-        file: str | None = None,
+        self, model_id: str, may_read: ReadCheck | None = None, file: str | None = None
     ) -> Model: ...
 
     def state_of(self, model_id: str) -> str: ...

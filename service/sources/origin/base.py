@@ -43,6 +43,29 @@ UPSTREAM_READ_TIMEOUT = 30.0
 
 
 @dataclass(frozen=True)
+class FillPlan:
+    """How one fetch runs: on ``concurrency`` threads, in ranged parts of ``part_bytes``;
+    ``on_bytes(n)`` hears of every byte received, ``on_landed(offset, length)`` of each span
+    written, so a reader can follow the bytes as they land."""
+
+    concurrency: int = DEFAULT_CONCURRENCY
+    part_bytes: int = DEFAULT_PART_BYTES
+    on_bytes: Callable[[int], None] | None = None
+    on_landed: Callable[[int, int], None] | None = None
+
+    def landed(self, offset: int, length: int) -> None:
+        """Tell both listeners of ``length`` bytes written at ``offset``."""
+        if self.on_bytes is not None:
+            self.on_bytes(length)
+        if self.on_landed is not None:
+            self.on_landed(offset, length)
+
+
+# The plan of a fetch that asks for nothing particular.
+DEFAULT_PLAN = FillPlan()
+
+
+@dataclass(frozen=True)
 class OriginFile:
     name: str  # path below the origin's prefix, '/'-separated
     size: int
@@ -139,20 +162,10 @@ class Origin(Protocol):
         None where it does not (then only the size can be compared)."""
         ...
 
-    def fetch(
-        self,
-        file: OriginFile,
-        dest: Path,
-        *,
-        concurrency: int = DEFAULT_CONCURRENCY,
-        part_bytes: int = DEFAULT_PART_BYTES,
-        on_bytes: Callable[[int], None] | None = None,
-        on_landed: Callable[[int, int], None] | None = None,
-    ) -> str | None:
-        """Write ``file``'s bytes to ``dest``; the xxh3-128 (hex) of what was written where the
-        origin computed it anyway, else None (the node cache hashes the file itself).
-        ``on_landed(offset, length)`` hears of each span written, so a reader can follow the
-        bytes as they land."""
+    def fetch(self, file: OriginFile, dest: Path, plan: FillPlan = DEFAULT_PLAN) -> str | None:
+        """Write ``file``'s bytes to ``dest`` as ``plan`` says; the xxh3-128 (hex) of what was
+        written where the origin computed it anyway, else None (the node cache hashes the file
+        itself)."""
         ...
 
     def version_id(self, file: OriginFile) -> str | None:

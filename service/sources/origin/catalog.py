@@ -19,7 +19,7 @@ import logging
 import threading
 from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from weightserve.client.errors import (
     ModelFilling,
@@ -41,7 +41,7 @@ from weightserve.service.sources.layout import (
     validate_model_id,
 )
 from weightserve.service.sources.local.catalog import Catalog
-from weightserve.service.sources.model import Model
+from weightserve.service.sources.model import Model, ReadCheck
 from weightserve.service.sources.origin.admin import CacheAdmin
 from weightserve.service.sources.origin.announced import HeldRevisions
 from weightserve.service.sources.origin.base import Origin, OriginFile
@@ -68,6 +68,13 @@ from weightserve.service.sources.revisions.pinning import pick_revision
 log = logging.getLogger("weightserve.service")
 
 
+class OpensCache(Protocol):
+    """Opens the node cache an ``OriginCatalog`` serves, telling ``on_evict`` of evictions:
+    the catalog is built around it, so it hands over its own listener."""
+
+    def __call__(self, *, on_evict: Callable[[], None]) -> NodeCache: ...
+
+
 class OriginCatalog:
     """The models of ``cache.origin``, a ``ModelSource``: cached ones indexed from
     ``cache.data_dir`` by a local catalog of the cache (``local``, which serves only whole
@@ -83,44 +90,47 @@ class OriginCatalog:
 
     def __init__(
         self,
-        cache: NodeCache,
+        open_cache: OpensCache,
         recheck_seconds: float = 1.0,
         fill_wait_seconds: float = FILL_WAIT_SECONDS,
         on_refused: Callable[[Problem], None] | None = None,
         on_revision: Callable[[str, dict[str, Any]], None] | None = None,
     ) -> None:
-        self.cache = cache
-        self._on_refused = on_refused
-        self.origin: Origin = cache.origin
-        self.fill_wait_seconds = fill_wait_seconds
-        self.remote: dict[str, RemoteModel] = {}
-        self.remote_problems: dict[str, Problem] = {}  # refused by the origin's listing
-        self.origin_error: OriginUnavailable | None = None  # the last listing's failure
-        self._fills: dict[str, concurrent.futures.Future[None]] = {}
-        self._fills_lock = threading.Lock()
-        self._ensured: dict[str, tuple[OriginFile, ...]] = {}  # the listing each fill matched
-        self._fill_errors: dict[str, BaseException] = {}  # why each model's last fill failed
-        self.refs = PublishedRefs(self.origin)
-        # Watchers are told of a model's revision once the node holds it (its RevisionLog).
-        self.revision_log = HeldRevisions(self, on_revision)
-        self._list_origin()
-        # Metadata of models not cached, from their headers (describe), beside the cache's data.
-        self.headers = HeaderImages(self.origin, cache.directory / "headers")
-        # The revisions filled here with their object versions (past_revisions.py), across
-        # restarts, and their copies served as ``ID@R``.
-        self.past = PastCopies(
-            cache, RevisionHistory(cache.directory / "history"), recheck_seconds, self.fill
-        )
-        self.local = Catalog(
-            cache.data_dir,
-            recheck_seconds=recheck_seconds,
-            digests=CacheDigests(cache),
-            whole_models=cache.cached_models,
-            on_refused=on_refused,
-        )
         # An evicted model's mappings are let go at once: until then its space stays used.
-        cache.on_evict = self._let_go_evicted
-        self.admin = CacheAdmin(self)  # the operator's controls (CacheControls)
+        self.cache = cache = open_cache(on_evict=self._let_go_evicted)
+        try:
+            self._on_refused = on_refused
+            self.origin: Origin = cache.origin
+            self.fill_wait_seconds = fill_wait_seconds
+            self.remote: dict[str, RemoteModel] = {}
+            self.remote_problems: dict[str, Problem] = {}  # refused by the origin's listing
+            self.origin_error: OriginUnavailable | None = None  # the last listing's failure
+            self._fills: dict[str, concurrent.futures.Future[None]] = {}
+            self._fills_lock = threading.Lock()
+            self._ensured: dict[str, tuple[OriginFile, ...]] = {}  # the listing each fill matched
+            self._fill_errors: dict[str, BaseException] = {}  # why each model's last fill failed
+            self.refs = PublishedRefs(self.origin)
+            # Watchers are told of a model's revision once the node holds it (its RevisionLog).
+            self.revision_log = HeldRevisions(self, on_revision)
+            self._list_origin()
+            # Metadata of models not cached, from their headers (describe), beside the cache's data.
+            self.headers = HeaderImages(self.origin, cache.directory / "headers")
+            # The revisions filled here with their object versions (past_revisions.py), across
+            # restarts, and their copies served as ``ID@R``.
+            self.past = PastCopies(
+                cache, RevisionHistory(cache.directory / "history"), recheck_seconds, self.fill
+            )
+            self.local = Catalog(
+                cache.data_dir,
+                recheck_seconds=recheck_seconds,
+                digests=CacheDigests(cache),
+                whole_models=cache.cached_models,
+                on_refused=on_refused,
+            )
+            self.admin = CacheAdmin(self)  # the operator's controls (CacheControls)
+        except BaseException:
+            cache.close()
+            raise
 
     # -- what the local catalog of the cache answers -----------------------------------------
 
@@ -249,7 +259,7 @@ class OriginCatalog:
             fields.update(revision=digest[:REVISION_CHARS], commit=digest[:COMMIT_CHARS])
         return fields
 
-    def remote_summaries(self, may_read: Callable[[str], bool]) -> list[dict[str, Any]]:
+    def remote_summaries(self, may_read: ReadCheck) -> list[dict[str, Any]]:
         """The listed models not cached yet, as model summaries with their state and the
         revision and commit the origin lists (where its listing tells them)."""
         summaries = []
@@ -271,7 +281,7 @@ class OriginCatalog:
             )
         return summaries
 
-    def get(self, model_id: str, may_read: Callable[[str], bool] | None = None) -> Model:
+    def get(self, model_id: str, may_read: ReadCheck | None = None) -> Model:
         """The model, filled into the cache first if it is not there (see ``fill``)."""
         plain, revision = split_revision(validate_model_id(model_id))
         base = base_model_id(plain)  # ID@R: the local catalog picks R
@@ -339,10 +349,7 @@ class OriginCatalog:
         return True
 
     def describe(
-        self,
-        model_id: str,
-        may_read: Callable[[str], bool] | None = None,
-        file: str | None = None,
+        self, model_id: str, may_read: ReadCheck | None = None, file: str | None = None
     ) -> Model:
         """The model's metadata: a model listed by the origin and not cached (or cached of
         files the origin changed since) is described from ranged reads of its headers

@@ -32,8 +32,8 @@ from weightserve.service.sources.files.stamps import FileStamp, file_stamp
 from weightserve.service.sources.layout import INDEX_NAME, checkpoint_format, hub_repo_file
 from weightserve.service.sources.local.catalog import Catalog
 from weightserve.service.sources.local.discovery import MAX_INDEX_BYTES
-from weightserve.service.sources.model import Model
-from weightserve.service.sources.origin.base import Origin, OriginFile
+from weightserve.service.sources.model import Model, ReadCheck
+from weightserve.service.sources.origin.base import FillPlan, Origin, OriginFile
 from weightserve.service.sources.revisions.content import DigestStore, FileChanged, hash_file
 
 # The first read of a safetensors file: the whole header of a small checkpoint; a larger one
@@ -121,7 +121,7 @@ class HeaderImages:
         model_id: str,
         base: str,
         files: tuple[OriginFile, ...],
-        may_read: Callable[[str], bool] | None = None,
+        may_read: ReadCheck | None = None,
         side_file: str | None = None,
     ) -> HeaderModel:
         """``model_id`` (of the directory or file model ``base``, whose origin files are
@@ -154,7 +154,9 @@ class HeaderImages:
         its digest is what a fill records: the origin's, or (object storage) its bytes'."""
         partial = path.with_name(f".{path.name}.partial")
         counted = self.origin.requests
-        digest = self.origin.fetch(file, partial, on_bytes=lambda n: counted.received("file", n))
+        digest = self.origin.fetch(
+            file, partial, FillPlan(on_bytes=lambda n: counted.received("file", n))
+        )
         if digest is None:
             digest = hash_file(partial, file_stamp(os.stat(partial)))
         self._digests.listed[path] = digest

@@ -26,10 +26,11 @@ from weightserve.client.errors import (
 from weightserve.client.wire.digests import file_digest
 from weightserve.service.sources.origin.base import (
     DEFAULT_CONCURRENCY,
-    DEFAULT_PART_BYTES,
+    DEFAULT_PLAN,
     LIST_CONCURRENCY,
     RECEIVE_BYTES,
     UPSTREAM_READ_TIMEOUT,
+    FillPlan,
     ObjectVersion,
     OriginFile,
     OriginRequests,
@@ -222,18 +223,9 @@ class FileSystemOrigin:
             }
         return sorted((file for file, _ in filter(None, found)), key=lambda f: f.name)
 
-    def fetch(
-        self,
-        file: OriginFile,
-        dest: Path,
-        *,
-        concurrency: int = DEFAULT_CONCURRENCY,
-        part_bytes: int = DEFAULT_PART_BYTES,
-        on_bytes: Callable[[int], None] | None = None,
-        on_landed: Callable[[int, int], None] | None = None,
-    ) -> str | None:
+    def fetch(self, file: OriginFile, dest: Path, plan: FillPlan = DEFAULT_PLAN) -> str | None:
         if isinstance(file, ObjectVersion):
-            return self._fetch_version(file, dest, concurrency, part_bytes, on_bytes, on_landed)
+            return self._fetch_version(file, dest, plan)
         key = self._key(file.name)
 
         def check_unchanged(when: str, source: pafs.NativeFile | None = None) -> None:
@@ -290,14 +282,11 @@ class FileSystemOrigin:
                     f"before its listed size {file.size}; list it again"
                 )
             _pwrite_all(fd, memoryview(buffer), offset)
-            if on_bytes is not None:
-                on_bytes(length)
-            if on_landed is not None:
-                on_landed(offset, length)
+            plan.landed(offset, length)
 
         try:
             idle.put(open_checked("since it was listed"))
-            _fetch_parts(dest, file.size, copy_part, concurrency, part_bytes)
+            _fetch_parts(dest, file.size, copy_part, plan)
         finally:
             for source in opened:
                 source.close()
@@ -393,10 +382,7 @@ class FileSystemOrigin:
         self,
         file: ObjectVersion,
         dest: Path,
-        concurrency: int,
-        part_bytes: int,
-        on_bytes: Callable[[int], None] | None,
-        on_landed: Callable[[int, int], None] | None,
+        plan: FillPlan,
     ) -> str:
         """``file.source`` at ``file.version_id`` into ``dest``, checked against the size and
         digest recorded: RevisionNotFound naming the object and version where the store no
@@ -451,10 +437,7 @@ class FileSystemOrigin:
             try:
                 while done < length and (piece := body.read(min(RECEIVE_BYTES, length - done))):
                     _pwrite_all(fd, memoryview(piece), offset + done)
-                    if on_bytes is not None:
-                        on_bytes(len(piece))
-                    if on_landed is not None:
-                        on_landed(offset + done, len(piece))
+                    plan.landed(offset + done, len(piece))
                     done += len(piece)
             finally:
                 body.close()
@@ -465,7 +448,7 @@ class FileSystemOrigin:
                 )
 
         return _fetch_checked(
-            dest, file.size, copy_part, concurrency, part_bytes, file.digest,
+            dest, file.size, copy_part, plan, file.digest,
             lambda digest: RevisionNotFound(
                 f"origin {self.description}: {what} has xxh3-128 {digest}, not the "
                 f"{file.digest} recorded when this revision was filled: it cannot be filled again"

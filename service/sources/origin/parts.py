@@ -15,18 +15,19 @@ from weightserve.client.errors import (
     WeightserveError,
 )
 from weightserve.client.wire.digests import file_digest
+from weightserve.service.sources.origin.base import FillPlan
 
 
 def _fetch_parts(
     dest: Path,
     size: int,
     copy_part: Callable[[int, int, int], None],
-    concurrency: int,
-    part_bytes: int,
+    plan: FillPlan,
 ) -> None:
     """Preallocate ``dest`` to ``size`` bytes and run ``copy_part(fd, offset, length)`` for
-    every part on ``concurrency`` threads. On any failure the other parts stop and ``dest``
+    every part of ``plan.part_bytes`` on ``plan.concurrency`` threads. On any failure the other parts stop and ``dest``
     is removed, so nothing half-written is left behind."""
+    concurrency, part_bytes = plan.concurrency, plan.part_bytes
     if concurrency < 1 or part_bytes < 1:
         raise ValueError(f"concurrency ({concurrency}) and part_bytes ({part_bytes}) must be >= 1")
     fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -62,14 +63,13 @@ def _fetch_checked(
     dest: Path,
     size: int,
     copy_part: Callable[[int, int, int], None],
-    concurrency: int,
-    part_bytes: int,
+    plan: FillPlan,
     expected: str,
     mismatch: Callable[[str], WeightserveError],
 ) -> str:
     """``_fetch_parts``, then the whole file's xxh3-128 (returned), which must be
     ``expected``: else ``dest`` is removed and ``mismatch(digest)`` raised."""
-    _fetch_parts(dest, size, copy_part, concurrency, part_bytes)
+    _fetch_parts(dest, size, copy_part, plan)
     digest = file_digest(dest)
     if digest != expected:
         _remove(dest)

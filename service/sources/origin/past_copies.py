@@ -16,7 +16,7 @@ from weightserve.service.sources.layout import (
     validate_model_id,
 )
 from weightserve.service.sources.local.catalog import Catalog
-from weightserve.service.sources.model import Model
+from weightserve.service.sources.model import Model, ReadCheck
 from weightserve.service.sources.origin.base import OriginFile
 from weightserve.service.sources.origin.past_revisions import (
     PAST_COPIES,
@@ -76,7 +76,7 @@ class PastCopies:
         ]  # fmt: skip
 
     def serve(
-        self, plain: str, base: str, revision: str | None, may_read: Callable[[str], bool] | None
+        self, plain: str, base: str, revision: str | None, may_read: ReadCheck | None
     ) -> Model | None:
         """``ID@R`` from a copy of R, where R is a revision this node filled with the object
         version of each file recorded (a versioned bucket) and not the copy held as the

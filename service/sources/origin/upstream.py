@@ -37,11 +37,11 @@ from weightserve.client.wire.routes import parse_url
 from weightserve.client.wire.watch import WATCH_SILENCE, read_events
 from weightserve.service.sources.layout import split_gguf_model
 from weightserve.service.sources.origin.base import (
-    DEFAULT_CONCURRENCY,
-    DEFAULT_PART_BYTES,
+    DEFAULT_PLAN,
     LIST_CONCURRENCY,
     RECEIVE_BYTES,
     UPSTREAM_READ_TIMEOUT,
+    FillPlan,
     OriginFile,
     OriginRequests,
     RetryPolicy,
@@ -223,16 +223,7 @@ class UpstreamOrigin:
             )
         return source
 
-    def fetch(
-        self,
-        file: OriginFile,
-        dest: Path,
-        *,
-        concurrency: int = DEFAULT_CONCURRENCY,
-        part_bytes: int = DEFAULT_PART_BYTES,
-        on_bytes: Callable[[int], None] | None = None,
-        on_landed: Callable[[int, int], None] | None = None,
-    ) -> str:
+    def fetch(self, file: OriginFile, dest: Path, plan: FillPlan = DEFAULT_PLAN) -> str:
         where = self._split(file.name)
 
         def receive(fd: int, offset: int, length: int, landed: list[int]) -> None:
@@ -252,10 +243,7 @@ class UpstreamOrigin:
                     _pwrite_all(fd, buffer[:got], offset + done)
                     done += got
                     landed[0] += got
-                    if on_bytes is not None:
-                        on_bytes(got)
-                    if on_landed is not None:
-                        on_landed(offset + done - got, got)
+                    plan.landed(offset + done - got, got)
             finally:
                 source.close()
 
@@ -273,7 +261,7 @@ class UpstreamOrigin:
 
         # Every part came with the listed ETag; the whole file must hash to it too.
         return _fetch_checked(
-            dest, file.size, copy_part, concurrency, part_bytes, file.version,
+            dest, file.size, copy_part, plan, file.version,
             lambda digest: OriginChanged(
                 f"origin {self.description}: {file.name} arrived with digest {digest}, not the "
                 f"listed {file.version}; list it again"

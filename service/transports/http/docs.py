@@ -4,6 +4,8 @@ from a CDN (and web fonts from another host), which a cluster with no way out ca
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse
@@ -20,14 +22,17 @@ def add_offline_docs(app: FastAPI) -> None:
     and ``redoc_url=None`` (FastAPI's own pages would point at the CDN)."""
     app.mount(ASSETS_URL, StaticFiles(packages=[ASSETS_PACKAGE]), name="docs-assets")
 
-    def urls(request: Request) -> tuple[str, str]:
-        root = request.scope.get("root_path", "").rstrip("/")  # behind a path-prefix proxy
-        return f"{root}{app.openapi_url}", f"{root}{ASSETS_URL}"
+    def add_page(path: str, render: Callable[[str, str], HTMLResponse]) -> None:
+        """Serve ``render(openapi_url, assets_url)`` at ``path``."""
 
-    @get_and_head(app, "/docs", include_in_schema=False)
-    def swagger_ui(request: Request) -> HTMLResponse:
-        openapi, assets = urls(request)
-        return get_swagger_ui_html(
+        @get_and_head(app, path, include_in_schema=False)
+        def page(request: Request) -> HTMLResponse:
+            root = request.scope.get("root_path", "").rstrip("/")  # behind a path-prefix proxy
+            return render(f"{root}{app.openapi_url}", f"{root}{ASSETS_URL}")
+
+    add_page(
+        "/docs",
+        lambda openapi, assets: get_swagger_ui_html(
             openapi_url=openapi,
             title=f"{app.title} - Swagger UI",
             swagger_js_url=f"{assets}/swagger-ui-bundle.js",
@@ -35,15 +40,15 @@ def add_offline_docs(app: FastAPI) -> None:
             swagger_favicon_url=f"{assets}/favicon.png",
             # Swagger UI would otherwise send the spec to the public validator for a badge.
             swagger_ui_parameters={"validatorUrl": None},
-        )
-
-    @get_and_head(app, "/redoc", include_in_schema=False)
-    def redoc(request: Request) -> HTMLResponse:
-        openapi, assets = urls(request)
-        return get_redoc_html(
+        ),
+    )
+    add_page(
+        "/redoc",
+        lambda openapi, assets: get_redoc_html(
             openapi_url=openapi,
             title=f"{app.title} - ReDoc",
             redoc_js_url=f"{assets}/redoc.standalone.js",
             redoc_favicon_url=f"{assets}/favicon.png",
             with_google_fonts=False,
-        )
+        ),
+    )

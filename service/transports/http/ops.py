@@ -35,13 +35,14 @@ def add_operations_routes(app: FastAPI, state: ServiceState, access: AccessCheck
         and Arrow Flight ports (0: none), the same-node socket (``uds``; its handoff socket is
         that path + ``.handoff``), and an instance id to tell whether a socket found on the
         node is this server's."""
+        ports = state.lifecycle.ports()
         return {
             "version": server_version(),
             "instance": state.instance,
-            "http_port": state.http_port,
-            "grpc_port": state.grpc_port,
-            "flight_port": state.flight_port,
-            "uds": state.uds,
+            "http_port": ports.http,
+            "grpc_port": ports.grpc,
+            "flight_port": ports.flight,
+            "uds": state.lifecycle.uds,
         }
 
     @get_and_head(app, "/readyz", tags=["operations"])

@@ -290,12 +290,13 @@ def test_draining_server_is_waited_for(busy_server: WeightServer, root: Root) ->
     waits: list[str] = []
     with connect(srv, "grpc", on_wait=lambda reason, s: waits.append(reason)) as client:
         model = client.model("crowd")
-        srv.state.draining = True
+        draining = srv.state.lifecycle.draining
+        draining.set()
         try:
-            threading.Timer(0.6, lambda: setattr(srv.state, "draining", False)).start()
+            threading.Timer(0.6, draining.clear).start()
             got = model.fetch(prefix="")
         finally:
-            srv.state.draining = False
+            draining.clear()
     assert_arrays(got, root.arrays["crowd"])
     assert "model reloading or server shutting down" in waits
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +34,7 @@ from weightserve.client import Client
 from weightserve.client._cli import main as cli_main
 from weightserve.service.server import ServerConfig, WeightServer
 from weightserve.service.sources.cache.node_cache import NodeCache
-from weightserve.service.sources.origin.base import Origin, OriginFile
+from weightserve.service.sources.origin.base import DEFAULT_PLAN, FillPlan, Origin, OriginFile
 from weightserve.service.sources.origin.catalog import OriginCatalog
 from weightserve.service.sources.origin.opening import open_origin
 
@@ -270,16 +271,16 @@ class GatedOrigin:
     def list_files(self) -> list[OriginFile]:
         return self.origin.list_files()
 
-    def fetch(self, file: OriginFile, dest: Path, **options: object) -> None:
+    def fetch(self, file: OriginFile, dest: Path, plan: FillPlan = DEFAULT_PLAN) -> str | None:
         assert self.release.wait(30), "the test never released the fill"
-        self.origin.fetch(file, dest, **options)  # type: ignore[arg-type]
+        return self.origin.fetch(file, dest, plan)
 
 
 def test_request_during_a_long_fill_gets_503_with_retry_after_and_progress(
     repository: Path, tmp_path: Path
 ) -> None:
     origin = GatedOrigin(open_origin(repository.as_uri()))
-    catalog = OriginCatalog(NodeCache(origin, tmp_path, 1 << 30), fill_wait_seconds=0.2)
+    catalog = OriginCatalog(partial(NodeCache, origin, tmp_path, 1 << 30), fill_wait_seconds=0.2)
     with WeightServer(config(repository.as_uri(), tmp_path), catalog=catalog) as server:
         reply = http_request(server.http_port, "/v1/models/big/-/stream?prefix=")
         assert reply.status == 503, reply.body

@@ -8,6 +8,7 @@ fails fast with OriginUnavailable, naming the origin and the cause, when it cann
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Iterator
@@ -19,11 +20,11 @@ from tests.support.byte_proxy import ByteCountingProxy
 from tests.support.node_caches import write_repository
 from tests.support.s3_server import S3Server, free_ports
 from weightserve.client.errors import ModelUnavailable, OriginChanged, OriginUnavailable
-from weightserve.service.sources.origin.base import Origin, OriginFile, RetryPolicy
+from weightserve.service.sources.origin.base import FillPlan, Origin, OriginFile, RetryPolicy
 from weightserve.service.sources.origin.opening import open_origin
 
 # Small parts and several threads: every file is fetched as many ranged reads, out of order.
-PARTS = {"concurrency": 4, "part_bytes": 1000}
+PARTS = FillPlan(concurrency=4, part_bytes=1000)
 UNREACHABLE_SECONDS = 20.0  # an origin that is down must fail within this, never hang
 
 
@@ -31,12 +32,12 @@ def listed(origin: Origin) -> dict[str, int]:
     return {f.name: f.size for f in origin.list_files()}
 
 
-def fetch_all(origin: Origin, dest: Path, **parts: int) -> dict[str, bytes]:
+def fetch_all(origin: Origin, dest: Path, parts: FillPlan) -> dict[str, bytes]:
     got = {}
     for i, file in enumerate(origin.list_files()):
         counted: list[int] = []
         target = dest / f"{i}.tmp"
-        origin.fetch(file, target, on_bytes=counted.append, **parts)
+        origin.fetch(file, target, dataclasses.replace(parts, on_bytes=counted.append))
         got[file.name] = target.read_bytes()
         assert sum(counted) == file.size, file.name
     return got
@@ -78,7 +79,7 @@ def test_s3_lists_and_fetches_every_object_byte_identical(
     )
     assert listed(origin) == {name: len(data) for name, data in s3_models.items()}
     assert all(f.version for f in origin.list_files())
-    assert fetch_all(origin, tmp_path, **PARTS) == s3_models
+    assert fetch_all(origin, tmp_path, PARTS) == s3_models
 
 
 @pytest.mark.s3
@@ -89,7 +90,7 @@ def test_s3_fetch_reads_each_byte_from_the_origin_once(
         origin = open_origin(s3_server.uri("models", port=proxy.port))
         (file,) = [f for f in origin.list_files() if f.name == "big/model.safetensors"]
         proxy.reset()
-        origin.fetch(file, tmp_path / "big.tmp", concurrency=8, part_bytes=256 << 10)
+        origin.fetch(file, tmp_path / "big.tmp", FillPlan(concurrency=8, part_bytes=256 << 10))
         # Headers and the HEADs that check the version are small; no part travels twice.
         assert file.size <= proxy.bytes_from_upstream < file.size + (64 << 10)
     assert (tmp_path / "big.tmp").read_bytes() == s3_models["big/model.safetensors"]
@@ -170,7 +171,7 @@ def test_file_origin_lists_and_fetches_byte_identical(
     assert listed(origin) == {name: len(data) for name, data in sent.items()}
     out = tmp_path / "out"
     out.mkdir()
-    assert fetch_all(origin, out, **PARTS) == sent
+    assert fetch_all(origin, out, PARTS) == sent
 
 
 def test_file_origin_changed_file_gets_a_new_version(
@@ -222,7 +223,7 @@ def test_upstream_lists_and_fetches_byte_identical(
     origin = open_origin(f"http://127.0.0.1:{upstream.http_port}")
     assert origin.description == f"weightserve at http://127.0.0.1:{upstream.http_port}"
     assert listed(origin) == {name: len(data) for name, data in sent.items()}
-    assert fetch_all(origin, tmp_path, **PARTS) == sent
+    assert fetch_all(origin, tmp_path, PARTS) == sent
 
 
 def test_upstream_changed_file_gets_a_new_version(
@@ -236,9 +237,9 @@ def test_upstream_changed_file_gets_a_new_version(
     after = {f.name: f for f in origin.list_files()}["big/tokenizer/tokenizer.json"]
     assert after.size == before.size and after.version != before.version
     with pytest.raises(OriginChanged):
-        origin.fetch(before, tmp_path / "old.tmp", **PARTS)
+        origin.fetch(before, tmp_path / "old.tmp", PARTS)
     assert not (tmp_path / "old.tmp").exists()
-    origin.fetch(after, tmp_path / "new.tmp", **PARTS)
+    origin.fetch(after, tmp_path / "new.tmp", PARTS)
     assert (tmp_path / "new.tmp").read_text() == '{"version": "2.0"}\n'
 
 

@@ -9,6 +9,7 @@ real, on loopback; bytes are compared with the reference readers.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import socket
@@ -148,7 +149,8 @@ def test_grpc_url_stays_on_grpc_when_http_is_not_reachable(tmp_path: Path) -> No
         closed = s.getsockname()[1]
     config = ServerConfig(str(root), http_port=0, grpc_port=0, flight_port=0)
     with WeightServer(config) as srv, Client(srv.grpc_url, timeout=10) as client:
-        srv.state.http_port = closed
+        bound = srv.state.lifecycle.ports
+        srv.state.lifecycle.ports = lambda: dataclasses.replace(bound(), http=closed)
         assert client.planes().streams is client.transport
         assert client.model("m").fetch(prefix="")["w"].tolist() == list(range(100))
         assert isinstance(client.transport._flight, FlightPool)  # type: ignore[attr-defined]
@@ -176,12 +178,14 @@ def test_unreachable_flight_endpoint_falls_back(
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         closed = s.getsockname()[1]
-    config = ServerConfig(str(root), http_port=0, grpc_port=0, flight_port=0)
+    # What GetServerInfo advertises: a Flight port nobody listens on.
+    config = ServerConfig(
+        str(root), http_port=0, grpc_port=0, flight_port=0, flight_public_port=closed
+    )
     with (
         WeightServer(config) as srv,
         Client(srv.grpc_url, timeout=10, data_plane="flight") as client,
     ):
-        srv.state.flight_port = closed  # what GetServerInfo now advertises
         with caplog.at_level(logging.WARNING, logger="weightserve.client"):
             got = client.model("m").fetch(prefix="")
         np.testing.assert_array_equal(got["w"], arrays["w"])

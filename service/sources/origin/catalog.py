@@ -213,7 +213,11 @@ class OriginCatalog:
         while the origin cannot be listed); ``outdated`` (held, but the origin's files have
         changed since: the next load of the model fills them); ``remote`` (listed by the
         origin, not in the cache)."""
-        if self.cache.progress(model_id) is not None:
+        # Until the fill's thread has indexed the copy, not only while bytes arrive: between
+        # the two the model is neither "remote" nor yet served.
+        with self._fills_lock:
+            indexing = model_id in self._fills
+        if indexing or self.cache.progress(model_id) is not None:
             return "filling"
         if model_id not in self.models:
             return "remote"

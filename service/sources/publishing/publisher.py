@@ -458,7 +458,7 @@ class Publisher:
         mid-retention): removed, with every snapshot partly removed (``store.repair``)."""
         for incoming in self.store.leftovers():
             shutil.rmtree(incoming, ignore_errors=True)
-            log.info("removed what a previous run left unfinished: %s", incoming.name)
+            log.info("removed an unfinished upload left by a previous run: %s", incoming.name)
         if self.store.repair():
             self.catalog.scan()  # the catalog may have indexed a partly removed snapshot
 

@@ -102,10 +102,7 @@ class DirectoryStore:
         return self.root / folder / "snapshots" / f"{INCOMING_PREFIX}{uuid.uuid4().hex}"
 
     def leftovers(self) -> list[Path]:
-        return [
-            *self.root.glob(f"**/models--*/snapshots/{INCOMING_PREFIX}*"),
-            *self.root.glob(f"**/models--*/snapshots/{REMOVING_PREFIX}*"),
-        ]
+        return list(self.root.glob(f"**/models--*/snapshots/{INCOMING_PREFIX}*"))
 
     def holds(self, folder: str, commit: str) -> bool:
         return (self.root / folder / "snapshots" / commit).is_dir()
@@ -153,6 +150,7 @@ class DirectoryStore:
     def repair(self) -> list[tuple[str, str]]:
         for leftover in self.root.glob(f"**/models--*/snapshots/{REMOVING_PREFIX}*"):
             delete_tree(leftover)
+            log.info("finished a removal a previous run left unfinished: %s", leftover.name)
         removed = []
         for records in self.root.glob(f"**/models--*/{RECORDS_DIR}"):
             folder = records.parent.relative_to(self.root).as_posix()

@@ -16,6 +16,7 @@ import errno
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ PARTIAL_SUFFIX = ".partial"
 _BLOCK = 1 << 20  # bytes per read from the server and per write
 # A model that changes this often during one pull is being rewritten: wait for it to settle.
 MAX_REVISIONS = 5
+_COMMIT_LIKE = re.compile(r"[0-9a-f]{12,64}")  # a commit or a prefix of one, not a ref
 
 log = logging.getLogger("weightserve.client")
 
@@ -201,9 +203,11 @@ class FilePull:
         assert self.files is not None
         now = {p.target for p in self.files}
         lost = [p.file.name for p in before if p.target not in now]
-        if lost and split_revision(self.model.id)[1] is not None:
-            # A revision named in the id does not lose files: its copy on the server is being
-            # removed (retention) or was damaged. Never end "done" with part of it.
+        pinned = split_revision(self.model.id)[1]
+        if lost and pinned is not None and _COMMIT_LIKE.fullmatch(pinned.lower()):
+            # A commit named in the id does not lose files (a ref such as main may move): its
+            # copy on the server is being removed (retention) or was damaged. Never end
+            # "done" with part of it.
             raise RevisionNotFound(
                 f"model {self.model.id!r} now lists {len(self.files)} files where it listed "
                 f"{len(before)}: {_names(lost)} are gone from the server (the revision is being "

@@ -16,6 +16,7 @@ import errno
 import json
 import logging
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -29,18 +30,20 @@ from weightserve.client.errors import (
     DataCorruption,
     DestinationError,
     RevisionMismatch,
+    RevisionNotFound,
     TransportError,
     WeightserveError,
 )
 from weightserve.client.transports.base import Transport
 from weightserve.client.wire.digests import file_digest
-from weightserve.client.wire.routes import ServerAddress
+from weightserve.client.wire.routes import ServerAddress, split_revision
 
 STATE_FILE = ".weightserve-pull.json"  # which file content each .partial holds
 PARTIAL_SUFFIX = ".partial"
 _BLOCK = 1 << 20  # bytes per read from the server and per write
 # A model that changes this often during one pull is being rewritten: wait for it to settle.
 MAX_REVISIONS = 5
+_COMMIT_LIKE = re.compile(r"[0-9a-f]{12,64}")  # a commit or a prefix of one, not a ref
 
 log = logging.getLogger("weightserve.client")
 
@@ -174,6 +177,7 @@ class FilePull:
                 again = copy.copy(e)  # the same class, the next step added
                 again.args = (f"{e}; run the pull again: it goes on where it stopped",)
                 raise again from e
+            self._check_complete()
             with contextlib.suppress(FileNotFoundError):
                 (dest / STATE_FILE).unlink()
             return dest
@@ -191,6 +195,17 @@ class FilePull:
         self.plan(replaceable=frozenset(written))
         assert self.files is not None
         now = {p.target for p in self.files}
+        lost = [p.file.name for p in before if p.target not in now]
+        pinned = split_revision(self.model.id)[1]
+        if lost and pinned is not None and _COMMIT_LIKE.fullmatch(pinned.lower()):
+            # A commit named in the id does not lose files (a ref such as main may move): its
+            # copy on the server is being removed (retention) or was damaged. Never end
+            # "done" with part of it.
+            raise RevisionNotFound(
+                f"model {self.model.id!r} now lists {len(self.files)} files where it listed "
+                f"{len(before)}: {_names(lost)} are gone from the server (the revision is being "
+                "removed?); pull a revision the server holds whole"
+            )
         for p in before:
             if p.target not in now:
                 with contextlib.suppress(FileNotFoundError):
@@ -202,6 +217,24 @@ class FilePull:
             "model %r changed during the pull (%s); going on with revision %s (was %s)",
             self.model.id, changed, self.revision, old,
         )  # fmt: skip
+
+    def _check_complete(self) -> None:
+        """Every listed file is in place with its listed size (each was checked against its
+        digest when fetched or kept): a pull never ends with part of a revision."""
+        missing = []
+        for p in self.files or ():
+            try:
+                whole = p.target.stat().st_size == p.file.size
+            except OSError:
+                whole = False
+            if not whole:
+                missing.append(p.file.name)
+        if missing:
+            raise DataCorruption(
+                f"the pull of model {self.model.id!r} wrote {len(self.files or ()) - len(missing)}"
+                f" of its {len(self.files or ())} files: {_names(missing)} missing or of another "
+                f"size in {self.dest} (changed while the pull ran?); run the pull again"
+            )
 
     def _fetch(
         self,
@@ -279,6 +312,12 @@ def download_files(
     """Write every file of the model's repository under ``dest``, byte-identical and
     verified; see ``RemoteModel.download``."""
     return FilePull(model, Path(dest), force).plan().run(on_bytes, on_wait)
+
+
+def _names(names: list[str], shown: int = 5) -> str:
+    """A few file names, and how many more."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(repr(n) for n in names[:shown]) + more
 
 
 def _safe_relative(name: str, model_id: str) -> PurePosixPath:

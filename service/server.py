@@ -291,7 +291,7 @@ def _origin_served(config: ServerConfig, catalog: OriginCatalog, events: _Source
     origin = catalog.origin
     follower = None
     if isinstance(origin, UpstreamOrigin) and config.follow:
-        follower = UpstreamFollower(catalog, origin.events)
+        follower = UpstreamFollower(catalog, origin.events, origin.interrupt_events)
     publisher = None
     if isinstance(origin, FileSystemOrigin):  # publishes go into the bucket
         publisher = Publisher(

@@ -100,6 +100,11 @@ class LineStream(Protocol):
 
     def close(self) -> None: ...
 
+    def interrupt(self) -> None:
+        """End a read blocked in another thread now (the connection is shut down: the reader
+        sees it cut, and closes it as it would any)."""
+        ...
+
 
 class DataTransport(Protocol):
     """What the client asks of a server to load a model. Metadata answers are the JSON

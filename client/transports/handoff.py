@@ -31,6 +31,7 @@ import mmap
 import os
 import socket
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +69,7 @@ _IMMUTABLE_SEALS = (
     | getattr(fcntl, "F_SEAL_GROW", 0)
 )
 RELOAD_WAIT = 0.5  # seconds before asking again after a file changed under a handoff
+CONNECT_BUSY_SECONDS = 2.0  # how long a connect waits out the server's full accept queue
 
 
 # Live handoff mappings by start address: (length, the mapping), for writable_alias.
@@ -159,18 +161,32 @@ class HandoffClient:
         self.timeout = timeout
 
     def _connect(self) -> socket.socket:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            sock.connect(self.path)
-        except OSError as e:
-            sock.close()
-            # Not ServerUnreachable: a missing socket is not waited out; the client copies
-            # over another plane instead (client/transports/planes.py).
-            raise TransportError(
-                f"no weightserve handoff socket at {self.path} ({e.strerror or e})"
-            ) from None
-        return sock
+        # A full accept queue answers EAGAIN at once (a Unix socket does not wait): a burst of
+        # ranks connecting together waits a moment for the server to accept.
+        deadline = time.monotonic() + min(self.timeout, CONNECT_BUSY_SECONDS)
+        delay = 0.001
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.timeout)
+            try:
+                sock.connect(self.path)
+                return sock
+            except BlockingIOError:
+                sock.close()
+                if time.monotonic() >= deadline:
+                    raise TransportError(
+                        f"handoff socket {self.path} stayed busy "
+                        f"for {CONNECT_BUSY_SECONDS:g} s (its accept queue is full)"
+                    ) from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+            except OSError as e:
+                sock.close()
+                # Not ServerUnreachable: a missing socket is not waited out; the client copies
+                # over another plane instead (client/transports/planes.py).
+                raise TransportError(
+                    f"no weightserve handoff socket at {self.path} ({e.strerror or e})"
+                ) from None
 
     def hello(self) -> dict[str, Any]:
         """The server's instance id and version (to match a socket to a server)."""

@@ -600,6 +600,14 @@ class _HttpLines:
         self._resp.close()
         self._conn.close()
 
+    def interrupt(self) -> None:
+        # Not close(): the reading thread still uses the connection. A shutdown wakes its
+        # blocked receive, which closing the descriptor does not.
+        sock = self._conn.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
 
 class _HttpFileSource(_HttpSource):
     """A file's bytes from a 200 or 206 answer, with what its headers say about the file."""

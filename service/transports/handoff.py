@@ -168,6 +168,9 @@ class HandoffServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
 
     daemon_threads = True
     allow_reuse_address = False
+    # The kernel's maximum, not socketserver's 5: the ranks of a node start together, and a
+    # full queue answers a connect with EAGAIN.
+    request_queue_size = socket.SOMAXCONN
 
     def __init__(self, endpoint: HandoffEndpoint, state: ServiceState) -> None:
         self.path = Path(endpoint.path)

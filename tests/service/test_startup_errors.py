@@ -8,23 +8,28 @@ through the command line. The README's Configuration table is checked against th
 
 from __future__ import annotations
 
+import gc
 import re
 import shutil
 import socket
 import subprocess
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.support import fixtures_safetensors as fx
 from tests.support.commands import ANY_PORTS, clean_env, free_port, run_cli, start_server
+from tests.support.node_caches import config
 from tests.support.paths import REPO
 from weightserve.client import Client, RemoteWeights
 from weightserve.client.errors import WrongTransport
 from weightserve.service.config import SETTINGS
 from weightserve.service.server import ServerConfig, WeightServer
+from weightserve.service.transports.listener import StartupError
 
 MODEL = "org/sharded"
 
@@ -422,3 +427,25 @@ def test_cli_says_which_url_to_use(
     assert lines[0].startswith(f"weightserve {command}: WrongTransport: ")
     assert says.format(**ports) in lines[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_node_that_fails_to_start_lets_go_of_its_cache_and_origin(tmp_path: Path) -> None:
+    """A pinned model the origin lacks fails the start after the cache directory was taken and
+    the origin listed: both are closed (no file or connection left to the collector), so a
+    node started again at once takes the same directory."""
+    origin_root = tmp_path / "origin"
+    origin_root.mkdir()
+    fx.save_file({"w": np.ones(4, dtype=np.float32)}, origin_root / "m.safetensors")
+
+    def node(*pins: str) -> WeightServer:
+        return WeightServer(config(upstream.http_url, tmp_path / "cache", pins=pins))
+
+    with WeightServer(config(str(origin_root), tmp_path / "unused")) as upstream:
+        with warnings.catch_warnings(record=True) as left:
+            warnings.simplefilter("always")
+            with pytest.raises(StartupError, match="pinned"):
+                node("not/there").start()
+            gc.collect()
+        assert [str(w.message) for w in left if w.category is ResourceWarning] == []
+        with node() as again, Client(again.http_url) as c:  # the directory is free
+            assert [m.id for m in c.list_models()[0]] == ["m.safetensors"]

@@ -223,7 +223,11 @@ class OriginCatalog:
         while the origin cannot be listed); ``outdated`` (held, but the origin's files have
         changed since: the next load of the model fills them); ``remote`` (listed by the
         origin, not in the cache)."""
-        if self.cache.progress(model_id) is not None:
+        # Until the fill's thread has indexed the copy, not only while bytes arrive: between
+        # the two the model is neither "remote" nor yet served.
+        with self._fills_lock:
+            indexing = model_id in self._fills
+        if indexing or self.cache.progress(model_id) is not None:
             return "filling"
         if model_id not in self.models:
             return "remote"
@@ -240,10 +244,20 @@ class OriginCatalog:
         listing's versions are content digests (an upstream weightserve): the revision and
         commit its fill will have. "" elsewhere (object storage: known once filled)."""
         if not self.origin.lists_content_digests:
-            return ""
+            return self._published_commit(remote)
         return content_revision(
             (model_file_name(remote.id, f.name), f.size, f.version) for f in remote.files
         )
+
+    def _published_commit(self, remote: RemoteModel) -> str:
+        """The commit a repository published into the origin has as main: its ``refs/main``
+        names it (the publisher named the snapshot by its content, so a fill has that
+        commit); "" for any other model."""
+        pointer = remote.files[0] if remote.files else None
+        found = hub_repo_file(pointer.name) if pointer is not None else None
+        if pointer is None or found is None or found.rest != "refs/main":
+            return ""
+        return self.refs.read(pointer)
 
     def listing_fields(self, model: Model) -> dict[str, Any]:
         """The state of a cached model, and what its summary says of the revision: the
@@ -374,6 +388,7 @@ class OriginCatalog:
         if remote is None or self.origin_error is not None or cached or not alone:
             return self.get(model_id, may_read)
         described = self.headers.model(plain, base, remote.files, may_read, file)
+        described.listed_commit = self.listed_revision(remote)[:COMMIT_CHARS]
         if revision is None:
             return described
         if not described.commit:  # known once filled: the filled model answers for R

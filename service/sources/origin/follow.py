@@ -30,10 +30,15 @@ class UpstreamFollower:
     """The thread that keeps a node cache's held models at its upstream's newest revision."""
 
     def __init__(
-        self, catalog: OriginCatalog, events: Callable[[], Iterator[dict[str, Any]]]
+        self,
+        catalog: OriginCatalog,
+        events: Callable[[], Iterator[dict[str, Any]]],
+        interrupt: Callable[[], None] = lambda: None,
     ) -> None:
+        """``interrupt`` ends a read of ``events`` blocked in this thread (see ``stop``)."""
         self.catalog = catalog
         self.events = events
+        self.interrupt = interrupt
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="weightserve-follow", daemon=True)
 
@@ -41,9 +46,17 @@ class UpstreamFollower:
         self._thread.start()
         return self
 
-    def stop(self, wait: float = 1.0) -> None:
+    def stop(self, wait: float = 5.0) -> None:
+        """Stop following: the watch is cut at once (its read would wait for the upstream's
+        next heartbeat), and the thread waited for."""
         self._stop.set()
-        self._thread.join(wait)  # a watch blocked in a read ends at its next heartbeat
+        self.interrupt()
+        if self._thread.is_alive():
+            self._thread.join(wait)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
 
     def _run(self) -> None:
         delays = Delays(RETRY_FIRST, RETRY_MAX, jitter=False)
@@ -72,6 +85,8 @@ class UpstreamFollower:
                 )
                 return
             except (WeightserveError, OSError, ValueError) as e:
+                if self._stop.is_set():
+                    return  # cut by stop()
                 if not failing:
                     log.warning(
                         "the watch of %s broke (%s); reconnecting", self.catalog.description, e

@@ -34,7 +34,12 @@ from weightserve.service.sources.local.catalog import Catalog
 from weightserve.service.sources.local.discovery import MAX_INDEX_BYTES
 from weightserve.service.sources.model import Model, ReadCheck
 from weightserve.service.sources.origin.base import FillPlan, Origin, OriginFile
-from weightserve.service.sources.revisions.content import DigestStore, FileChanged, hash_file
+from weightserve.service.sources.revisions.content import (
+    REVISION_CHARS,
+    DigestStore,
+    FileChanged,
+    hash_file,
+)
 
 # The first read of a safetensors file: the whole header of a small checkpoint; a larger one
 # costs a second read of exactly the rest (its length is in the first 8 bytes).
@@ -58,10 +63,13 @@ class HeaderModel(Model):
 
     digests_known: bool = False
     whole: frozenset[Path] = frozenset()
+    # Where the digests are not listed, the commit the origin names otherwise (a published
+    # repository's refs/main), "" where none does.
+    listed_commit: str = ""
 
     @property
     def revision(self) -> str:
-        return super().revision if self.digests_known else ""
+        return super().revision if self.digests_known else self.listed_commit[:REVISION_CHARS]
 
     @property
     def revision_known(self) -> bool:
@@ -69,7 +77,11 @@ class HeaderModel(Model):
 
     @property
     def commit(self) -> str:
-        return super().commit if self.digests_known else ""
+        return super().commit if self.digests_known else self.listed_commit
+
+    def revision_digest(self) -> str:
+        # Without listed digests the files' digests are unknown: only the listed commit is.
+        return super().revision_digest() if self.digests_known else self.listed_commit
 
     def file_digest(self, path: Path) -> str:
         # A side file fetched whole has its digest, from the origin or from its bytes.

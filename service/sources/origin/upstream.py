@@ -89,6 +89,7 @@ class UpstreamOrigin:
         # Model id -> (revision, its files) as last listed.
         self._listed: dict[str, tuple[str, list[tuple[OriginFile, str, str]]]] = {}
         self._models_lock = threading.Lock()
+        self._watching: LineStream | None = None  # the watch ``events`` reads, while open
         self.requests = OriginRequests()
 
     def _attempt(self, what: str, action: Callable[[], T]) -> T:
@@ -131,10 +132,19 @@ class UpstreamOrigin:
         one connection, until it ends or breaks (service/sources/origin/follow.py reconnects)."""
         lines = self.requests.call("watch", lambda: self.transport.open_watch(None, None))
         silence = max(self.stall_seconds, WATCH_SILENCE)  # heartbeats come every few seconds
+        self._watching = lines
         try:
             yield from read_events(lambda: lines.readline(silence=silence))
         finally:
+            self._watching = None
             lines.close()
+
+    def interrupt_events(self) -> None:
+        """End the watch ``events`` reads now (from another thread: a node stopping), rather
+        than at the upstream's next heartbeat."""
+        watching = self._watching
+        if watching is not None:
+            watching.interrupt()
 
     def list_files(self) -> list[OriginFile]:
         listing = self._attempt(

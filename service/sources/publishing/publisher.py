@@ -454,10 +454,13 @@ class Publisher:
             self.abort(upload_id, "abandoned")
 
     def _remove_leftovers(self) -> None:
-        """Uploads a previous process left half-written (killed mid-publish): removed."""
+        """Uploads and removals a previous process left half done (killed mid-publish or
+        mid-retention): removed, with every snapshot partly removed (``store.repair``)."""
         for incoming in self.store.leftovers():
             shutil.rmtree(incoming, ignore_errors=True)
             log.info("removed an unfinished upload left by a previous run: %s", incoming.name)
+        if self.store.repair():
+            self.catalog.scan()  # the catalog may have indexed a partly removed snapshot
 
 
 def _write_safetensors(path: Path, entries: list[TensorEntry]) -> None:

@@ -19,6 +19,7 @@ import mmap
 import os
 import shutil
 import struct
+import time
 import uuid
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -35,6 +36,12 @@ from weightserve.service.sources.model import Model
 log = logging.getLogger("weightserve.publish")
 
 INCOMING_PREFIX = ".incoming-"
+# A snapshot being removed is first renamed to this (hidden: never listed or served), then
+# deleted; what a killed process left so is deleted at the next start.
+REMOVING_PREFIX = ".removing-"
+# Tests only: seconds to wait after each file a removal deletes, so that a test can kill the
+# server in the middle of one. Never set in a deployment.
+REMOVAL_PAUSE_VARIABLE = "WEIGHTSERVE_TEST_REMOVAL_PAUSE"
 RECORDS_DIR = ".revisions"
 COPY_BLOCK = 8 << 20
 DELTAS_DIR = "deltas"  # under RECORDS_DIR: BASE..TARGET.delta, one file per pair
@@ -71,7 +78,16 @@ class RevisionStore(Protocol):
 
     def record(self, folder: str, commit: str) -> dict[str, Any] | None: ...
 
-    def remove(self, folder: str, commit: str) -> None: ...
+    def remove(self, folder: str, commit: str) -> None:
+        """Stop listing and serving the revision at once, then delete its files: a process
+        killed in between leaves nothing served (``repair`` finishes the job)."""
+        ...
+
+    def repair(self) -> list[tuple[str, str]]:
+        """At startup: delete what a killed removal left, and every snapshot (but ``main``)
+        that holds fewer bytes than its record says (partly removed by an older version);
+        the (folder, commit) pairs so removed."""
+        ...
 
 
 class DirectoryStore:
@@ -119,10 +135,50 @@ class DirectoryStore:
         return None
 
     def remove(self, folder: str, commit: str) -> None:
-        shutil.rmtree(self.root / folder / "snapshots" / commit, ignore_errors=True)
+        snapshot = self.root / folder / "snapshots" / commit
+        doomed = snapshot.with_name(f"{REMOVING_PREFIX}{commit}-{uuid.uuid4().hex}")
+        try:
+            os.rename(snapshot, doomed)  # one step: served whole before, never after
+            sync_path(snapshot.parent)
+        except FileNotFoundError:
+            doomed = snapshot  # nothing there (removed already)
         with contextlib.suppress(FileNotFoundError):
             (self.root / folder / RECORDS_DIR / f"{commit}.json").unlink()
         self.deltas.remove(self.root / folder, commit)
+        delete_tree(doomed)
+
+    def repair(self) -> list[tuple[str, str]]:
+        for leftover in self.root.glob(f"**/models--*/snapshots/{REMOVING_PREFIX}*"):
+            delete_tree(leftover)
+            log.info("finished a removal a previous run left unfinished: %s", leftover.name)
+        removed = []
+        for records in self.root.glob(f"**/models--*/{RECORDS_DIR}"):
+            folder = records.parent.relative_to(self.root).as_posix()
+            main = self.main(folder)
+            for commit in self.commits(folder):
+                if commit != main and self._partly_removed(folder, commit):
+                    log.warning(
+                        "revision %s of %s holds fewer bytes than its record: partly removed "
+                        "by a previous run, removed now", commit[:16], folder,
+                    )  # fmt: skip
+                    self.remove(folder, commit)
+                    removed.append((folder, commit))
+        return removed
+
+    def _partly_removed(self, folder: str, commit: str) -> bool:
+        """Fewer bytes on disk than the record counted (its files' sizes): a file is gone. A
+        snapshot without a record is not one weightserve wrote, and is left as it is."""
+        try:
+            record = json.loads((self.root / folder / RECORDS_DIR / f"{commit}.json").read_text())
+            recorded = int(record["bytes"])
+        except (OSError, ValueError, TypeError, KeyError):
+            return False
+        here = 0
+        for dirpath, _, filenames in os.walk(self.root / folder / "snapshots" / commit):
+            for name in filenames:
+                with contextlib.suppress(OSError):
+                    here += os.stat(os.path.join(dirpath, name)).st_size
+        return here < recorded
 
 
 class BucketStore:
@@ -189,10 +245,15 @@ class BucketStore:
         return None
 
     def remove(self, folder: str, commit: str) -> None:
-        with contextlib.suppress(OSError):
-            self.fs.delete_dir(self._key(folder, "snapshots", commit))
+        # The record first: revisions are listed by their records, so the revision is gone
+        # from every listing before any of its objects is.
         with contextlib.suppress(OSError):
             self.fs.delete_file(self._key(folder, RECORDS_DIR, f"{commit}.json"))
+        with contextlib.suppress(OSError):
+            self.fs.delete_dir(self._key(folder, "snapshots", commit))
+
+    def repair(self) -> list[tuple[str, str]]:
+        return []  # a removal deletes the record first: a killed one leaves nothing listed
 
 
 class KeptDeltas:
@@ -407,6 +468,22 @@ def revision_record(
         "message": message,
         "metadata": {} if metadata is None else metadata,
     }
+
+
+def delete_tree(path: Path) -> None:
+    """Delete a directory tree, as ``shutil.rmtree`` does (errors ignored), file by file when
+    the tests' pause is set."""
+    pause = float(os.environ.get(REMOVAL_PAUSE_VARIABLE) or 0)
+    if pause <= 0:
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    for dirpath, _, filenames in os.walk(path, topdown=False):
+        for name in filenames:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(dirpath, name))
+            time.sleep(pause)
+        with contextlib.suppress(OSError):
+            os.rmdir(dirpath)
 
 
 def write_atomically(path: Path, text: str) -> None:

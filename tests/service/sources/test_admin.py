@@ -224,3 +224,28 @@ def test_prefetch_and_evict_through_an_s3_origin(s3_server: S3Server, tmp_path: 
         assert checked["ok"], checked
         assert cli_main(["cache", "evict", node.http_url, "m"]) == 0
         assert node_cache(node).cached_models() == []
+
+
+def test_a_prefetch_is_filling_until_its_model_is_served(
+    upstream: WeightServer, tmp_path: Path
+) -> None:
+    """After the bytes arrive the fill still indexes the copy: the state stays ``filling``
+    until it is ``cached``, never ``remote`` in between (which ``weightserve cache prefetch``
+    took for a failed fill)."""
+    root = tmp_path / "origin"
+    (root / "m").mkdir(parents=True)
+    fixtures_safetensors.save_file(  # many tensors and side files: indexing takes a while
+        {f"t{i}": np.ones(64, dtype=np.float32) for i in range(2000)},
+        root / "m" / "model.safetensors",
+    )
+    for i in range(300):
+        (root / "m" / f"side{i}.json").write_text("{}")
+    with (
+        WeightServer(config(str(root), tmp_path / "up")) as origin,
+        WeightServer(config(origin.http_url, tmp_path / "node")) as node,
+    ):
+        seen = [admin(node.http_port, "POST", "m", "prefetch").json()["state"]]
+        while seen[-1] != "cached":
+            assert len(seen) < 20000, seen[-5:]
+            seen.append(admin(node.http_port, "GET", "m").json()["state"])
+        assert set(seen) <= {"filling", "cached"}, [s for s in seen if s != "filling"][:3]

@@ -89,3 +89,31 @@ def test_nodes_follow_a_publish_and_announce_it_once_they_hold_it(tmp_path: Path
                     assert np.array_equal(np.asarray(got["w"]), weights(2)["w"])
     finally:
         upstream.stop()
+
+
+def test_a_stopping_node_cuts_its_upstream_watch(tmp_path: Path) -> None:
+    """The watch of the upstream would end only at its next heartbeat: a node's stop cuts it,
+    and its thread has ended when stop returns."""
+    root = tmp_path / "upstream"
+    root.mkdir()
+    config = ServerConfig(
+        str(root), http_port=0, grpc_port=0, flight_port=None, rescan_seconds=0, watch=False,
+    )  # fmt: skip
+    with WeightServer(config) as upstream:
+        before = set(threading.enumerate())
+        cache = node(upstream.http_url, tmp_path / "n").start()
+        try:
+            deadline = time.monotonic() + 30
+            while upstream.state.feed.watchers() == 0:  # the node's watch is connected
+                assert time.monotonic() < deadline, "the node never watched its upstream"
+                time.sleep(0.02)
+        finally:
+            cache.stop()
+        following = [
+            t for t in threading.enumerate() if t.name == "weightserve-follow" and t not in before
+        ]
+        assert following == []
+        deadline = time.monotonic() + 30
+        while upstream.state.feed.watchers():  # the upstream saw the watch end
+            assert time.monotonic() < deadline, "the watch was never cut"
+            time.sleep(0.02)

@@ -497,3 +497,31 @@ def test_an_error_frame_raises_the_servers_class(error: dict) -> None:
         answering.join(5)
         listener.close()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_burst_of_connections_is_accepted(uds_server) -> None:
+    """16 clients connecting at once, 5 ``hello`` calls each: the socket's backlog holds the
+    burst and a client waits out a full queue instead of failing."""
+    assert uds_server.config.uds
+    path = handoff_socket_path(uds_server.config.uds)
+    barrier = threading.Barrier(16)
+    failures: list[BaseException] = []
+    answers: list[dict] = []
+
+    def burst() -> None:
+        client = HandoffClient(path)
+        barrier.wait()
+        for _ in range(5):
+            try:
+                answers.append(client.hello())
+            except TransportError as e:
+                failures.append(e)
+
+    threads = [threading.Thread(target=burst) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+    assert len(answers) == 80
+    assert {a["instance"] for a in answers} == {uds_server.state.instance}

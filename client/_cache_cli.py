@@ -13,7 +13,6 @@ from urllib.parse import quote
 from weightserve.client.wire.routes import RESERVED_PART
 
 if TYPE_CHECKING:
-    from weightserve.client.transports.base import Connection
     from weightserve.client.transports.http import HttpTransport
 
 ADMIN_PATH = "/v1/admin/cache"
@@ -65,6 +64,7 @@ def admin_path(model_id: str, action: str | None = None) -> str:
 def run_cache(args: argparse.Namespace) -> int:
     # Imported when run, as the other commands do: `weightserve --help` stays quick.
     from weightserve.client._retry import wait_for_server
+    from weightserve.client.transports.base import Connection
     from weightserve.client.transports.http import HttpTransport
     from weightserve.client.wire.routes import parse_url
 

@@ -147,6 +147,8 @@ def _configured_server(args: argparse.Namespace) -> WeightServer:
         allow_publish=args.allow_publish,
         max_upload_bytes=args.max_upload_bytes,
         keep_revisions=args.keep_revisions,
+        upload_body_timeout=args.upload_body_timeout,
+        upload_idle_timeout=args.upload_idle_timeout,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,

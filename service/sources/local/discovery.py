@@ -42,7 +42,6 @@ from weightserve.service.sources.base import Problem
 from weightserve.service.sources.layout import (
     CHECKPOINT_SUFFIXES,
     GGUF_SUFFIXES,
-    ID_SEPARATORS,
     INDEX_NAME,
     REF_NAME,
     RESERVED_CHARACTER,
@@ -50,6 +49,7 @@ from weightserve.service.sources.layout import (
     REVISION_SEPARATOR,
     WEIGHT_SUFFIXES,
     gguf_models,
+    has_reserved_character,
     hub_repo_id,
     weight_format,
     weight_sets,
@@ -162,7 +162,7 @@ class Discovery:
             if name == RESERVED_PART:  # no model id may have this part (validate_model_id)
                 self._refuse(rel, rel, RESERVED_DIRECTORY)
                 continue
-            if any(c in name for c in ID_SEPARATORS):
+            if has_reserved_character(name):
                 self._refuse(rel, rel, RESERVED_CHARACTER)
                 continue
             real = p.resolve() if is_link else p
@@ -184,7 +184,7 @@ class Discovery:
                 fmt = weight_format(f.name)
                 if fmt is None:
                     continue
-                if any(c in f.name for c in ID_SEPARATORS):
+                if has_reserved_character(f.name):
                     self._refuse(f.name, f.name, RESERVED_CHARACTER)
                 else:
                     self._add(found, f.name, (fmt, f, [f]))
@@ -230,7 +230,7 @@ class Discovery:
         entry: tuple[str, Path, list[Path]],
     ) -> None:
         model_id = f"{id_prefix}/{name}".lstrip("/")
-        if any(c in name for c in ID_SEPARATORS):
+        if has_reserved_character(name):
             self._refuse(model_id, self.relative(str(entry[1])), RESERVED_CHARACTER)
         else:
             self._add(found, model_id, entry)

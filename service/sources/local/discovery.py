@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 from pathlib import Path
 
 from weightserve.client.wire.routes import RESERVED_PART
@@ -309,6 +310,9 @@ class Discovery:
             return []
         weights = set(files)
         found: list[Path] = []
+        # The walk enters no symlinked directory, so below a directory inside the root only a
+        # symlinked file can lead out: that one is resolved, the others cost one stat each.
+        inside = self._inside_root(path)
         for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
             directory = Path(dirpath)
             dirnames[:] = sorted(
@@ -319,13 +323,16 @@ class Discovery:
             )  # fmt: skip
             for name in sorted(filenames):
                 f = directory / name
-                if name.startswith(".") or f in weights or not self._inside_root(f):
+                if name.startswith(".") or f in weights:
                     continue
                 try:
-                    if not f.is_file():
+                    if (os.path.islink(f) or not inside) and not self._inside_root(f):
+                        continue
+                    size = f.stat()
+                    if not stat.S_ISREG(size.st_mode):
                         continue
                     checkpoint = f.suffix in CHECKPOINT_SUFFIXES
-                    if not checkpoint and f.stat().st_size > SIDE_FILE_MAX_BYTES:
+                    if not checkpoint and size.st_size > SIDE_FILE_MAX_BYTES:
                         log.info("%s not served: larger than %d bytes", f, SIDE_FILE_MAX_BYTES)
                         continue
                 except OSError:

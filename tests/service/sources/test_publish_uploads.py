@@ -203,3 +203,21 @@ def test_received_files_are_synced_before_refs_main_names_them(
     assert str(snapshots) in before_main  # the snapshot's rename is durable
     assert str(staged / "model" / "sub") in before_main  # and the entries inside it
     assert (snapshots / commit / "sub" / "tokenizer.json").read_bytes() == b"{}"
+
+
+def test_a_revision_of_hundreds_of_small_files_is_served_whole(root: Path, tmp_path) -> None:
+    files = {f"side/{i:03d}.json": b'{"i": %d}' % i for i in range(300)}
+    cache = tmp_path / "cache"  # file digests kept in their table, as `serve` keeps them
+    with pub.serve(root, allow_publish=True, cache_dir=str(cache)) as srv:
+        with Client(srv.http_url) as c:
+            revision = c.publish(MODEL, {"w": np.ones(16, np.float32)}, files=files)
+            again = c.publish(MODEL, {"w": np.zeros(16, np.float32)}, files=files)
+            model = c.model(MODEL)
+            assert model.commit == again.commit != revision.commit
+            listed = {f.name: f for f in model.files()}
+        assert set(listed) == {*files, "model.safetensors"}
+        for name in ("side/000.json", "side/150.json", "side/299.json"):
+            served = http_request(srv.http_port, f"/{MODEL}/resolve/{again.commit}/{name}")
+            assert served.body == files[name]
+            assert served.headers["etag"].strip('"') == listed[name].etag
+    assert leftovers(root) == []

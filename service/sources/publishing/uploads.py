@@ -96,6 +96,10 @@ class Publishing(RevisionLog, Protocol):
         """The part's body ended (whole, cut off or refused)."""
         ...
 
+    def tracked(self, upload: Upload) -> bool:
+        """Whether the upload is still in progress (not aborted, expired or committed)."""
+        ...
+
     def seal(self, upload: Upload) -> None:
         """A commit begins: no part may start from now on."""
         ...

@@ -205,7 +205,8 @@ SETTINGS: tuple[Setting, ...] = (
             byte_budget, "1TiB"),
     Setting("--upload-body-timeout", "WEIGHTSERVE_UPLOAD_BODY_TIMEOUT", UPLOAD_BODY_TIMEOUT,
             "seconds a publish's file upload may send nothing before it is cut off and the "
-            "whole upload discarded; a commit waits this long at most for files still arriving",
+            "whole upload discarded; a commit waits twice this long at most for files still "
+            "arriving",
             positive_seconds, "60 s"),
     Setting("--upload-idle-timeout", "WEIGHTSERVE_UPLOAD_IDLE_TIMEOUT", UPLOAD_IDLE_SECONDS,
             "seconds a publish in progress may go without a request before it is discarded "

@@ -5,7 +5,7 @@ An upload's bodies are streamed to disk as they arrive (bounded memory whatever 
 size), limited by ``--max-upload-bytes`` (every part of the upload together, reserved as each
 starts); a body cut off (the publisher killed) or silent for ``--upload-body-timeout``
 discards the whole upload. A commit waits for the upload's parts still arriving (at most
-``--upload-body-timeout``), so nothing lands in a revision after its commit answers. No
+twice ``--upload-body-timeout``), so nothing lands in a revision after its commit answers. No
 answer names the server's staging directory. Publishing needs ``publish=PATTERN`` in the
 token file, or ``--allow-publish`` on a server without one.
 """
@@ -60,6 +60,7 @@ PUBLISH_OPERATION = "publish"
 WRITE_BLOCK = 8 << 20  # bytes gathered before one write to disk, off the event loop
 WRITEV_PIECES = 512  # below every platform's IOV_MAX
 COMMIT_POLL_SECONDS = 0.02  # how often a commit looks whether its upload's parts have ended
+COMMIT_WAIT_TIMEOUTS = 2  # a commit waits this many --upload-body-timeout for parts arriving
 MODEL = "/v1/models/{model:model_id}/-"
 
 
@@ -169,9 +170,11 @@ async def _part_answer(http: Request, receiving: Any) -> Response:
 
 
 async def _parts_ended(publisher: Publishing, upload: Upload) -> None:
-    """Wait (at most ``--upload-body-timeout``) for the upload's parts still arriving; refused
-    (409, naming them) if they go on longer, or if the upload was discarded meanwhile."""
-    deadline = time.monotonic() + publisher.body_timeout
+    """Wait for the upload's parts still arriving, at most twice ``--upload-body-timeout`` (a
+    stalled part is cut, and the upload discarded, before that); refused (409, naming them)
+    if they go on longer, or if the upload was discarded meanwhile."""
+    waited = COMMIT_WAIT_TIMEOUTS * publisher.body_timeout
+    deadline = time.monotonic() + waited
     while upload.receiving and time.monotonic() < deadline:
         await asyncio.sleep(COMMIT_POLL_SECONDS)
     if not publisher.tracked(upload):
@@ -183,7 +186,7 @@ async def _parts_ended(publisher: Publishing, upload: Upload) -> None:
         names = ", ".join(part_label(p) for p in upload.receiving)
         raise PublishConflict(
             f"the upload of {upload.model_id!r} is still receiving {names} after "
-            f"{publisher.body_timeout:g} s: commit once its PUT has answered"
+            f"{waited:g} s: commit once its PUT has answered"
         )
 
 

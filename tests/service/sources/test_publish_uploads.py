@@ -47,6 +47,14 @@ def wait_until_gone(root: Path) -> list[str]:
     return leftovers(root)
 
 
+def arrived(root: Path, name: str) -> None:
+    """Wait until an upload's file ``name`` is being written under the root."""
+    deadline = time.monotonic() + 15
+    while not list(root.glob(f"*/snapshots/.incoming-*/model/{name}")):
+        assert time.monotonic() < deadline, f"{name} never reached the server"
+        time.sleep(0.02)
+
+
 def test_a_commit_waits_for_a_file_still_arriving_and_its_revision_never_changes(
     server, root: Path
 ) -> None:
@@ -55,6 +63,7 @@ def test_a_commit_waits_for_a_file_still_arriving_and_its_revision_never_changes
     assert put_part(port, MODEL, upload, "tensors", tensors(1)).status == 200
     config = b'{"layers": 1, "padding": "' + b"x" * 200_000 + b'"}'
     slow = SlowPart(port, MODEL, upload, "files/config.json", config, first=1000)
+    arrived(root, "config.json")
     committed: list[Reply] = []
     committing = Thread(target=lambda: committed.append(commit_upload(port, MODEL, upload)))
     committing.start()
@@ -93,6 +102,7 @@ def test_a_commit_waiting_on_a_stalled_file_is_refused_and_main_stays(root: Path
         assert put_part(port, MODEL, upload, "tensors", tensors(2)).status == 200
         slow = SlowPart(port, MODEL, upload, "files/config.json", b"{}" * 50_000, first=10)
         try:
+            arrived(root, "config.json")  # its body is being received before the commit
             refused = commit_upload(port, MODEL, upload)
             assert refused.status == 409, refused.body
             kind, message = refused.error()
@@ -123,7 +133,7 @@ def test_a_stalled_file_body_expires_and_its_upload_is_removed(root: Path) -> No
 
 
 def test_an_idle_upload_is_removed_without_any_other_request(root: Path) -> None:
-    with pub.serve(root, allow_publish=True, upload_idle_timeout=0.5) as srv:
+    with pub.serve(root, allow_publish=True, upload_idle_timeout=2) as srv:
         upload = begin_upload(srv.http_port, MODEL)
         assert put_part(srv.http_port, MODEL, upload, "tensors", tensors(4)).status == 200
         assert leftovers(root)

@@ -18,6 +18,9 @@ from weightserve.service.sources.layout import (
 
 # The longest name one directory entry may have on Linux and macOS file systems (bytes).
 NAME_MAX = 255
+# The longest file name (all its folders) a revision may hold: far below the system's path
+# limit with the root in front of it, and as deep as any repository's files go.
+FILE_NAME_MAX = 1024
 
 
 def repo_folder(model_id: str) -> str:
@@ -54,6 +57,11 @@ def upload_file_name(name: str, taken: Iterable[str]) -> str:
     if any(ord(c) < 0x20 or c == "\x7f" for c in clean):
         raise InvalidRequest(
             f"file name {name!r} cannot be published: it holds a control character"
+        )
+    if len(os.fsencode(clean)) > FILE_NAME_MAX:
+        raise InvalidRequest(
+            f"file name {clean[:64]!r}... cannot be published: it is over {FILE_NAME_MAX} "
+            "bytes with its folders"
         )
     if any(len(os.fsencode(p)) > NAME_MAX for p in parts):
         raise InvalidRequest(

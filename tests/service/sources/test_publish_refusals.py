@@ -110,11 +110,19 @@ def test_a_model_id_the_catalog_would_not_serve_is_refused_at_publish(
     [
         (["a%00b.json"], "control character"),
         (["x" * 256 + ".json"], "over the file system's 255 bytes"),
+        (["a/" * 1500 + "b.json"], "over 1024 bytes with its folders"),
         (["a.json", "a.json/sub"], "both a file and the folder"),
         (["a/sub.json", "a"], "both a file and the folder"),
         (["model.safetensors/x"], "both a file and the folder"),
     ],
-    ids=["nul", "over-255-bytes", "file-then-folder", "folder-then-file", "a-base-file"],
+    ids=[
+        "nul",
+        "over-255-bytes",
+        "deeper-than-a-path",
+        "file-then-folder",
+        "folder-then-file",
+        "a-base-file",
+    ],
 )
 def test_a_file_name_the_file_system_cannot_hold_is_a_400(
     server, root: Path, names: list[str], refused: str

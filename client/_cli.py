@@ -358,6 +358,12 @@ def _publish(args: argparse.Namespace) -> int:
             message=args.message,
             on_bytes=sent,
         )
+    if revision.unchanged:
+        print(
+            f"unchanged: {args.dir} holds the same bytes as main ({revision.commit}); nothing "
+            "was published" + (" and the message was not recorded" if args.message else ""),
+            file=sys.stderr,
+        )
     print(revision.commit)
     return 0
 

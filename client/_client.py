@@ -170,7 +170,10 @@ class Client(AbstractContextManager["Client"]):
         smallest; the server checks every result against its digest and refuses the publish
         (``RevisionMismatch``) where ``base_tensors`` were not ``base``. The server checks the
         upload with its strict readers; a refused or interrupted publish leaves ``main`` as
-        it was. Over HTTP; needs a token granted ``publish=`` (or ``--allow-publish``)."""
+        it was. ``MainMoved`` when another publish moved ``main`` after this one began
+        (nothing committed: publish again on the new ``main``); the same bytes as ``main``
+        publish nothing (``Revision.unchanged``, ``main``'s record kept). Over HTTP; needs a
+        token granted ``publish=`` (or ``--allow-publish``)."""
         model_id = split_revision(model_id)[0]
         publication = Publication(model_id, tensors, base, base_tensors, files, metadata, message)
         return publish(self.transport, publication)

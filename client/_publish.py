@@ -35,7 +35,9 @@ UploadSource = bytes | bytearray | memoryview | str | os.PathLike[str]
 @dataclass(frozen=True)
 class Revision:
     """One revision of a model: ``commit`` names its bytes (``ID@COMMIT`` loads them),
-    ``parent`` the revision it was published on (None for the first)."""
+    ``parent`` the revision it was published on (None for the first). ``unchanged``: the
+    publish that answered it held the same bytes as ``main``, so nothing was published and
+    ``main`` kept its record (its message, its metadata)."""
 
     commit: str
     parent: str | None
@@ -43,6 +45,7 @@ class Revision:
     bytes: int
     message: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
+    unchanged: bool = False
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> Revision:
@@ -53,6 +56,7 @@ class Revision:
             bytes=int(body.get("bytes") or 0),
             message=str(body.get("message") or ""),
             metadata=dict(body.get("metadata") or {}),
+            unchanged=bool(body.get("unchanged")),
         )
 
 

@@ -30,6 +30,9 @@ and never cross the wire: no server sends them, so they have no row of their own
     │   │                        keeps failing (after bounded retries)
     │   └── OriginChanged        an origin's object changed or vanished while being fetched
     ├── RevisionMismatch         the model changed since the revision the request names
+    ├── PublishConflict          a commit that cannot be made as asked: a file of the upload
+    │   │                        still arriving, its base removed meanwhile
+    │   └── MainMoved            another publish moved ``main`` since the upload began
     ├── TransportError           the server could not be reached, or the stream broke
     │   └── ServerUnreachable
     ├── WrongTransport           client only: the URL's scheme is not what its port
@@ -157,6 +160,18 @@ class RevisionMismatch(WeightserveError):
     pass
 
 
+class PublishConflict(WeightserveError):
+    """A publish's commit that cannot be made as asked (HTTP 409): a file of the upload is
+    still arriving, or the base it was built on was removed meanwhile. The message says
+    which; nothing was committed and ``main`` stayed."""
+
+
+class MainMoved(PublishConflict):
+    """Another publish moved ``main`` after this upload began (compare-and-set on ``main``):
+    committing it would silently drop that revision. Nothing was committed; publish again
+    on the new ``main`` (the message names it)."""
+
+
 class TransportError(WeightserveError):
     """The connection failed or the stream broke; retrying may help."""
 
@@ -218,6 +233,7 @@ STATUS_TABLE: dict[type[WeightserveError], tuple[int, str]] = {
     CheckpointError: (422, "FAILED_PRECONDITION"),
     ModelUnavailable: (503, "UNAVAILABLE"),
     RevisionMismatch: (412, "FAILED_PRECONDITION"),
+    PublishConflict: (409, "ABORTED"),
     DataCorruption: (500, "DATA_LOSS"),
     TransportError: (502, "UNAVAILABLE"),
     WeightserveError: (500, "INTERNAL"),
@@ -253,6 +269,8 @@ ERROR_CLASSES: dict[str, type[WeightserveError]] = {
         OriginUnavailable,
         OriginChanged,
         RevisionMismatch,
+        PublishConflict,
+        MainMoved,
         TransportError,
         ServerUnreachable,
         DataCorruption,

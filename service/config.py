@@ -27,6 +27,10 @@ from weightserve.service.sources.origin.base import (
     DEFAULT_PART_BYTES,
     UPSTREAM_READ_TIMEOUT,
 )
+from weightserve.service.sources.publishing.intake import (
+    UPLOAD_BODY_TIMEOUT,
+    UPLOAD_IDLE_SECONDS,
+)
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", re.IGNORECASE)
 _UNITS = {
@@ -199,6 +203,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("--max-upload-bytes", "WEIGHTSERVE_MAX_UPLOAD_BYTES", 1 << 40,
             "the most bytes one publish may upload, e.g. 500GiB; 0: no limit but the disk",
             byte_budget, "1TiB"),
+    Setting("--upload-body-timeout", "WEIGHTSERVE_UPLOAD_BODY_TIMEOUT", UPLOAD_BODY_TIMEOUT,
+            "seconds a publish's file upload may send nothing before it is cut off and the "
+            "whole upload discarded; a commit waits twice this long at most for files still "
+            "arriving",
+            positive_seconds, "60 s"),
+    Setting("--upload-idle-timeout", "WEIGHTSERVE_UPLOAD_IDLE_TIMEOUT", UPLOAD_IDLE_SECONDS,
+            "seconds a publish in progress may go without a request before it is discarded "
+            "(its files removed)", positive_seconds, "600 s"),
     Setting("--keep-revisions", "WEIGHTSERVE_KEEP_REVISIONS", 4,
             "published revisions kept per model (main and held ones always are); older ones "
             "are removed", positive_int),

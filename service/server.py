@@ -80,6 +80,8 @@ class ServerConfig:
     allow_publish: bool = False
     max_upload_bytes: int = default_of("max_upload_bytes")
     keep_revisions: int = default_of("keep_revisions")
+    upload_body_timeout: float = default_of("upload_body_timeout")
+    upload_idle_timeout: float = default_of("upload_idle_timeout")
     tls_cert: str | None = None  # PEM certificate chain: enables TLS on every TCP listener
     tls_key: str | None = None
     tls_client_ca: str | None = None  # require client certificates signed by this CA (mTLS)
@@ -280,6 +282,8 @@ def _local_served(config: ServerConfig, catalog: Catalog, events: _SourceEvents)
         on_removed=events.removed,
         digests=catalog.digests,
         streamed=catalog.streamed,
+        body_timeout=config.upload_body_timeout,
+        idle_seconds=config.upload_idle_timeout,
     )
     return Served(catalog, publisher=publisher, revision_log=publisher, kept_deltas=store.deltas)
 
@@ -304,6 +308,8 @@ def _origin_served(config: ServerConfig, catalog: OriginCatalog, events: _Source
             # Announced by the node once it holds the bytes (OriginCatalog.scan).
             on_published=lambda model, record: events.counted("published"),
             on_removed=events.removed,
+            body_timeout=config.upload_body_timeout,
+            idle_seconds=config.upload_idle_timeout,
         )
     return Served(
         catalog,

@@ -53,7 +53,8 @@ RESERVED_DIRECTORY = (
 )
 RESERVED_CHARACTER = (
     f"not served: {REVISION_SEPARATOR!r} and {VARIANT_SEPARATOR!r} are reserved in model ids "
-    f"(ORG/NAME{REVISION_SEPARATOR}REVISION, ID{VARIANT_SEPARATOR}VARIANT); rename it"
+    f"(ORG/NAME{REVISION_SEPARATOR}REVISION, ID{VARIANT_SEPARATOR}VARIANT) and control "
+    "characters (a newline) are not allowed in them; rename it"
 )
 
 T = TypeVar("T")
@@ -99,6 +100,13 @@ def base_model_id(model_id: str) -> str:
     return model_id.split(VARIANT_SEPARATOR, 1)[0]
 
 
+def has_reserved_character(name: str) -> bool:
+    """Whether a name that forms (part of) a model id holds an id separator or a control
+    character (a newline, NUL), which no route or log line carries faithfully: such a name
+    is never served, and never taken for publishing."""
+    return any(c in name for c in ID_SEPARATORS) or any(ord(c) < 0x20 or c == "\x7f" for c in name)
+
+
 def hub_repo_id(directory_name: str) -> str | None:
     """``ORG/NAME`` of a hub cache folder (``models--ORG--NAME``, as huggingface_hub's
     ``repo_folder_name`` writes it), or None for any other name."""
@@ -106,7 +114,7 @@ def hub_repo_id(directory_name: str) -> str | None:
     if match is None:
         return None
     parts = match["id"].split("--")
-    if any(p in ("", ".", "..", RESERVED_PART) or set(p) & set(ID_SEPARATORS) for p in parts):
+    if any(p in ("", ".", "..", RESERVED_PART) or has_reserved_character(p) for p in parts):
         return None
     return "/".join(parts)
 
@@ -143,7 +151,7 @@ def is_served_name(name: str) -> bool:
     those)."""
     parts = name.split("/")
     return not any(
-        part.startswith(".") or part == RESERVED_PART or any(c in part for c in ID_SEPARATORS)
+        part.startswith(".") or part == RESERVED_PART or has_reserved_character(part)
         for part in parts[:-1]
     ) and not parts[-1].startswith(".")
 

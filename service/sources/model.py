@@ -116,6 +116,8 @@ class Model:
         if self._revision_full is None:
             with self._revision_lock:
                 if self._revision_full is None:
+                    files = self.repo_files.values()
+                    self.digests.prime((f.path, self.stamps[f.path]) for f in files)
                     self._revision_full = content_revision(
                         (f.name, f.size, self.file_digest(f.path)) for f in self.repo_files.values()
                     )

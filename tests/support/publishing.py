@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import select
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from tests.support._util import Reply, http_request
 from weightserve.service.server import ServerConfig, WeightServer
 
 
@@ -71,3 +73,63 @@ def put_patch(port: int, model: str, base: str, body: bytes) -> tuple[int, dict[
         return reply.status, json.loads(reply.read())
     finally:
         conn.close()
+
+
+def safetensors_bytes(tensors: dict[str, np.ndarray]) -> bytes:
+    """A safetensors file of ``tensors``, as the reference writer writes it."""
+    from safetensors.numpy import save
+
+    return save(tensors)
+
+
+def begin_upload(port: int, model: str, body: dict | None = None) -> str:
+    """A new upload of ``model`` through the raw route; its id."""
+    reply = http_request(port, f"/v1/models/{model}/-/uploads", "POST", body=body or {})
+    assert reply.status == 201, reply.body
+    return str(reply.json()["upload"])
+
+
+def put_part(port: int, model: str, upload: str, part: str, data: bytes) -> Reply:
+    """One part (``files/NAME``, ``tensors``, ``patch``) of an upload, whole."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request("PUT", f"/v1/models/{model}/-/uploads/{upload}/{part}", body=data)
+        return Reply(conn.getresponse())
+    finally:
+        conn.close()
+
+
+def commit_upload(port: int, model: str, upload: str) -> Reply:
+    return http_request(port, f"/v1/models/{model}/-/uploads/{upload}/commit", "POST")
+
+
+class SlowPart:
+    """A part's PUT whose body is sent in pieces when the test says so: its headers (with
+    the whole Content-Length) and ``first`` bytes now."""
+
+    def __init__(self, port: int, model: str, upload: str, part: str, data: bytes, first: int):
+        self.data = data
+        self.sent = first
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        self.conn.putrequest("PUT", f"/v1/models/{model}/-/uploads/{upload}/{part}")
+        self.conn.putheader("content-length", str(len(data)))
+        self.conn.endheaders()
+        self.conn.send(data[:first])
+
+    def answered(self, within: float) -> bool:
+        """Whether the server answered (or closed) within ``within`` seconds."""
+        assert self.conn.sock is not None
+        return bool(select.select([self.conn.sock], [], [], within)[0])
+
+    def finish(self) -> Reply:
+        self.conn.send(self.data[self.sent :])
+        return self.answer()
+
+    def answer(self) -> Reply:
+        try:
+            return Reply(self.conn.getresponse())
+        finally:
+            self.conn.close()
+
+    def close(self) -> None:
+        self.conn.close()

@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +44,6 @@ from weightserve.service.sources.base import Problem
 from weightserve.service.sources.layout import (
     CHECKPOINT_SUFFIXES,
     GGUF_SUFFIXES,
-    ID_SEPARATORS,
     INDEX_NAME,
     REF_NAME,
     RESERVED_CHARACTER,
@@ -51,6 +51,7 @@ from weightserve.service.sources.layout import (
     REVISION_SEPARATOR,
     WEIGHT_SUFFIXES,
     gguf_models,
+    has_reserved_character,
     hub_repo_id,
     weight_format,
     weight_sets,
@@ -169,7 +170,7 @@ class Discovery:
             if name == RESERVED_PART:  # no model id may have this part (validate_model_id)
                 self._refuse(rel, rel, RESERVED_DIRECTORY)
                 continue
-            if any(c in name for c in ID_SEPARATORS):
+            if has_reserved_character(name):
                 self._refuse(rel, rel, RESERVED_CHARACTER)
                 continue
             real = p.resolve() if is_link else p
@@ -191,7 +192,7 @@ class Discovery:
                 fmt = weight_format(f.name)
                 if fmt is None:
                     continue
-                if any(c in f.name for c in ID_SEPARATORS):
+                if has_reserved_character(f.name):
                     self._refuse(f.name, f.name, RESERVED_CHARACTER)
                 else:
                     self._add(found, f.name, (fmt, f, [f]))
@@ -237,7 +238,7 @@ class Discovery:
         entry: tuple[str, Path, list[Path]],
     ) -> None:
         model_id = f"{id_prefix}/{name}".lstrip("/")
-        if any(c in name for c in ID_SEPARATORS):
+        if has_reserved_character(name):
             self._refuse(model_id, self.relative(str(entry[1])), RESERVED_CHARACTER)
         else:
             self._add(found, model_id, entry)
@@ -310,6 +311,9 @@ class Discovery:
             return []
         weights = set(files)
         found: list[Path] = []
+        # The walk enters no symlinked directory, so below a directory inside the root only a
+        # symlinked file can lead out: that one is resolved, the others cost one stat each.
+        inside = self._inside_root(path)
         for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
             directory = Path(dirpath)
             dirnames[:] = sorted(
@@ -320,13 +324,16 @@ class Discovery:
             )  # fmt: skip
             for name in sorted(filenames):
                 f = directory / name
-                if name.startswith(".") or f in weights or not self._inside_root(f):
+                if name.startswith(".") or f in weights:
                     continue
                 try:
-                    if not f.is_file():
+                    if (os.path.islink(f) or not inside) and not self._inside_root(f):
+                        continue
+                    size = f.stat()
+                    if not stat.S_ISREG(size.st_mode):
                         continue
                     checkpoint = f.suffix in CHECKPOINT_SUFFIXES
-                    if not checkpoint and f.stat().st_size > SIDE_FILE_MAX_BYTES:
+                    if not checkpoint and size.st_size > SIDE_FILE_MAX_BYTES:
                         log.info("%s not served: larger than %d bytes", f, SIDE_FILE_MAX_BYTES)
                         continue
                 except OSError:

@@ -28,8 +28,8 @@ from typing import Any
 from weightserve.client.errors import (
     CheckpointError,
     InvalidRequest,
-    NotFound,
-    ResourceExhausted,
+    MainMoved,
+    PublishConflict,
     RevisionNotFound,
 )
 from weightserve.client.wire.file_patch import SourceEnded, copy_range
@@ -38,39 +38,39 @@ from weightserve.client.wire.safetensors_layout import LayoutEntry, safetensors_
 from weightserve.service.readers.base import TensorEntry
 from weightserve.service.readers.safetensors import SafetensorsReader
 from weightserve.service.sources.base import ModelSource
-from weightserve.service.sources.layout import INDEX_NAME, is_served_name, validate_model_id
+from weightserve.service.sources.layout import INDEX_NAME, validate_model_id
 from weightserve.service.sources.local.catalog import Catalog
 from weightserve.service.sources.model import Model
+from weightserve.service.sources.publishing.intake import (
+    UPLOAD_BODY_TIMEOUT,
+    UPLOAD_IDLE_SECONDS,
+    Intake,
+)
+from weightserve.service.sources.publishing.names import repo_folder, upload_file_name
 from weightserve.service.sources.publishing.patched_tensors import ENDED_EARLY, apply_patch_file
-from weightserve.service.sources.publishing.uploads import MODEL_PART, Upload
+from weightserve.service.sources.publishing.uploads import (
+    MODEL_PART,
+    PATCH_PART,
+    TENSORS_PART,
+    Upload,
+)
 from weightserve.service.sources.revisions.content import DigestStore
 from weightserve.service.sources.revisions.stores import (
     INCOMING_PREFIX,
     RevisionStore,
     revision_record,
+    write_atomically,
 )
 
 log = logging.getLogger("weightserve.publish")
 
 TENSORS_NAME = "model.safetensors"  # where ``tensors`` go in a revision without a base
-UPLOAD_IDLE_SECONDS = 600.0  # an upload untouched this long was abandoned: removed
 DEFAULT_KEEP_REVISIONS = 4
 
 
-def repo_folder(model_id: str) -> str:
-    """``models--ORG--NAME`` for ``ORG/NAME`` (any depth), as huggingface_hub names it; an id
-    with ``--`` in a part could not be read back, and is refused."""
-    parts = validate_model_id(model_id).split("/")
-    if any("--" in p or p.startswith(".") for p in parts) or REVISION_SEPARATOR in model_id:
-        raise InvalidRequest(
-            f"model id {model_id!r} cannot be published: its parts may not start with '.', "
-            f"hold '--' or {REVISION_SEPARATOR!r}"
-        )
-    return "models--" + "--".join(parts)
-
-
-class Publisher:
-    """Receives uploads and commits them as revisions under ``catalog.root``."""
+class Publisher(Intake):
+    """Receives uploads (``Intake``: their parts, limits and expiry) and commits them as
+    revisions under ``catalog.root``."""
 
     def __init__(
         self,
@@ -82,20 +82,22 @@ class Publisher:
         on_removed: Callable[[str, str], None] | None = None,
         digests: DigestStore | None = None,
         streamed: Callable[[Path], bool] | None = None,
+        body_timeout: float = UPLOAD_BODY_TIMEOUT,
+        idle_seconds: float = UPLOAD_IDLE_SECONDS,
     ) -> None:
         """``digests``: the local root's digest store (renamed files keep their identity, so
         the root's catalog hashes none of them again); ``streamed``: whether a revision's
-        directory is being streamed now (kept from retention until a later publish)."""
+        directory is being streamed now (kept from retention until a later publish);
+        ``body_timeout``, ``idle_seconds``: see ``Intake``."""
+        super().__init__(max_upload_bytes, body_timeout, idle_seconds)
         self.catalog = catalog
         self.store = store
         self.digests = digests if digests is not None else DigestStore()
         self.streamed = streamed
-        self.max_upload_bytes = max_upload_bytes
         self.keep_revisions = keep_revisions
         self.on_published = on_published
         self.on_removed = on_removed
         self._holds: dict[tuple[str, str], float] = {}  # (model, commit) -> held until
-        self._uploads: dict[str, Upload] = {}
         self._lock = threading.Lock()
         self._commit_locks: dict[str, threading.Lock] = {}
         self._remove_leftovers()
@@ -108,7 +110,8 @@ class Publisher:
         """A new upload of ``model_id``; ``base`` (a revision of it) supplies what the upload
         does not. A model served from plain files under the root cannot be published to."""
         folder = repo_folder(model_id)
-        published = self.store.main(folder) is not None
+        started_main = self.store.main(folder)
+        published = started_main is not None
         if not published and (model_id in self.catalog.models or model_id in self.catalog.listed):
             raise InvalidRequest(
                 f"model {model_id!r} is served from files weightserve does not own (not "
@@ -121,67 +124,25 @@ class Publisher:
                     f"model {model_id!r} has no published revision to use as base {base!r}"
                 )
             base_model = self.catalog.get(f"{model_id}{REVISION_SEPARATOR}{base}")
-        self._expire()
         directory = self.store.staging(folder)
         upload_id = directory.name.removeprefix(INCOMING_PREFIX)
         (directory / MODEL_PART).mkdir(parents=True)
-        upload = Upload(upload_id, model_id, folder, directory, base_model, message, metadata)
-        with self._lock:
-            self._uploads[upload_id] = upload
+        upload = Upload(
+            upload_id, model_id, folder, directory, base_model, message, metadata, started_main
+        )
+        self._track(upload)
         return upload
-
-    def upload(self, model_id: str, upload_id: str) -> Upload:
-        with self._lock:
-            found = self._uploads.get(upload_id)
-        if found is None or found.model_id != model_id:
-            raise NotFound(
-                f"no upload {upload_id!r} of model {model_id!r} in progress (committed, "
-                "aborted, or abandoned for longer than "
-                f"{UPLOAD_IDLE_SECONDS:.0f} s): start the publish again"
-            )
-        found.touched = time.monotonic()
-        return found
 
     def target(self, upload: Upload, name: str | None) -> Path:
         """Where a file (``name``) or the tensors (None) of the upload are written."""
         if name is None:
             return upload.directory / "tensors.safetensors"
-        clean = name.strip("/")
-        if (
-            not clean
-            or not is_served_name(clean)
-            or any(p in ("", ".", "..") for p in clean.split("/"))
-        ):
-            raise InvalidRequest(f"file name {name!r} cannot be published (hidden or reserved)")
-        return upload.model_dir / clean
-
-    def check_size(self, upload: Upload, declared: int | None) -> None:
-        """Refuse an upload over ``max_upload_bytes`` (all its files together) or over the
-        file system's free space, before its bytes are read."""
-        used = sum(upload.files.values())
-        if (
-            declared is not None
-            and self.max_upload_bytes
-            and used + declared > self.max_upload_bytes
-        ):
-            raise ResourceExhausted(
-                f"the upload of {upload.model_id!r} would hold {used + declared} bytes, over "
-                f"this server's limit of {self.max_upload_bytes} (--max-upload-bytes)"
-            )
-        if declared is not None:
-            free = shutil.disk_usage(upload.directory).free
-            if declared > free:
-                raise ResourceExhausted(
-                    f"the file of {declared} bytes does not fit: {free} bytes free under the "
-                    "server's root"
-                )
+        return upload.model_dir / upload_file_name(name, upload.taken_names())
 
     def received(self, upload: Upload, name: str | None, path: Path, size: int) -> None:
         if name is None:
             upload.tensors = path
-        else:
-            upload.files[name.strip("/")] = size
-        upload.touched = time.monotonic()
+        self.settle_part(upload, TENSORS_PART if name is None else f"files/{name.strip('/')}", size)
 
     def patch_target(self, upload: Upload) -> Path:
         """Where the upload's patch against its base is received."""
@@ -201,29 +162,25 @@ class Publisher:
         assert upload.base is not None
         output = self.target(upload, None)
         try:
-            if apply_patch_file(upload.base, patch, output):
-                self.received(upload, None, output, output.stat().st_size)
+            changed = apply_patch_file(upload.base, patch, output)
+            self.end_part(upload, PATCH_PART)  # the patch's bytes go: its tensors count now
+            if changed:
+                size = output.stat().st_size
+                self._check_limit(upload, size)
+                self.received(upload, None, output, size)
         except BaseException:
             self.abort(upload.id, "its patch was refused")
             raise
         finally:
+            self.end_part(upload, PATCH_PART)
             patch.unlink(missing_ok=True)
-
-    def abort(self, upload_id: str, reason: str = "aborted") -> None:
-        """Forget the upload and remove what it wrote."""
-        with self._lock:
-            upload = self._uploads.pop(upload_id, None)
-        if upload is not None:
-            shutil.rmtree(upload.directory, ignore_errors=True)
-            log.info("upload %s of %r discarded: %s", upload_id, upload.model_id, reason)
 
     # -- commit -------------------------------------------------------------------------------
 
     def commit(self, upload: Upload) -> dict[str, Any]:
         """Check the upload as a checkpoint, name it by its content and make it ``main``.
         Refused (CheckpointError naming the file and the rule) leaves nothing behind."""
-        with self._lock:
-            self._uploads.pop(upload.id, None)
+        self._untrack(upload)
         lock = self._commit_locks.setdefault(upload.model_id, threading.Lock())
         try:
             with lock:
@@ -232,13 +189,27 @@ class Publisher:
             shutil.rmtree(upload.directory, ignore_errors=True)
 
     def _commit(self, upload: Upload) -> dict[str, Any]:
-        if upload.tensors is not None:
-            self._place_tensors(upload)
-        if upload.base is not None:
-            self._keep_base_files(upload)
+        self._check_unmoved(upload)
+        try:
+            if upload.tensors is not None:
+                self._place_tensors(upload)
+            if upload.base is not None:
+                self._keep_base_files(upload)
+        except FileNotFoundError:  # another node over the bucket removed the base meanwhile
+            raise PublishConflict(
+                f"the base of the upload of {upload.model_id!r} was removed while it was "
+                "committed: nothing was committed; publish again on main"
+            ) from None
         model = self._check(upload)
         commit = model.commit
-        parent = self.store.main(upload.folder)
+        parent = upload.started_main
+        if commit == parent:
+            # The same bytes as main: nothing is published, main and its record stay (the
+            # commit names the content; a message cannot be added to a revision).
+            kept = self.store.record(upload.folder, commit) or revision_record(commit)
+            log.info("publish of %r unchanged: the same bytes as main %s",
+                     upload.model_id, commit[:16])  # fmt: skip
+            return {**kept, "unchanged": True}
         if upload.base is not None:
             parent = upload.base.commit
         record = revision_record(
@@ -264,6 +235,25 @@ class Publisher:
             self.on_published(upload.model_id, record)
         return record
 
+    def _check_unmoved(self, upload: Upload) -> None:
+        """Compare-and-set: ``main`` must be where it was when the upload began (else this
+        commit would silently drop the revision published meanwhile), and its base still
+        held."""
+        main = self.store.main(upload.folder)
+        if main != upload.started_main:
+            began = (upload.started_main or "no revision")[:16]
+            raise MainMoved(
+                f"main of {upload.model_id!r} moved to {(main or 'nothing')[:16]} since this "
+                f"upload began (on {began}): another publish committed first. Nothing was "
+                f"committed; publish again on main ({main})"
+            )
+        if upload.base is not None and not self.store.holds(upload.folder, upload.base.commit):
+            raise PublishConflict(
+                f"base {upload.base.commit[:16]} of the upload of {upload.model_id!r} was "
+                "removed (retention, --keep-revisions) while the upload was in progress. "
+                f"Nothing was committed; publish again on main ({main})"
+            )
+
     def _check(self, upload: Upload) -> Model:
         """The upload indexed as any root's model is: every file through the strict readers."""
         checked = Catalog(upload.directory, recheck_seconds=0, digests=self.digests)
@@ -276,19 +266,8 @@ class Publisher:
                 f"the publish of {upload.model_id!r} is refused: {problem.reason}",
             )
         model = checked.models.get(MODEL_PART)
-        if model is None and any(m.startswith(MODEL_PART + "/") for m in checked.models):
-            # Each .gguf in a model's folder is served as a model of its own (ORG/NAME/F.gguf),
-            # so a publish of ORG/NAME cannot consist of GGUF files.
-            raise InvalidRequest(
-                f"the publish of {upload.model_id!r} holds only GGUF files, and a GGUF file is "
-                "served as a model of its own (ORG/NAME/FILE.gguf), not as ORG/NAME: publish "
-                "safetensors or PyTorch weights, or tensors"
-            )
         if model is None:
-            raise InvalidRequest(
-                f"the publish of {upload.model_id!r} holds no weights (a safetensors, GGUF or "
-                "PyTorch checkpoint file, or tensors): nothing to serve"
-            )
+            raise InvalidRequest(_no_weights(upload.model_id, list(checked.models)))
         return model
 
     def _place_tensors(self, upload: Upload) -> None:
@@ -338,7 +317,7 @@ class Publisher:
         shard_name = shard.relative_to(base.path).as_posix()
         data.setdefault("weight_map", {}).update(dict.fromkeys(names, shard_name))
         target = upload.model_dir / index.relative_to(base.path)
-        target.write_text(json.dumps(data, indent=2))
+        write_atomically(target, json.dumps(data, indent=2))
         upload.files.setdefault(index.relative_to(base.path).as_posix(), 0)
 
     def _keep_base_files(self, upload: Upload) -> None:
@@ -442,17 +421,6 @@ class Publisher:
 
     # -- housekeeping -------------------------------------------------------------------------
 
-    def _expire(self) -> None:
-        now = time.monotonic()
-        with self._lock:
-            stale = [
-                u.id
-                for u in self._uploads.values()
-                if u.busy == 0 and now - u.touched > UPLOAD_IDLE_SECONDS
-            ]
-        for upload_id in stale:
-            self.abort(upload_id, "abandoned")
-
     def _remove_leftovers(self) -> None:
         """Uploads and removals a previous process left half done (killed mid-publish or
         mid-retention): removed, with every snapshot partly removed (``store.repair``)."""
@@ -461,6 +429,29 @@ class Publisher:
             log.info("removed an unfinished upload left by a previous run: %s", incoming.name)
         if self.store.repair():
             self.catalog.scan()  # the catalog may have indexed a partly removed snapshot
+
+
+def _no_weights(model_id: str, found: list[str]) -> str:
+    """Why a publish without weights at its top level is refused: what the catalog would
+    serve instead (each GGUF file, each sub-folder of weights is a model of its own)."""
+    inside = sorted(m.removeprefix(MODEL_PART + "/") for m in found if m != MODEL_PART)
+    if not inside:
+        return (
+            f"the publish of {model_id!r} holds no weights (a safetensors, GGUF or PyTorch "
+            "checkpoint file, or tensors): nothing to serve"
+        )
+    served = ", ".join(f"{model_id}/{m}" for m in inside[:3]) + (" ..." if len(inside) > 3 else "")
+    if all(m.endswith(".gguf") for m in inside):
+        return (
+            f"the publish of {model_id!r} holds only GGUF files, and a GGUF file is served as a "
+            f"model of its own ({served}), not as {model_id}: publish safetensors or PyTorch "
+            "weights, or tensors"
+        )
+    return (
+        f"the publish of {model_id!r} holds no weights at its top level: its weights lie in "
+        f"sub-folders, each served as a model of its own ({served}), not as {model_id}: put "
+        "the weights at the top of the directory, or publish each sub-folder as its own model"
+    )
 
 
 def _write_safetensors(path: Path, entries: list[TensorEntry]) -> None:

@@ -12,6 +12,17 @@ from weightserve.service.sources.base import RevisionLog
 from weightserve.service.sources.model import Model
 
 MODEL_PART = "model"  # the incoming model's directory: indexed as a directory model
+TENSORS_PART = "tensors"  # the parts of an upload besides its files (files/NAME)
+PATCH_PART = "patch"
+
+
+def file_part(name: str) -> str:
+    return f"files/{name}"
+
+
+def part_label(part: str) -> str:
+    """How a message names a part: its file's name, or "the tensors"/"the patch"."""
+    return part.removeprefix("files/") if part.startswith("files/") else f"the {part}"
 
 
 @dataclass
@@ -25,14 +36,30 @@ class Upload:
     base: Model | None
     message: str
     metadata: dict[str, Any]
+    started_main: str | None = None  # main when it began: its commit is refused if main moved
     files: dict[str, int] = field(default_factory=dict)  # name -> bytes received
     tensors: Path | None = None  # the uploaded tensors (a safetensors file), if any
+    tensor_bytes: int = 0  # their size (a patch's: the tensors it led to)
     touched: float = field(default_factory=time.monotonic)
-    busy: int = 0  # requests writing into it now
+    # The parts whose bodies are arriving now (files/NAME, tensors, patch) -> the bytes they
+    # take: what their Content-Length reserved, or what arrived, whichever is more.
+    receiving: dict[str, int] = field(default_factory=dict)
+    sealed: bool = False  # a commit began: no part may start
 
     @property
     def model_dir(self) -> Path:
         return self.directory / MODEL_PART
+
+    def held_bytes(self) -> int:
+        """Every byte the upload holds or has reserved: its files, its tensors and the parts
+        arriving now."""
+        return sum(self.files.values()) + self.tensor_bytes + sum(self.receiving.values())
+
+    def taken_names(self) -> list[str]:
+        """The file names the upload and its base hold or are receiving."""
+        arriving = [p.removeprefix("files/") for p in self.receiving if p.startswith("files/")]
+        based = list(self.base.repo_files) if self.base is not None else []
+        return [*self.files, *arriving, *based]
 
 
 class Publishing(RevisionLog, Protocol):
@@ -40,6 +67,7 @@ class Publishing(RevisionLog, Protocol):
     service/sources/publishing/publisher.py), held against retention on request."""
 
     max_upload_bytes: int
+    body_timeout: float  # seconds a part's body may send nothing before the upload is dropped
 
     def begin(
         self, model_id: str, base: str | None, message: str, metadata: dict[str, Any]
@@ -55,8 +83,29 @@ class Publishing(RevisionLog, Protocol):
         """Where a file of the upload is written as it arrives."""
         ...
 
-    def check_size(self, upload: Upload, declared: int | None) -> None:
-        """Refuse a file that would take the upload past ``max_upload_bytes``."""
+    def start_part(self, upload: Upload, part: str, declared: int | None) -> None:
+        """A part's body begins: its ``declared`` bytes reserved, or refused (past
+        ``max_upload_bytes``, the upload being committed, the part arriving already)."""
+        ...
+
+    def grow_part(self, upload: Upload, part: str, arrived: int) -> None:
+        """``arrived`` bytes of the part are in: refused once past ``max_upload_bytes``."""
+        ...
+
+    def end_part(self, upload: Upload, part: str) -> None:
+        """The part's body ended (whole, cut off or refused)."""
+        ...
+
+    def tracked(self, upload: Upload) -> bool:
+        """Whether the upload is still in progress (not aborted, expired or committed)."""
+        ...
+
+    def seal(self, upload: Upload) -> None:
+        """A commit begins: no part may start from now on."""
+        ...
+
+    def unseal(self, upload: Upload) -> None:
+        """The commit did not happen: parts may start again."""
         ...
 
     def received(self, upload: Upload, name: str | None, path: Path, size: int) -> None:

@@ -104,13 +104,20 @@ class DigestStore:
         return None
 
     def _remember(self, stamp: FileStamp, digest: str) -> None:
-        self._memory[stamp] = digest
-        if self._db_path is None:
+        self._remember_all({stamp: digest})
+
+    def _remember_all(self, found: dict[FileStamp, str]) -> None:
+        """Keep digests in memory and in the table: one connection and one transaction for
+        all of them (a write per file would cost a sync of the table per file)."""
+        self._memory.update(found)
+        if self._db_path is None or not found:
             return
         try:
             with contextlib.closing(self._connect(self._db_path)) as db:
-                db.execute(
-                    "INSERT OR REPLACE INTO digests VALUES (?, ?, ?, ?, ?, ?)", (*stamp, digest)
+                db.execute("BEGIN")
+                db.executemany(
+                    "INSERT OR REPLACE INTO digests VALUES (?, ?, ?, ?, ?, ?)",
+                    [(*stamp, digest) for stamp, digest in found.items()],
                 )
                 (rows,) = db.execute("SELECT COUNT(*) FROM digests").fetchone()
                 if rows > self.MAX_ROWS:
@@ -119,8 +126,40 @@ class DigestStore:
                         "ORDER BY rowid LIMIT ?)",
                         (rows - self.MAX_ROWS,),
                     )
+                db.execute("COMMIT")
         except sqlite3.Error as e:
-            log.warning("file digest not saved (%s); it is kept in memory", e)
+            log.warning("file digests not saved (%s); they are kept in memory", e)
+
+    def prime(self, files: Iterable[tuple[Path, FileStamp]]) -> None:
+        """Compute the digests of many files at once (a model's files, before its revision):
+        the table read and written once for all of them, not once per file. A file that
+        cannot be hashed now is left to ``digest``, which says why. A store that finds
+        digests its own way (a node cache's records, an origin's listing) has nothing to
+        prime."""
+        if type(self).digest is not DigestStore.digest:
+            return
+        with self._lock:
+            missing = [(p, s) for p, s in files if s not in self._memory]
+            if missing and self._db_path is not None:
+                with (
+                    contextlib.suppress(sqlite3.Error),
+                    contextlib.closing(self._connect(self._db_path)) as db,
+                ):
+                    for _, stamp in missing:
+                        row = db.execute(
+                            "SELECT digest FROM digests WHERE dev=? AND ino=? AND size=? "
+                            "AND mtime_ns=? AND ctime_ns=?",
+                            stamp,
+                        ).fetchone()
+                        if row is not None:
+                            self._memory[stamp] = str(row[0])
+            missing = [(p, s) for p, s in missing if s not in self._memory]
+        found = {}
+        for path, stamp in missing:
+            with contextlib.suppress(OSError):  # FileChanged, FileNotFoundError
+                found[stamp] = hash_file(path, stamp)
+        with self._lock:
+            self._remember_all(found)
 
     def digest(self, path: Path, stamp: FileStamp) -> str:
         """The content digest of ``path`` as of ``stamp``; FileChanged if it is not that file

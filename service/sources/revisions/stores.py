@@ -108,7 +108,13 @@ class DirectoryStore:
         return (self.root / folder / "snapshots" / commit).is_dir()
 
     def put(self, folder: str, commit: str, files: Path, record: dict[str, Any]) -> None:
+        # The files were synced as they were written; their directory entries (renamed and
+        # linked files among them) are made durable before the snapshot's rename, and the
+        # rename before the record and refs/main name it.
+        for directory, _, _ in sorted(os.walk(files), key=lambda d: -len(d[0])):
+            sync_path(Path(directory))
         os.rename(files, self.root / folder / "snapshots" / commit)
+        sync_path(self.root / folder / "snapshots")
         write_atomically(self.root / folder / RECORDS_DIR / f"{commit}.json", json.dumps(record))
 
     def set_main(self, folder: str, commit: str) -> None:

@@ -2,17 +2,22 @@
 anyone lists a model's revisions or holds one (docs/protocol.md, "Publishing revisions").
 
 An upload's bodies are streamed to disk as they arrive (bounded memory whatever the model's
-size), limited by ``--max-upload-bytes``; a body cut off (the publisher killed) discards the
-whole upload. Publishing needs ``publish=PATTERN`` in the token file, or ``--allow-publish``
-on a server without one.
+size), limited by ``--max-upload-bytes`` (every part of the upload together, reserved as each
+starts); a body cut off (the publisher killed) or silent for ``--upload-body-timeout``
+discards the whole upload. A commit waits for the upload's parts still arriving (at most
+twice ``--upload-body-timeout``), so nothing lands in a revision after its commit answers. No
+answer names the server's staging directory. Publishing needs ``publish=PATTERN`` in the
+token file, or ``--allow-publish`` on a server without one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +26,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
-from weightserve.client.errors import InvalidRequest, ResourceExhausted
+from weightserve.client.errors import (
+    InvalidRequest,
+    PublishConflict,
+    WeightserveError,
+)
 from weightserve.client.wire.delta import DELTA_MEDIA_TYPE
 from weightserve.client.wire.json_body import load_json_object
 from weightserve.client.wire.routes import MAIN_REVISION, UPLOADS_ROUTE, with_revision
@@ -30,14 +39,28 @@ from weightserve.service.serving.feed import DRAIN_CHECK_SECONDS, EVERY_MODEL, H
 from weightserve.service.serving.lease import StreamLease
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.sources.base import RevisionLog
-from weightserve.service.sources.publishing.uploads import Publishing, Upload
-from weightserve.service.transports.http.common import OPERATION_KEY, AccessCheck, off_loop
+from weightserve.service.sources.publishing.uploads import (
+    PATCH_PART,
+    TENSORS_PART,
+    Publishing,
+    Upload,
+    file_part,
+    part_label,
+)
+from weightserve.service.transports.http.common import (
+    OPERATION_KEY,
+    AccessCheck,
+    error_response,
+    off_loop,
+)
 from weightserve.service.transports.http.routes import get_and_head
 from weightserve.service.transports.http.streaming import LeasedStreamResponse
 
 PUBLISH_OPERATION = "publish"
 WRITE_BLOCK = 8 << 20  # bytes gathered before one write to disk, off the event loop
 WRITEV_PIECES = 512  # below every platform's IOV_MAX
+COMMIT_POLL_SECONDS = 0.02  # how often a commit looks whether its upload's parts have ended
+COMMIT_WAIT_TIMEOUTS = 2  # a commit waits this many --upload-body-timeout for parts arriving
 MODEL = "/v1/models/{model:model_id}/-"
 
 
@@ -48,32 +71,56 @@ async def _json_body(http: Request) -> dict[str, Any]:
     return load_json_object(raw, InvalidRequest, "the request body")
 
 
+class _Stalled(Exception):
+    """A part's body sent nothing for ``--upload-body-timeout``: answered, then closed."""
+
+    def __init__(self, error: InvalidRequest) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 async def _receive(http: Request, publisher: Publishing, upload: Upload, name: str | None) -> int:
     """Stream the request body into the upload's file; the bytes written."""
-    target = publisher.target(upload, name)
-    written = await _receive_into(http, publisher, upload, target, name or "the tensors")
+    with _no_paths(upload):
+        target = publisher.target(upload, name)
+    part = TENSORS_PART if name is None else file_part(name.strip("/"))
+    written = await _receive_into(http, publisher, upload, target, part)
     publisher.received(upload, name, target, written)
     return written
 
 
 async def _receive_into(
-    http: Request, publisher: Publishing, upload: Upload, target: Path, label: str
+    http: Request, publisher: Publishing, upload: Upload, target: Path, part: str
 ) -> int:
-    """Stream the request body into ``target``; the bytes written."""
+    """Stream the request body into ``target`` as the upload's ``part``; the bytes written,
+    made durable. The part stays counted (as arriving) until the caller settles it; any
+    failure on the way discards the whole upload."""
     length = http.headers.get("content-length")
     declared = int(length) if length is not None and length.isdigit() else None
-    publisher.check_size(upload, declared)
-    limit = publisher.max_upload_bytes - sum(upload.files.values())
-    await run_in_threadpool(target.parent.mkdir, parents=True, exist_ok=True)
-    out = await run_in_threadpool(open, target, "wb")
+    label = part_label(part)
+    publisher.start_part(upload, part, declared)
+    try:
+        await run_in_threadpool(target.parent.mkdir, parents=True, exist_ok=True)
+        out = await run_in_threadpool(open, target, "wb")
+    except OSError as e:
+        publisher.end_part(upload, part)
+        raise InvalidRequest(f"{label} cannot be written: {e.strerror}") from None
     written = 0
     pending: list[bytes] = []  # the body's messages since the last write, written with one writev
     pending_bytes = 0
-    upload.busy += 1
     try:
         while True:
             # The ASGI messages themselves (not Request.stream): no copy, no generator per piece.
-            message = await http.receive()
+            try:
+                message = await asyncio.wait_for(http.receive(), publisher.body_timeout)
+            except TimeoutError:
+                raise _Stalled(
+                    InvalidRequest(
+                        f"{label}: nothing arrived for {publisher.body_timeout:g} s "
+                        f"(--upload-body-timeout) after {written} bytes; the upload of "
+                        f"{upload.model_id!r} was discarded"
+                    )
+                ) from None
             if message["type"] == "http.disconnect":
                 raise ClientDisconnect()
             body = message.get("body", b"")
@@ -81,30 +128,89 @@ async def _receive_into(
                 pending.append(body)
                 pending_bytes += len(body)
                 written += len(body)
-            if publisher.max_upload_bytes and written > limit:
-                raise ResourceExhausted(
-                    f"the upload of {upload.model_id!r} is over this server's limit of "
-                    f"{publisher.max_upload_bytes} bytes (--max-upload-bytes)"
-                )
+                publisher.grow_part(upload, part, written)
             more = message.get("more_body", False)
             if pending_bytes >= WRITE_BLOCK or (pending and not more):
                 await run_in_threadpool(_write_all, out.fileno(), pending)
                 pending, pending_bytes = [], 0
             if not more:
                 break
+        await run_in_threadpool(os.fsync, out.fileno())  # durable before any commit names it
     except ClientDisconnect:
         publisher.abort(upload.id, "the publisher went away in the middle of a file")
+        publisher.end_part(upload, part)
         raise
-    except BaseException:
-        publisher.abort(upload.id, "a file could not be received")
+    except BaseException as e:
+        publisher.abort(upload.id, f"{label} could not be received: {e}")
+        publisher.end_part(upload, part)
         raise
     finally:
-        upload.busy -= 1
         await run_in_threadpool(out.close)
     if declared is not None and written != declared:
         publisher.abort(upload.id, "a file arrived short")
+        publisher.end_part(upload, part)
         raise InvalidRequest(f"{label}: {written} bytes of {declared} arrived")
     return written
+
+
+async def _part_answer(http: Request, receiving: Any) -> Response:
+    """The answer of a part's PUT: a stalled body's error closes the connection (the rest of
+    its body is not read)."""
+    try:
+        answer: Response = await receiving
+    except _Stalled as stalled:
+        return error_response(http.scope, stalled.error, headers={"connection": "close"})
+    return answer
+
+
+async def _parts_ended(publisher: Publishing, upload: Upload) -> None:
+    """Wait for the upload's parts still arriving, at most twice ``--upload-body-timeout`` (a
+    stalled part is cut, and the upload discarded, before that); refused (409, naming them)
+    if they go on longer, or if the upload was discarded meanwhile."""
+    waited = COMMIT_WAIT_TIMEOUTS * publisher.body_timeout
+    deadline = time.monotonic() + waited
+    while upload.receiving and time.monotonic() < deadline:
+        await asyncio.sleep(COMMIT_POLL_SECONDS)
+    if not publisher.tracked(upload):
+        raise PublishConflict(
+            f"the upload of {upload.model_id!r} was discarded while its commit waited for its "
+            "parts (one was cut off, stalled or refused): nothing was committed"
+        )
+    if upload.receiving:
+        names = ", ".join(part_label(p) for p in upload.receiving)
+        raise PublishConflict(
+            f"the upload of {upload.model_id!r} is still receiving {names} after "
+            f"{waited:g} s: commit once its PUT has answered"
+        )
+
+
+@contextlib.contextmanager
+def _no_paths(upload: Upload) -> Iterator[None]:
+    """Errors raised inside, their messages without the server's staging directory (a file
+    is named as the revision names it)."""
+    try:
+        yield
+    except WeightserveError as e:
+        raise _without_paths(e, upload) from None
+
+
+def _without_paths(exc: WeightserveError, upload: Upload) -> WeightserveError:
+    directories = (str(upload.model_dir), str(upload.directory))
+
+    def clean(text: str) -> str:
+        for directory in directories:
+            text = text.replace(directory + "/", "").replace(directory, "the upload")
+        return text
+
+    message = clean(str(exc))
+    if message == str(exc):
+        return exc
+    scrubbed: WeightserveError = Exception.__new__(type(exc))
+    Exception.__init__(scrubbed, message)
+    scrubbed.__dict__.update(
+        {k: clean(v) if isinstance(v, str) else v for k, v in vars(exc).items()}
+    )
+    return scrubbed
 
 
 def _write_all(fd: int, pieces: list[bytes]) -> None:
@@ -156,8 +262,12 @@ def add_publish_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -
         """One file of the revision, as its raw bytes (a checkpoint, config, tokenizer...)."""
         found = publisher(http, model)
         pending = found.upload(model, upload)
-        size = await _receive(http, found, pending, name)
-        return JSONResponse({"name": name, "size": size})
+
+        async def receive() -> Response:
+            size = await _receive(http, found, pending, name)
+            return JSONResponse({"name": name, "size": size})
+
+        return await _part_answer(http, receive())
 
     @app.put(f"{MODEL}/{UPLOADS_ROUTE}/{{upload}}/tensors", tags=["publish"])
     async def put_tensors(http: Request, model: str, upload: str) -> Response:
@@ -165,8 +275,12 @@ def add_publish_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -
         the tensors that replace (or are added to) the base's."""
         found = publisher(http, model)
         pending = found.upload(model, upload)
-        size = await _receive(http, found, pending, None)
-        return JSONResponse({"size": size})
+
+        async def receive() -> Response:
+            size = await _receive(http, found, pending, None)
+            return JSONResponse({"size": size})
+
+        return await _part_answer(http, receive())
 
     @app.put(f"{MODEL}/{UPLOADS_ROUTE}/{{upload}}/patch", tags=["publish"])
     async def put_patch(http: Request, model: str, upload: str) -> Response:
@@ -177,9 +291,14 @@ def add_publish_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -
         found = publisher(http, model)
         pending = found.upload(model, upload)
         target = found.patch_target(pending)
-        size = await _receive_into(http, found, pending, target, "the patch")
-        await run_in_threadpool(found.apply_patch, pending, target)
-        return JSONResponse({"size": size})
+
+        async def receive() -> Response:
+            size = await _receive_into(http, found, pending, target, PATCH_PART)
+            with _no_paths(pending):
+                await run_in_threadpool(found.apply_patch, pending, target)
+            return JSONResponse({"size": size})
+
+        return await _part_answer(http, receive())
 
     @app.post(f"{MODEL}/{UPLOADS_ROUTE}/{{upload}}/commit", tags=["publish"], status_code=201)
     async def commit_upload(http: Request, model: str, upload: str) -> Response:
@@ -187,7 +306,14 @@ def add_publish_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -
         answers the new revision. Refused: nothing is left and `main` stays."""
         found = publisher(http, model)
         pending = found.upload(model, upload)
-        record = await run_in_threadpool(found.commit, pending)
+        found.seal(pending)
+        try:
+            await _parts_ended(found, pending)
+        except BaseException:
+            found.unseal(pending)
+            raise
+        with _no_paths(pending):
+            record = await run_in_threadpool(found.commit, pending)
         return JSONResponse(record, status_code=201)
 
     @app.delete(f"{MODEL}/{UPLOADS_ROUTE}/{{upload}}", tags=["publish"])

@@ -364,11 +364,13 @@ def test_only_variant_files_are_served_under_the_plain_id(tmp_path: Path) -> Non
 def test_names_holding_id_separators_are_refused(tmp_path: Path) -> None:
     fx.write_sharded(tmp_path / "org" / "m@v2")
     gx.write_mixed(tmp_path / "q:4.gguf")
+    fx.write_sharded(tmp_path / "org" / "line\nbreak")  # no route carries it: refused too
     catalog = Catalog(tmp_path)
     assert catalog.models == {}
     assert {k: p.reason for k, p in catalog.problems.items()} == {
         "org/m@v2": RESERVED_CHARACTER,
         "q:4.gguf": RESERVED_CHARACTER,
+        "org/line\nbreak": RESERVED_CHARACTER,
     }
 
 

@@ -83,6 +83,23 @@ def test_file_digests_are_remembered_across_restarts(tmp_path: Path) -> None:
         DigestStore().digest(tmp_path / "gone.bin", stamp)
 
 
+def test_digests_computed_together_are_the_ones_each_file_has_and_are_remembered(
+    tmp_path: Path,
+) -> None:
+    paths = []
+    for i in range(50):
+        paths.append(tmp_path / f"f{i}.json")
+        paths[-1].write_bytes(b'{"i": %d}' % i)
+    stamps = [file_stamp(p.stat()) for p in paths]
+    store = DigestStore(tmp_path / "cache")
+    store.prime(zip(paths, stamps, strict=True))
+    alone = [DigestStore().digest(p, s) for p, s in zip(paths, stamps, strict=True)]
+    assert [store.digest(p, s) for p, s in zip(paths, stamps, strict=True)] == alone
+    # Written to the table together: a restarted server answers without the files.
+    gone = tmp_path / "gone.bin"
+    assert [DigestStore(tmp_path / "cache").digest(gone, s) for s in stamps] == alone
+
+
 @pytest.mark.parametrize("transport", ["http", "grpc-streamtensors"])
 def test_replicas_of_copied_files_behind_a_round_robin_proxy(
     tmp_path: Path, transport: str

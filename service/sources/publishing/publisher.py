@@ -162,7 +162,13 @@ class Publisher(Intake):
         assert upload.base is not None
         output = self.target(upload, None)
         try:
-            changed = apply_patch_file(upload.base, patch, output)
+            try:
+                changed = apply_patch_file(upload.base, patch, output)
+            except FileNotFoundError:  # retention removed the base while the patch arrived
+                raise PublishConflict(
+                    f"the base of the upload of {upload.model_id!r} was removed while its "
+                    "patch arrived: nothing was kept; publish again on main"
+                ) from None
             self.end_part(upload, PATCH_PART)  # the patch's bytes go: its tensors count now
             if changed:
                 size = output.stat().st_size

@@ -24,7 +24,7 @@ from tests.support.publishing import (
 )
 from weightserve.client import _cli
 from weightserve.client._client import Client
-from weightserve.client._publish import publish
+from weightserve.client._publish import Publication, _patch_stream, publish
 from weightserve.client.errors import InvalidRequest, MainMoved
 from weightserve.service.server import WeightServer
 
@@ -66,7 +66,7 @@ def test_the_second_of_two_publishers_on_one_base_is_told_main_moved(server, roo
             other.append(reply.json()["commit"])
 
         with pytest.raises(MainMoved, match="moved to") as moved:
-            publish(c.transport, MODEL, weights(3), base=base, on_bytes=publish_meanwhile)
+            publish(c.transport, Publication(MODEL, weights(3), base=base), publish_meanwhile)
         assert other and other[0][:16] in str(moved.value)
         assert c.model(MODEL).commit == other[0]  # the first commit stays main
         assert [r.commit for r in c.revisions(MODEL)] == [other[0], base]
@@ -85,6 +85,25 @@ def test_a_base_removed_by_retention_during_an_upload_is_a_conflict(root: Path) 
         assert refused.status == 409, refused.body
         kind, message = refused.error()
         assert kind == "MainMoved" and newer in message
+        assert c.model(MODEL).commit == newer
+    assert leftovers(root) == []
+
+
+def test_a_patch_onto_a_base_retention_removed_is_a_conflict(root: Path) -> None:
+    """The patch arrives after the base it patches was removed: 409, never a 500."""
+    with serve(root, allow_publish=True, keep_revisions=1) as srv, Client(srv.http_url) as c:
+        port = srv.http_port
+        first = weights(1)
+        base = c.publish(MODEL, first).commit
+        upload = begin_upload(port, MODEL, {"base": base})
+        newer = c.publish(MODEL, weights(3)).commit  # retention removes the base
+        changed = {name: np.array(value, copy=True) for name, value in first.items()}
+        name = next(iter(changed))
+        changed[name].reshape(-1)[:3] += 1
+        _, chunks = _patch_stream(changed, first)
+        refused = put_part(port, MODEL, upload, "patch", b"".join(bytes(c) for c in chunks))
+        assert refused.status == 409, refused.body
+        assert "was removed" in refused.error()[1]
         assert c.model(MODEL).commit == newer
     assert leftovers(root) == []
 

@@ -7,7 +7,7 @@ does not match (a wrong base), never left wrong.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Callable, Generator, Iterator, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,12 +40,12 @@ class UpdateTarget:
 
 def iter_updates(
     transport: ControlTransport, model_id: str, since: str, revision: str | None = None
-) -> tuple[UpdateTarget, Iterator[TensorUpdate]]:
+) -> tuple[UpdateTarget, Generator[TensorUpdate, None, None]]:
     """The server's per-tensor answer for a worker holding ``since`` that wants ``revision``
     (default ``main``): the target, and the updates in the model's order."""
     target, stream = open_updates(transport, model_id, since, revision)
 
-    def updates() -> Iterator[TensorUpdate]:
+    def updates() -> Generator[TensorUpdate, None, None]:
         try:
             yield from read_updates(stream)
         except (ServerUnreachable, DeltaCut) as e:

@@ -12,7 +12,7 @@ import re
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from weightserve.client import errors
 from weightserve.client.receive.arrow_reader import ArrowChunkReader
@@ -76,7 +76,7 @@ class GrpcTransport(base.RefusesControl, base.DataTransport):
         if flight is None:
             flight = os.environ.get("WEIGHTSERVE_FLIGHT", "1").lower() not in ("0", "off", "false")
         self.use_flight = flight
-        self._flight: FlightPool | None | bool = False  # False: not asked yet
+        self._flight: FlightPool | None | Literal[False] = False  # False: not asked yet
         self._flight_lock = threading.Lock()
         self._flight_tls: dict[str, bytes | None] = {}
         if address.tls:

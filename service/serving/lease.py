@@ -13,6 +13,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from types import TracebackType
 
 from weightserve.service.serving.idle import IdleWatch
@@ -61,7 +62,7 @@ class StreamLease:
         self.admit(model, {p.entry.file for p in planned} if reads_files else (), client)
         return planned
 
-    def admit(self, model: Model, files: Iterable[object], client: str) -> None:
+    def admit(self, model: Model, files: Iterable[Path], client: str) -> None:
         """Take a stream slot (``client`` is the per-client limit's key), keep ``model``
         from eviction (``Catalog.using``) and hold its ``files`` against in-place writers
         (``MappedFile.hold``) until the lease is released. A refusal raises, holding nothing."""
@@ -73,7 +74,7 @@ class StreamLease:
             self._held = stack.pop_all()
         self.model_id = model.id
 
-    def hold(self, model: Model, files: Iterable[object]) -> None:
+    def hold(self, model: Model, files: Iterable[Path]) -> None:
         """Also keep ``model`` from eviction and hold its ``files`` until the lease is
         released (a second model a call reads, such as a delta's base); after ``admit``."""
         assert self._held is not None, "admit first: the stream slot comes before the holds"

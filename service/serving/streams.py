@@ -34,6 +34,7 @@ from weightserve.service.serving.arrow_writer import (
     schema_message,
 )
 from weightserve.service.serving.request import Shard, TensorRequest
+from weightserve.service.sources.files.chunk_digests import Framing
 from weightserve.service.sources.files.mapped import MappedFile
 from weightserve.service.sources.model import Model
 from weightserve.service.sources.revisions.pinning import names_content
@@ -48,17 +49,22 @@ except ImportError:  # pragma: no cover - gguf is a server dependency
 
 
 class FileMessage(tuple[bytes | memoryview, ...]):
-    """A stream message (its parts, as any message) whose data part, ``message[1]``, is the
-    bytes of ``mapped`` from ``file_offset`` on: a transport may send them from the file
-    itself (``sendfile``) rather than from the mapping. Holding it keeps the file open."""
+    """A stream message (its parts, as any message: ``(prefix, data)`` or, when the suffix is
+    not empty, ``(prefix, data, suffix)``) whose data part, ``message[1]``, is the bytes of
+    ``mapped`` from ``file_offset`` on: a transport may send them from the file itself
+    (``sendfile``) rather than from the mapping. Holding it keeps the file open."""
 
+    prefix: bytes
+    suffix: bytes
     mapped: MappedFile
     file_offset: int
 
     def __new__(
-        cls, parts: tuple[bytes | memoryview, ...], mapped: MappedFile, file_offset: int
+        cls, framing: Framing, data: bytes | memoryview, mapped: MappedFile, file_offset: int
     ) -> FileMessage:
-        message = super().__new__(cls, parts)
+        prefix, suffix = framing
+        message = super().__new__(cls, (prefix, data, suffix) if suffix else (prefix, data))
+        message.prefix, message.suffix = prefix, suffix
         message.mapped = mapped
         message.file_offset = file_offset
         return message
@@ -405,5 +411,4 @@ def _file_messages(
             chunks.keep_framing(start, n, owner, framing)
         else:
             checks.before_sending(mapped, start + n, n)
-        prefix, suffix = framing  # type: ignore[misc]
-        yield FileMessage((prefix, data, suffix) if suffix else (prefix, data), mapped, start)
+        yield FileMessage(framing, data, mapped, start)

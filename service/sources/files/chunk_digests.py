@@ -15,6 +15,9 @@ import xxhash
 MAX_CACHED_DIGESTS = 1 << 18
 MIN_CACHED_CHUNK = 256 << 10
 
+# A chunk's framing as a transport sends it around the chunk's bytes: (prefix, suffix).
+Framing = tuple[bytes, bytes]
+
 
 class DigestBudget:
     """How many digests all mappings may still keep; a dropped mapping gives its back."""
@@ -57,21 +60,21 @@ class ChunkDigests:
         # What a transport built around a known digest (a chunk's framing), by the same key:
         # a warm chunk then costs one look-up. Kept only beside a kept digest, so within the
         # same budget; ``framing`` checks the entry was made for the caller's tensor.
-        self._framing: dict[tuple[int, int], tuple[object, object]] = {}
+        self._framing: dict[tuple[int, int], tuple[object, Framing]] = {}
 
     def known(self, start: int, length: int) -> int | None:
         """The kept digest of the ``length`` bytes from ``start``, if any: bytes whose digest
         is known need not be read here again (nor checked before reading)."""
         return self._digests.get((start, length))
 
-    def framing(self, start: int, length: int, owner: object) -> object | None:
+    def framing(self, start: int, length: int, owner: object) -> Framing | None:
         """What ``keep_framing`` kept for this range and ``owner`` (compared equal), or None."""
         found = self._framing.get((start, length))
         if found is None or found[0] != owner:
             return None
         return found[1]
 
-    def keep_framing(self, start: int, length: int, owner: object, framing: object) -> None:
+    def keep_framing(self, start: int, length: int, owner: object, framing: Framing) -> None:
         """Keep ``framing`` for this range and ``owner`` if its digest is kept (one per range:
         another owner's replaces it)."""
         key = (start, length)

@@ -95,7 +95,7 @@ class UpstreamOrigin:
     def _attempt(self, what: str, action: Callable[[], T]) -> T:
         """``action``, retried with backoff on transport failures and temporary refusals;
         not-found, refused tokens and other final answers are not retried."""
-        last: WeightserveError | None = None
+        last: Exception | None = None
         for wait in [*self.retry.waits(), None]:
             try:
                 return action()

@@ -92,7 +92,7 @@ def _file_messages(
     for chunk in files.file_chunks(model, file, byte_range):
         # The mapping the chunk is a view of, not one a reload put in its place since.
         yield (
-            FileMessage((b"", chunk), mapped, at)
+            FileMessage((b"", b""), chunk, mapped, at)
             if chunk.obj is mapped.view().obj
             else (b"", chunk)
         )

@@ -449,13 +449,11 @@ class _SocketWriter:
             with self._corked():
                 for message in messages:
                     if type(message) is FileMessage and use_sendfile:
-                        data = message[1]
-                        n = len(data)
+                        n = len(message[1])
                         pending, self.pending = self.pending, b""
-                        self.write_bytes(pending + message[0] if pending else message[0])
+                        self.write_bytes(pending + message.prefix if pending else message.prefix)
                         self.send_file(message, n)
-                        if len(message) > 2:
-                            self.pending = message[2]
+                        self.pending = message.suffix
                         use_sendfile = self.use_sendfile
                     else:
                         data = message[1] if len(message) > 1 else None

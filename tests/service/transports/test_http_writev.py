@@ -79,6 +79,17 @@ def test_large_bodies_are_written_directly_and_match(state, protocol) -> None:
         assert app.sendfile_bytes == 2 * BIG_BYTES
 
 
+def test_chunk_padding_goes_out_in_front_of_the_next_framing(state) -> None:
+    # Chunks of 1 MiB + 4 bytes: each but the last is padded to 8 bytes by a suffix, which
+    # the direct writer holds back and sends in front of the next chunk's framing.
+    chunk = (1 << 20) + 4
+    with serving(state, "httptools") as (port, app):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        assert fetch(conn, BIG, chunk) == expected_body(state, BIG, chunk)
+        conn.close()
+        assert app.direct_streams == 1
+
+
 def test_small_bodies_keep_the_asgi_path(state) -> None:
     with serving(state, "httptools") as (port, app):
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)

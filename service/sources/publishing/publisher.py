@@ -108,11 +108,18 @@ class Publisher:
         """A new upload of ``model_id``; ``base`` (a revision of it) supplies what the upload
         does not. A model served from plain files under the root cannot be published to."""
         folder = repo_folder(model_id)
-        published = self.store.main(folder) is not None
-        if not published and (model_id in self.catalog.models or model_id in self.catalog.listed):
+        published = self.store.written(folder)
+        if not published and (
+            self.store.exists(folder)
+            or model_id in self.catalog.models
+            or model_id in self.catalog.listed
+        ):
+            # Only a repository with a .revisions/ record is ours: a Hugging Face cache's
+            # snapshots are another tool's, and retention would orphan their blobs.
             raise InvalidRequest(
-                f"model {model_id!r} is served from files weightserve does not own (not "
-                "published): publish to another model id"
+                f"model {model_id!r} is served from files weightserve did not write (a "
+                "Hugging Face cache or plain files, with no revision record of a publish): "
+                "publish to another model id"
             )
         base_model = None
         if base is not None:
@@ -428,8 +435,8 @@ class Publisher:
         streamed = self.streamed
         for r in revisions[self.keep_revisions :]:
             commit = r["commit"]
-            if commit in keep:
-                continue
+            if commit in keep or not self.store.written(folder, commit):
+                continue  # held, or a snapshot weightserve did not write: not ours to remove
             if streamed is not None and streamed(self.catalog.root / folder / "snapshots" / commit):
                 log.info("revision %s of %r is streamed: kept until a later publish",
                          commit[:16], model_id)  # fmt: skip

@@ -57,6 +57,16 @@ class RevisionStore(Protocol):
 
     def holds(self, folder: str, commit: str) -> bool: ...
 
+    def written(self, folder: str, commit: str | None = None) -> bool:
+        """Whether weightserve wrote the repository (any revision of it: its ``.revisions/``
+        record), or the revision ``commit`` of it. A repository it did not write (a Hugging
+        Face cache) is never published into nor trimmed by retention."""
+        ...
+
+    def exists(self, folder: str) -> bool:
+        """Whether the repository folder holds anything (a ref or a snapshot)."""
+        ...
+
     def put(self, folder: str, commit: str, files: Path, record: dict[str, Any]) -> None:
         """Store the revision's files (the directory ``files``) and its record."""
         ...
@@ -90,6 +100,15 @@ class DirectoryStore:
 
     def holds(self, folder: str, commit: str) -> bool:
         return (self.root / folder / "snapshots" / commit).is_dir()
+
+    def written(self, folder: str, commit: str | None = None) -> bool:
+        records = self.root / folder / RECORDS_DIR
+        if commit is not None:
+            return (records / f"{commit}.json").is_file()
+        return records.is_dir() and any(records.glob("*.json"))
+
+    def exists(self, folder: str) -> bool:
+        return any((self.root / folder / part).exists() for part in ("refs", "snapshots"))
 
     def put(self, folder: str, commit: str, files: Path, record: dict[str, Any]) -> None:
         os.rename(files, self.root / folder / "snapshots" / commit)
@@ -148,6 +167,16 @@ class BucketStore:
 
     def holds(self, folder: str, commit: str) -> bool:
         return commit in self.commits(folder)
+
+    def written(self, folder: str, commit: str | None = None) -> bool:
+        commits = self.commits(folder)  # a bucket's revisions are listed by their records
+        return bool(commits) if commit is None else commit in commits
+
+    def exists(self, folder: str) -> bool:
+        if self.main(folder) is not None:
+            return True
+        selector = pafs.FileSelector(self._key(folder, "snapshots"), allow_not_found=True)
+        return bool(self.fs.get_file_info(selector))
 
     def put(self, folder: str, commit: str, files: Path, record: dict[str, Any]) -> None:
         for path in sorted(p for p in files.rglob("*") if p.is_file()):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -24,6 +25,13 @@ from weightserve.service.sources.revisions.content import (
 from weightserve.service.sources.revisions.stores import revision_record
 
 log = logging.getLogger("weightserve.service")
+
+# The upstream's records a node keeps (for the parent, message and metadata it passes on):
+# the newest few per model, and of the models it does not hold, the few heard of last. A node
+# that follows a busy upstream must not keep every record it was ever told (they carry up to
+# MAX_METADATA_BYTES of metadata each).
+UPSTREAM_RECORDS_PER_MODEL = 4
+UPSTREAM_MODELS_NOT_HELD = 8
 
 
 class CatalogParts(Protocol):
@@ -58,12 +66,28 @@ class HeldRevisions:
         self.catalog = catalog
         self.on_revision = on_revision
         self._announced: dict[str, str] = {}  # model id -> the commit last announced
-        self._upstream: dict[tuple[str, str], dict[str, Any]] = {}
+        # model id -> commit -> the upstream's record, least recently heard first
+        self._upstream: OrderedDict[str, OrderedDict[str, dict[str, Any]]] = OrderedDict()
 
     def heard(self, model_id: str, record: dict[str, Any] | None) -> None:
-        """The upstream announced ``record`` of the model: kept, to announce it as it said."""
-        if record is not None and record.get("commit"):
-            self._upstream[(model_id, record["commit"])] = record
+        """The upstream announced ``record`` of the model: kept, to announce it as it said,
+        within the bounds above."""
+        if record is None or not record.get("commit"):
+            return
+        kept = self._upstream.setdefault(model_id, OrderedDict())
+        kept[record["commit"]] = record
+        kept.move_to_end(record["commit"])
+        while len(kept) > UPSTREAM_RECORDS_PER_MODEL:
+            kept.popitem(last=False)
+        self._upstream.move_to_end(model_id)
+        held = set(self.catalog.cache.cached_models())
+        not_held = [m for m in self._upstream if m not in held]
+        for forgotten in not_held[: max(0, len(not_held) - UPSTREAM_MODELS_NOT_HELD)]:
+            del self._upstream[forgotten]
+
+    def upstream_records(self) -> int:
+        """How many of the upstream's records the node keeps now."""
+        return sum(len(kept) for kept in self._upstream.values())
 
     def revisions(self, model_id: str) -> list[dict[str, Any]]:
         """The revision the node holds of the model (a node keeps its newest), or for one not
@@ -100,7 +124,8 @@ class HeldRevisions:
     def record(self, model_id: str, commit: str, size: int) -> dict[str, Any]:
         """A revision record: the upstream's (parent, message, metadata) where it announced
         this commit, else one with just what the node knows."""
-        upstream = self._upstream.get((model_id, commit))
+        kept = self._upstream.get(model_id)
+        upstream = kept.get(commit) if kept is not None else None
         record = revision_record(commit, size=size)
         if upstream is not None:
             record.update({k: upstream[k] for k in record if k in upstream and k != "bytes"})

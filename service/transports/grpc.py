@@ -275,11 +275,11 @@ class WeightService:
         log.revisions(request.model)  # an unknown model: NOT_FOUND before any event
         with state.feed.subscribe_blocking(request.model) as announced:
             current = log.revisions(request.model)
-            seen = {current[0]["commit"]}
+            sent = log.sequence(request.model)  # later changes are announced, each once
             yield pb.RevisionEvent(event="hello", main=current[0]["commit"])
             if request.since:
                 for record in log.revisions_after(request.model, request.since):
-                    seen.add(record["commit"])
+                    sent = max(sent, record.get("sequence", 0))
                     yield pb.RevisionEvent(event="revision", revision=_revision(record))
             quiet = 0.0
             while context.is_active() and not state.draining:
@@ -291,8 +291,8 @@ class WeightService:
                         quiet = 0.0
                         yield pb.RevisionEvent(event="heartbeat")
                     continue
-                if record["commit"] not in seen:
-                    seen.add(record["commit"])
+                if record.get("sequence", 0) > sent:  # every change of main, rollbacks too
+                    sent = record["sequence"]
                     yield pb.RevisionEvent(event="revision", revision=_revision(record))
 
     @_unary_call("model_info")

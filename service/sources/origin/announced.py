@@ -19,6 +19,7 @@ from weightserve.service.sources.layout import (
 from weightserve.service.sources.model import Model
 from weightserve.service.sources.origin.base import Origin
 from weightserve.service.sources.origin.listing import RemoteModel
+from weightserve.service.sources.revisions.announcements import MainHistory, missed_records
 from weightserve.service.sources.revisions.content import (
     COMMIT_CHARS,
 )
@@ -65,7 +66,7 @@ class HeldRevisions:
     ) -> None:
         self.catalog = catalog
         self.on_revision = on_revision
-        self._announced: dict[str, str] = {}  # model id -> the commit last announced
+        self._histories: dict[str, MainHistory] = {}  # model id -> the changes announced
         # model id -> commit -> the upstream's record, least recently heard first
         self._upstream: OrderedDict[str, OrderedDict[str, dict[str, Any]]] = OrderedDict()
 
@@ -104,22 +105,34 @@ class HeldRevisions:
         commit = self.catalog.listed_revision(remote)[:COMMIT_CHARS]
         return [self.record(base, commit, remote.total_bytes)]
 
-    def revisions_after(self, model_id: str, since: str) -> list[dict[str, Any]]:
-        """The revision held now, unless it is ``since``: a node keeps no history."""
-        current = self.revisions(model_id)
-        return [] if current[0]["commit"].startswith(since.lower()) else current
+    def revisions_after(
+        self, model_id: str, since: str | None, after: int | None = None
+    ) -> list[dict[str, Any]]:
+        """The revision held now, unless the watcher is at it: a node keeps no older
+        revision, so the changes it missed come down to that one (flagged ``history_cut``
+        when this node never announced the point the watcher names)."""
+        current = self.revisions(model_id)[0]
+        history = self._histories.get(_cached_id(model_id), MainHistory())
+        return missed_records(history, current, since, after, lambda commit: None)
+
+    def sequence(self, model_id: str) -> int:
+        """The sequence of the change this node announced for its current revision."""
+        last = self._histories.get(_cached_id(model_id), MainHistory()).last
+        current = self.revisions(model_id)[0]["commit"]
+        return last.sequence if last is not None and last.commit == current else 0
 
     def announce(self, model_id: str) -> None:
-        """Tell the watchers of the model's revision once the node holds it, if it is new."""
+        """Tell the watchers once the node holds a revision of the model other than the one
+        it announced last (a rollback to an earlier one included)."""
         held = self.catalog.models.get(model_id)
         if self.on_revision is None or held is None:
             return
-        commit = held.commit
-        if self._announced.get(model_id) == commit:
+        change = self._histories.setdefault(model_id, MainHistory()).moved(held.commit)
+        if change is None:
             return
-        self._announced[model_id] = commit
         size = sum(f.size for f in held.repo_files.values())
-        self.on_revision(model_id, self.record(model_id, commit, size))
+        record = self.record(model_id, held.commit, size)
+        self.on_revision(model_id, {**record, "sequence": change.sequence})
 
     def record(self, model_id: str, commit: str, size: int) -> dict[str, Any]:
         """A revision record: the upstream's (parent, message, metadata) where it announced

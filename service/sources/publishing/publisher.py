@@ -43,6 +43,11 @@ from weightserve.service.sources.local.catalog import Catalog
 from weightserve.service.sources.model import Model
 from weightserve.service.sources.publishing.patched_tensors import ENDED_EARLY, apply_patch_file
 from weightserve.service.sources.publishing.uploads import MODEL_PART, Upload
+from weightserve.service.sources.revisions.announcements import (
+    MainHistory,
+    StoredHistories,
+    missed_records,
+)
 from weightserve.service.sources.revisions.content import DigestStore
 from weightserve.service.sources.revisions.stores import (
     INCOMING_PREFIX,
@@ -98,6 +103,7 @@ class Publisher:
         self._uploads: dict[str, Upload] = {}
         self._lock = threading.Lock()
         self._commit_locks: dict[str, threading.Lock] = {}
+        self.histories = StoredHistories(store)
         self._remove_leftovers()
 
     # -- uploads ------------------------------------------------------------------------------
@@ -261,14 +267,15 @@ class Publisher:
         else:
             self.store.put(upload.folder, commit, upload.model_dir, record)
         self.store.set_main(upload.folder, commit)
+        sequence = self.histories.moved(upload.folder, commit)
         self._retain(upload.model_id, upload.folder)
         self.catalog.scan()
         log.info(
             "published %r revision %s (%d bytes, parent %s)",
             upload.model_id, commit[:16], record["bytes"], (parent or "none")[:16],
         )  # fmt: skip
-        if self.on_published is not None:
-            self.on_published(upload.model_id, record)
+        if self.on_published is not None and sequence is not None:  # main moved: announced
+            self.on_published(upload.model_id, {**record, "sequence": sequence})
         return record
 
     def _check(self, upload: Upload) -> Model:
@@ -390,16 +397,35 @@ class Publisher:
         found.sort(key=lambda r: (r["commit"] == main, r.get("created", 0)), reverse=True)
         return found
 
-    def revisions_after(self, model_id: str, since: str) -> list[dict[str, Any]]:
-        """The revisions published after ``since`` (a commit, or a prefix of one), oldest
-        first; every one held when ``since`` is no longer among them (removed by retention:
-        older than all that are kept)."""
-        listed = sorted(self.revisions(model_id), key=lambda r: r.get("created", 0.0))
-        wanted = since.lower()
-        for i, record in enumerate(listed):
-            if record["commit"].startswith(wanted):
-                return listed[i + 1 :]
-        return listed
+    def revisions_after(
+        self, model_id: str, since: str | None, after: int | None = None
+    ) -> list[dict[str, Any]]:
+        """What a watcher at ``since`` (a commit) or ``after`` (a sequence) missed: the
+        changes of main since, each revision with its ``sequence``, oldest first
+        (service/sources/revisions/announcements.py)."""
+        plain = split_revision(validate_model_id(model_id))[0]
+        current = self.revisions(plain)[0]
+        folder = self._published_folder(plain)
+        if folder is None:  # plain files: no history, only what they are now
+            return missed_records(MainHistory(), current, since, after, lambda c: None)
+        history = self.histories.read(folder)
+        return missed_records(
+            history, current, since, after, lambda c: self.store.record(folder, c)
+        )
+
+    def sequence(self, model_id: str) -> int:
+        """The sequence of the change that made the current main (0: none known)."""
+        folder = self._published_folder(split_revision(validate_model_id(model_id))[0])
+        if folder is None:
+            return 0
+        last = self.histories.read(folder).last
+        return last.sequence if last is not None and last.commit == self.store.main(folder) else 0
+
+    def _published_folder(self, model_id: str) -> str | None:
+        with contextlib.suppress(InvalidRequest):
+            folder = repo_folder(model_id)
+            return folder if self.store.written(folder) else None
+        return None
 
     # -- retention ----------------------------------------------------------------------------
 

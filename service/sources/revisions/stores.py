@@ -83,6 +83,14 @@ class RevisionStore(Protocol):
 
     def remove(self, folder: str, commit: str) -> None: ...
 
+    def read_note(self, folder: str, name: str) -> str | None:
+        """``.revisions/NAME`` of the repository (a small state file), None when absent."""
+        ...
+
+    def write_note(self, folder: str, name: str, text: str) -> None:
+        """Replace ``.revisions/NAME`` whole."""
+        ...
+
 
 class DirectoryStore:
     """Revisions under a local root, served by the root's catalog as a hub cache."""
@@ -142,6 +150,14 @@ class DirectoryStore:
         with contextlib.suppress(FileNotFoundError):
             (self.root / folder / RECORDS_DIR / f"{commit}.json").unlink()
         self.deltas.remove(self.root / folder, commit)
+
+    def read_note(self, folder: str, name: str) -> str | None:
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            return (self.root / folder / RECORDS_DIR / name).read_text()
+        return None
+
+    def write_note(self, folder: str, name: str, text: str) -> None:
+        write_atomically(self.root / folder / RECORDS_DIR / name, text)
 
 
 class BucketStore:
@@ -222,6 +238,14 @@ class BucketStore:
             self.fs.delete_dir(self._key(folder, "snapshots", commit))
         with contextlib.suppress(OSError):
             self.fs.delete_file(self._key(folder, RECORDS_DIR, f"{commit}.json"))
+
+    def read_note(self, folder: str, name: str) -> str | None:
+        with contextlib.suppress(UnicodeDecodeError):
+            return self._get_text(self._key(folder, RECORDS_DIR, name))
+        return None
+
+    def write_note(self, folder: str, name: str, text: str) -> None:
+        self._put_text(self._key(folder, RECORDS_DIR, name), text)
 
 
 class KeptDeltas:

@@ -216,13 +216,17 @@ def add_publish_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -
         return await off_loop(answer, False)
 
     @app.get(f"{MODEL}/watch", tags=["publish"])
-    async def watch(http: Request, model: str, since: str | None = None) -> Response:
-        """The model's new revisions as they become `main`, one JSON object per line
-        (NDJSON): first `{"event": "hello", "main": COMMIT}`, then with `since=COMMIT` every
-        revision after it, then each new one as `{"event": "revision", ...}`; a
-        `{"event": "heartbeat"}` line every few seconds keeps the connection alive. A
-        watcher whose connection drops reconnects with `since` = the last commit it saw. A
-        node cache announces a revision once it holds its bytes."""
+    async def watch(
+        http: Request, model: str, since: str | None = None, after: int | None = None
+    ) -> Response:
+        """Each change of the model's `main` (a rollback included), one JSON object per line
+        (NDJSON): first `{"event": "hello", "main": COMMIT, "sequence": N}`, then with
+        `since=COMMIT` (or `after=SEQUENCE`) the changes missed since, then each new one as
+        `{"event": "revision", "sequence": N, ...}`; a `{"event": "heartbeat"}` line every
+        few seconds keeps the connection alive. A watcher whose connection drops reconnects
+        with `after` = the last sequence (or `since` = the last commit) it saw; one whose
+        point is no longer known gets the current `main` flagged `history_cut`. A node cache
+        announces a revision once it holds its bytes."""
         http.scope[OPERATION_KEY] = "watch"
         caller = access(http)
         caller.check(model)
@@ -231,21 +235,22 @@ def add_publish_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -
 
         async def lines() -> AsyncIterator[bytes]:
             with state.feed.subscribe(model) as queue:
-                # Read after subscribing: a revision published meanwhile is in the queue.
+                # Read after subscribing: a change meanwhile is in the queue, and its sequence
+                # tells whether this answer already covers it.
                 current = await run_in_threadpool(log.revisions, model)
-                seen = {current[0]["commit"]}
+                sent = await run_in_threadpool(log.sequence, model)
                 backlog = []
-                if since:
-                    backlog = await run_in_threadpool(log.revisions_after, model, since)
-                yield _line({"event": "hello", "main": current[0]["commit"]})
+                if since or after is not None:
+                    backlog = await run_in_threadpool(log.revisions_after, model, since, after)
+                yield _line({"event": "hello", "main": current[0]["commit"], "sequence": sent})
                 for record in backlog:
-                    seen.add(record["commit"])
+                    sent = max(sent, record.get("sequence", 0))
                     yield _line({"event": "revision", **record})
                 async for announced in _announced(queue):
                     if announced is None:
                         yield _line({"event": "heartbeat"})
-                    elif announced["commit"] not in seen:
-                        seen.add(announced["commit"])
+                    elif announced.get("sequence", 0) > sent:
+                        sent = announced["sequence"]
                         yield _line({"event": "revision", **announced})
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")

@@ -33,7 +33,7 @@ from weightserve.client.errors import (
     RevisionNotFound,
 )
 from weightserve.client.wire.file_patch import SourceEnded, copy_range
-from weightserve.client.wire.routes import REVISION_SEPARATOR, split_revision
+from weightserve.client.wire.routes import MAIN_REVISION, REVISION_SEPARATOR, split_revision
 from weightserve.client.wire.safetensors_layout import LayoutEntry, safetensors_header
 from weightserve.service.readers.base import TensorEntry
 from weightserve.service.readers.safetensors import SafetensorsReader
@@ -41,6 +41,7 @@ from weightserve.service.sources.base import ModelSource
 from weightserve.service.sources.layout import INDEX_NAME, is_served_name, validate_model_id
 from weightserve.service.sources.local.catalog import Catalog
 from weightserve.service.sources.model import Model
+from weightserve.service.sources.publishing.holds import Holds
 from weightserve.service.sources.publishing.patched_tensors import ENDED_EARLY, apply_patch_file
 from weightserve.service.sources.publishing.uploads import MODEL_PART, Upload
 from weightserve.service.sources.revisions.announcements import (
@@ -49,6 +50,7 @@ from weightserve.service.sources.revisions.announcements import (
     missed_records,
 )
 from weightserve.service.sources.revisions.content import DigestStore
+from weightserve.service.sources.revisions.pinning import MIN_PREFIX_CHARS
 from weightserve.service.sources.revisions.stores import (
     INCOMING_PREFIX,
     RevisionStore,
@@ -99,11 +101,11 @@ class Publisher:
         self.keep_revisions = keep_revisions
         self.on_published = on_published
         self.on_removed = on_removed
-        self._holds: dict[tuple[str, str], float] = {}  # (model, commit) -> held until
         self._uploads: dict[str, Upload] = {}
         self._lock = threading.Lock()
         self._commit_locks: dict[str, threading.Lock] = {}
         self.histories = StoredHistories(store)
+        self.holds = Holds(store)  # kept in the store: across restarts, and shared by a bucket
         self._remove_leftovers()
 
     # -- uploads ------------------------------------------------------------------------------
@@ -429,25 +431,23 @@ class Publisher:
 
     # -- retention ----------------------------------------------------------------------------
 
-    def hold(self, model_id: str, commit: str, seconds: float) -> dict[str, Any]:
-        """Keep a revision from retention for ``seconds`` from now (a lease a worker renews
-        while it computes with it); 0 releases it."""
+    def hold(self, model_id: str, commit: str, seconds: float, holder: str) -> dict[str, Any]:
+        """``holder``'s hold of a published revision against retention, ``seconds`` from now
+        (a lease a worker renews while it computes with it; 0 releases it); the revision is
+        kept while any holder's hold runs (service/sources/publishing/holds.py)."""
         plain = split_revision(validate_model_id(model_id))[0]
-        full = self.catalog.get(f"{plain}{REVISION_SEPARATOR}{commit}").commit
-        key = (plain, full)
-        with self._lock:
-            if seconds > 0:
-                self._holds[key] = time.time() + seconds
-            else:
-                self._holds.pop(key, None)
-        return {"commit": full, "held_until": time.time() + seconds if seconds > 0 else None}
-
-    def _held(self, model_id: str) -> set[str]:
-        now = time.time()
-        with self._lock:
-            for key in [k for k, until in self._holds.items() if until <= now]:
-                del self._holds[key]
-            return {commit for (m, commit) in self._holds if m == model_id}
+        folder = self._published_folder(plain)
+        wanted = commit.lower()
+        if folder is not None and wanted == MAIN_REVISION:
+            wanted = self.store.main(folder) or wanted
+        found = [c for c in self.store.commits(folder) if c.startswith(wanted)] if folder else []
+        if len(wanted) < MIN_PREFIX_CHARS or len(found) != 1:
+            raise RevisionNotFound(
+                f"model {plain!r} has no published revision {commit!r} to hold: give a commit "
+                "(or a prefix of one) that its revisions list"
+            )
+        until = self.holds.hold(folder or "", found[0], holder, seconds)
+        return {"commit": found[0], "held_until": until}
 
     def _retain(self, model_id: str, folder: str) -> None:
         """Remove the oldest revisions beyond ``keep_revisions``; ``main`` and held ones stay.
@@ -456,7 +456,7 @@ class Publisher:
         if self.keep_revisions <= 0:
             return
         revisions = self.revisions(model_id)
-        keep = {r["commit"] for r in revisions[: self.keep_revisions]} | self._held(model_id)
+        keep = {r["commit"] for r in revisions[: self.keep_revisions]} | self.holds.held(folder)
         keep.add(self.store.main(folder) or "")
         streamed = self.streamed
         for r in revisions[self.keep_revisions :]:

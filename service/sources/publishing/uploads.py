@@ -79,6 +79,6 @@ class Publishing(RevisionLog, Protocol):
         """Check the upload and make it the model's new revision; its record."""
         ...
 
-    def hold(self, model_id: str, commit: str, seconds: float) -> dict[str, Any]:
-        """Keep a revision from retention for ``seconds``."""
+    def hold(self, model_id: str, commit: str, seconds: float, holder: str) -> dict[str, Any]:
+        """``holder``'s hold of a revision against retention, for ``seconds``."""
         ...

@@ -29,6 +29,7 @@ from weightserve.service.serving.lease import StreamLease
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.sources.base import RevisionLog
 from weightserve.service.sources.model import Model
+from weightserve.service.sources.publishing.holds import hold_seconds, holder_name
 from weightserve.service.sources.publishing.uploads import Publishing, Upload
 from weightserve.service.transports.http.common import OPERATION_KEY, AccessCheck, off_loop
 from weightserve.service.transports.http.routes import get_and_head
@@ -335,16 +336,22 @@ def add_publish_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -
 
     @app.post(f"{MODEL}/holds", tags=["publish"])
     async def hold(http: Request, model: str) -> Response:
-        """Keep a revision from retention: `{"commit": C, "seconds": S}` (renew before it
-        ends; 0 releases it)."""
+        """Keep a revision from retention: `{"commit": C, "seconds": S, "holder": ID}` (renew
+        before it ends; 0 releases the caller's own hold). One hold per holder: the token's
+        identity, or without a token file the `holder` id the client names (else its
+        address); seconds from 0 to a week (service/sources/publishing/holds.py)."""
         http.scope[OPERATION_KEY] = "model_info"
-        caller = access(http)
-        caller.check(model)
+        holder = access(http).check_hold(model)
         body = await _json_body(http)
-        commit, seconds = body.get("commit"), body.get("seconds", 0)
-        if not isinstance(commit, str) or not isinstance(seconds, int | float) or seconds < 0:
+        commit = body.get("commit")
+        if not isinstance(commit, str):
             raise InvalidRequest('a hold is {"commit": COMMIT, "seconds": N >= 0}')
+        seconds = hold_seconds(body.get("seconds", 0))
+        if not holder:
+            named = holder_name(body.get("holder"))
+            address = http.client.host if http.client else ""
+            holder = f"client {named}" if named else f"address {address}"
         if state.publisher is None:
             raise InvalidRequest("this server keeps no published revisions to hold")
-        answer = await run_in_threadpool(state.publisher.hold, model, commit, float(seconds))
+        answer = await run_in_threadpool(state.publisher.hold, model, commit, seconds, holder)
         return JSONResponse(answer)

@@ -33,7 +33,7 @@ from weightserve.service.serving import files
 from weightserve.service.serving import views as models_view
 from weightserve.service.serving.arrow_writer import END_OF_STREAM
 from weightserve.service.serving.auth import Access, authorize
-from weightserve.service.serving.feed import DRAIN_CHECK_SECONDS, HEARTBEAT_SECONDS
+from weightserve.service.serving.feed import DRAIN_CHECK_SECONDS, HEARTBEAT_SECONDS, OVERRUN_REASON
 from weightserve.service.serving.lease import StreamLease
 from weightserve.service.serving.request import from_proto
 from weightserve.service.serving.state import ServiceState
@@ -291,9 +291,11 @@ class WeightService:
                         quiet = 0.0
                         yield pb.RevisionEvent(event="heartbeat")
                     continue
-                if record.get("sequence", 0) > sent:  # every change of main, rollbacks too
-                    sent = record["sequence"]
-                    yield pb.RevisionEvent(event="revision", revision=_revision(record))
+                if record is None:  # fell too far behind: what it missed comes on reconnect
+                    raise ResourceExhausted(OVERRUN_REASON)
+                if record.sequence > sent:  # every change of main, rollbacks too
+                    sent = record.sequence
+                    yield pb.RevisionEvent(event="revision", revision=_revision(record.record))
 
     @_unary_call("model_info")
     def ListFiles(self, request: pb.GetModelRequest, context: grpc.ServicerContext) -> Any:

@@ -9,7 +9,6 @@ on a server without one.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 from collections.abc import AsyncIterator
@@ -24,13 +23,21 @@ from starlette.requests import ClientDisconnect
 from weightserve.client.errors import InvalidRequest, ResourceExhausted, RevisionNotFound
 from weightserve.client.wire.delta import DELTA_MEDIA_TYPE
 from weightserve.client.wire.routes import MAIN_REVISION, UPLOADS_ROUTE, with_revision
-from weightserve.service.serving.feed import DRAIN_CHECK_SECONDS, EVERY_MODEL, HEARTBEAT_SECONDS
+from weightserve.service.serving.feed import (
+    DRAIN_CHECK_SECONDS,
+    EVERY_MODEL,
+    HEARTBEAT_SECONDS,
+    OVERRUN,
+    Announcement,
+    AsyncSubscription,
+    event_line,
+)
 from weightserve.service.serving.lease import StreamLease
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.sources.base import RevisionLog
 from weightserve.service.sources.model import Model
 from weightserve.service.sources.publishing.holds import hold_seconds, holder_name
-from weightserve.service.sources.publishing.uploads import Publishing, Upload
+from weightserve.service.sources.publishing.uploads import Publishing, Upload, check_record_size
 from weightserve.service.transports.http.common import OPERATION_KEY, AccessCheck, off_loop
 from weightserve.service.transports.http.routes import get_and_head
 from weightserve.service.transports.http.streaming import LeasedStreamResponse
@@ -125,10 +132,6 @@ def _write_all(fd: int, pieces: list[bytes]) -> None:
             views[0] = views[0][done:]
 
 
-def _line(event: dict[str, Any]) -> bytes:
-    return json.dumps(event, separators=(",", ":")).encode() + b"\n"
-
-
 def add_publish_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -> None:
     """Routes below ``/v1/models/{model}/-/``: uploads, revisions and holds."""
 
@@ -154,6 +157,7 @@ def add_publish_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -
         if base is not None and not isinstance(base, str) or not isinstance(metadata, dict):
             raise InvalidRequest("base must be a revision (a string), metadata an object")
         message = str(body.get("message") or "")
+        check_record_size(message, metadata)
         upload = await run_in_threadpool(found.begin, model, base, message, metadata)
         return JSONResponse({"upload": upload.id}, status_code=201)
 
@@ -243,16 +247,16 @@ def add_publish_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -
                 backlog = []
                 if since or after is not None:
                     backlog = await run_in_threadpool(log.revisions_after, model, since, after)
-                yield _line({"event": "hello", "main": current[0]["commit"], "sequence": sent})
+                yield event_line({"event": "hello", "main": current[0]["commit"], "sequence": sent})
                 for record in backlog:
                     sent = max(sent, record.get("sequence", 0))
-                    yield _line({"event": "revision", **record})
+                    yield event_line({"event": "revision", **record})
                 async for announced in _announced(queue):
                     if announced is None:
-                        yield _line({"event": "heartbeat"})
-                    elif announced.get("sequence", 0) > sent:
-                        sent = announced["sequence"]
-                        yield _line({"event": "revision", **announced})
+                        yield event_line({"event": "heartbeat"})
+                    elif announced is OVERRUN or announced.sequence > sent:
+                        sent = announced.sequence
+                        yield announced.line  # serialized once for every watcher
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
@@ -267,31 +271,32 @@ def add_publish_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -
 
         async def lines() -> AsyncIterator[bytes]:
             with state.feed.subscribe(EVERY_MODEL) as queue:
-                yield _line({"event": "hello"})
-                async for record in _announced(queue):
-                    if record is None:
-                        yield _line({"event": "heartbeat"})
-                    elif caller.may_read(record["model"]):
-                        yield _line({"event": "revision", **record})
+                yield event_line({"event": "hello"})
+                async for announced in _announced(queue):
+                    if announced is None:
+                        yield event_line({"event": "heartbeat"})
+                    elif announced is OVERRUN or caller.may_read(announced.record["model"]):
+                        yield announced.line
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
-    async def _announced(
-        queue: asyncio.Queue[dict[str, Any]],
-    ) -> AsyncIterator[dict[str, Any] | None]:
-        """The records announced on ``queue``, and None when a heartbeat is due, until the
-        server shuts down."""
+    async def _announced(watcher: AsyncSubscription) -> AsyncIterator[Announcement | None]:
+        """The announcements for ``watcher``, and None when a heartbeat is due, until the
+        server shuts down; ``OVERRUN`` last for a watcher that fell too far behind."""
         quiet = 0.0
         while not state.draining:
             try:
-                record = await asyncio.wait_for(queue.get(), DRAIN_CHECK_SECONDS)
+                announced = await watcher.get(DRAIN_CHECK_SECONDS)
             except TimeoutError:
                 quiet += DRAIN_CHECK_SECONDS
                 if quiet >= HEARTBEAT_SECONDS:
                     quiet = 0.0
                     yield None
                 continue
-            yield record
+            if announced is None:  # overrun: what it missed comes with its reconnect
+                yield OVERRUN
+                return
+            yield announced
 
     def revision_log() -> RevisionLog:
         if state.revision_log is None:

@@ -72,16 +72,20 @@ class HttpControl:
         answer = self.request_json("POST", http_model_path(model, "holds"), body=body)
         return answer.get("held_until")
 
-    def open_watch(self, model: str | None, since: str | None) -> LineStream:
-        query = f"?{urlencode({'since': since})}" if since else ""
+    def open_watch(
+        self, model: str | None, since: str | None, after: int | None = None
+    ) -> LineStream:
+        fields = {"since": since, "after": after}
+        given = {k: v for k, v in fields.items() if v is not None and v != ""}
+        query = f"?{urlencode(given)}" if given else ""
         path = "/v1/watch" if model is None else http_model_path(model, "watch")
         return self._lines(path + query)
 
     def watch_revisions(
-        self, model: str, since: str | None, timeout: float | None
+        self, model: str, since: str | None, timeout: float | None, after: int | None = None
     ) -> Iterator[dict[str, Any]]:
         deadline = None if timeout is None else time.monotonic() + timeout
-        lines = self.open_watch(model, since)
+        lines = self.open_watch(model, since, after)
         silence = WATCH_SILENCE
 
         def before_read() -> bool:

@@ -126,6 +126,9 @@ def test_a_watcher_resumes_by_sequence_and_by_commit(tmp_path: Path) -> None:
         assert [(e["commit"], e["sequence"]) for e in resumed[1:]] == [
             (a.commit, moves[1]["sequence"])
         ]
+        # At A before B (its first sequence): B and the move back, though A is main again.
+        since_first = watch_lines(srv.http_port, f"?since={a.commit}&after={hello['sequence']}", 2)
+        assert [e["commit"] for e in since_first[1:]] == [b.commit, a.commit]
         model = c.model(MODEL)
         # Resuming from B: the move back to A. From A (main now): nothing missed.
         assert [r.commit for r in model.watch(since=b.commit, timeout=1.0)] == [a.commit]

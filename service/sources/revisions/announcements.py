@@ -54,6 +54,10 @@ class MainHistory:
         """The changes after sequence ``after``, or after the last time ``main`` was
         ``since`` (a commit or a prefix of one), oldest first; None when the history kept does
         not reach back to that point."""
+        if after is not None and since:  # both: the sequence counts if it names that commit
+            wanted = since.lower()
+            if not any(c.sequence == after and c.commit.startswith(wanted) for c in self.changes):
+                after = None  # another server's numbering (a replica): by commit
         if after is not None:
             first = self.changes[0].sequence if self.changes else None
             if first is None or after < first:
@@ -98,9 +102,9 @@ def missed_records(
     ``main`` alone flagged ``HISTORY_CUT`` when the history does not reach back to it."""
     last = history.last
     current_sequence = last.sequence if last is not None and last.commit == main["commit"] else 0
-    if after is not None and after >= current_sequence > 0:
+    if since and main["commit"].startswith(since.lower()) and after in (None, current_sequence):
         return []
-    if after is None and since and main["commit"].startswith(since.lower()):
+    if after is not None and not since and after >= current_sequence > 0:
         return []
     changes = history.missed(since, after)
     if changes is None:

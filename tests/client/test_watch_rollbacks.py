@@ -91,6 +91,9 @@ def test_a_rollback_is_announced_on_every_watch(tmp_path: Path, capsys) -> None:
             # Every watch open: four on the upstream, the node's own follower, one on the node.
             until(lambda: upstream.state.feed.watchers() == 5 and node.state.feed.watchers() == 1)
             second = publisher.publish(MODEL, weights(1))
+            # A node announces what it holds: once it holds B (a node that never held B
+            # would have nothing to announce when main moves back to A).
+            until(lambda: len(heard.get("node", [])) == 1)
             back = publisher.publish(MODEL, weights(0))  # the same bytes: main moves back
             assert back.commit == first.commit
             until(lambda: len(heard.get("node", [])) == 2)  # the node filled A again

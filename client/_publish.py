@@ -231,22 +231,24 @@ def watch(
     """Each revision of ``model_id`` that becomes ``main`` from now on (with ``since``: every
     one after that commit first), in order, pushed by the server (HTTP: an NDJSON response;
     gRPC: WatchRevisions). A dropped connection or a restarting server is reconnected with
-    the last commit seen, so none is missed or repeated. Ends after ``timeout`` seconds
+    the last commit (and sequence) seen, so none is missed or repeated, a rollback included. Ends after ``timeout`` seconds
     (None: never)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     anchor = since
+    sequence: int | None = None  # of the change that made ``anchor`` main, once known
     delays = Delays(WATCH_RETRY_FIRST, WATCH_RETRY_MAX, jitter=False)
     while deadline is None or time.monotonic() < deadline:
         connected = False
         try:
-            for event in _events(transport, model_id, anchor, deadline):
+            for event in _events(transport, model_id, anchor, deadline, sequence):
                 connected = True
                 delays.reset()
                 if event.get("event") == "hello" and anchor is None:
                     anchor = event.get("main") or None
+                    sequence = _sequence(event)
                 elif event.get("event") == "revision":
                     revision = Revision.from_json(event)
-                    anchor = revision.commit
+                    anchor, sequence = revision.commit, _sequence(event)
                     yield revision
         except (ServerUnreachable, ValueError):
             pass  # reconnected below, from the last commit seen
@@ -259,11 +261,22 @@ def watch(
 
 
 def _events(
-    transport: ControlTransport, model_id: str, since: str | None, deadline: float | None
+    transport: ControlTransport,
+    model_id: str,
+    since: str | None,
+    deadline: float | None,
+    after: int | None,
 ) -> Iterator[dict[str, Any]]:
     """One watch connection's events, until it ends, breaks or ``deadline`` passes."""
     left = None if deadline is None else max(0.001, deadline - time.monotonic())
-    yield from transport.watch_revisions(model_id, since, left)
+    yield from transport.watch_revisions(model_id, since, left, after)
+
+
+def _sequence(event: dict[str, Any]) -> int | None:
+    """An event's sequence (docs/protocol.md, "Publishing revisions"); None from a server
+    that numbers none."""
+    found = event.get("sequence")
+    return found if isinstance(found, int) and not isinstance(found, bool) and found > 0 else None
 
 
 def revisions(transport: ControlTransport, model_id: str) -> list[Revision]:

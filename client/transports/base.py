@@ -217,14 +217,16 @@ class ControlTransport(Protocol):
         ...
 
     def watch_revisions(
-        self, model: str, since: str | None, timeout: float | None
+        self, model: str, since: str | None, timeout: float | None, after: int | None = None
     ) -> Iterator[dict[str, Any]]:
         """One watch connection's events (``{"event": "hello", "main"}``, ``{"event":
         "revision", ...}``, heartbeats), until it ends, breaks or ``timeout`` seconds pass
-        (None: never)."""
+        (None: never); ``after``: the last sequence seen (with ``since``, its commit)."""
         ...
 
-    def open_watch(self, model: str | None, since: str | None) -> LineStream:
+    def open_watch(
+        self, model: str | None, since: str | None, after: int | None = None
+    ) -> LineStream:
         """The NDJSON watch of one model, or of every model (``model`` None), raw."""
         ...
 
@@ -275,11 +277,13 @@ class RefusesControl:
         raise self._refuse("listing revisions")
 
     def watch_revisions(
-        self, model: str, since: str | None, timeout: float | None
+        self, model: str, since: str | None, timeout: float | None, after: int | None = None
     ) -> Iterator[dict[str, Any]]:
         raise self._refuse("watching revisions")
 
-    def open_watch(self, model: str | None, since: str | None) -> LineStream:
+    def open_watch(
+        self, model: str | None, since: str | None, after: int | None = None
+    ) -> LineStream:
         raise self._refuse("an NDJSON watch")
 
     def hold(self, model: str, commit: str, seconds: float) -> float | None:

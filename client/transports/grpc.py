@@ -328,11 +328,12 @@ class GrpcTransport(base.RefusesControl, base.DataTransport):
         return [_revision_record(r) for r in listing.revisions]
 
     def watch_revisions(
-        self, model: str, since: str | None, timeout: float | None
+        self, model: str, since: str | None, timeout: float | None, after: int | None = None
     ) -> Iterator[dict[str, Any]]:
         """WatchRevisions' events as the HTTP watch's lines read: ``{"event": "hello",
         "main"}``, ``{"event": "revision", ...}``, ``{"event": "heartbeat"}``; ends at
-        ``timeout`` seconds (None: when the server ends it)."""
+        ``timeout`` seconds (None: when the server ends it). By ``since`` only: the gRPC
+        watch carries no sequence."""
         request = self._pb.WatchRequest(model=model, since=since or "")
         call = self._watch_revisions(request, timeout=timeout, metadata=self._metadata())
         try:

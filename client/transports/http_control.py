@@ -5,6 +5,7 @@ carries them over its requests; a watch's silence is bounded here."""
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -13,6 +14,10 @@ from weightserve.client.errors import ServerUnreachable
 from weightserve.client.transports.base import CONTROL_VERBS, LineStream, UploadPart
 from weightserve.client.wire.routes import MAIN_REVISION, UPLOADS_ROUTE, http_model_path
 from weightserve.client.wire.watch import WATCH_SILENCE, read_events
+
+# Who holds a revision, where the server has no token file (with one, the token says): one id
+# per process, so another process's hold or release never changes this one's.
+HOLDER_ID = uuid.uuid4().hex
 
 
 class HttpControl:
@@ -58,20 +63,24 @@ class HttpControl:
         return list(self.request_json("GET", http_model_path(model, "revisions"))["revisions"])
 
     def hold(self, model: str, commit: str, seconds: float) -> float | None:
-        body = {"commit": commit, "seconds": seconds}
+        body = {"commit": commit, "seconds": seconds, "holder": HOLDER_ID}
         answer = self.request_json("POST", http_model_path(model, "holds"), body=body)
         return answer.get("held_until")
 
-    def open_watch(self, model: str | None, since: str | None) -> LineStream:
-        query = f"?{urlencode({'since': since})}" if since else ""
+    def open_watch(
+        self, model: str | None, since: str | None, after: int | None = None
+    ) -> LineStream:
+        fields = {"since": since, "after": after}
+        given = {k: v for k, v in fields.items() if v is not None and v != ""}
+        query = f"?{urlencode(given)}" if given else ""
         path = "/v1/watch" if model is None else http_model_path(model, "watch")
         return self._lines(path + query)
 
     def watch_revisions(
-        self, model: str, since: str | None, timeout: float | None
+        self, model: str, since: str | None, timeout: float | None, after: int | None = None
     ) -> Iterator[dict[str, Any]]:
         deadline = None if timeout is None else time.monotonic() + timeout
-        lines = self.open_watch(model, since)
+        lines = self.open_watch(model, since, after)
         silence = WATCH_SILENCE
 
         def before_read() -> bool:

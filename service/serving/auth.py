@@ -5,12 +5,14 @@ The token file holds one token per line, optionally followed by the model ids (o
 ``fnmatch`` patterns) it may read; a token with no patterns may read every model.
 ``admin=PATTERN`` lets the token use the operator's routes (prefetch, evict, verify a node
 cache's models) on the models PATTERN matches; it adds nothing to what the token reads.
-``publish=PATTERN`` lets it publish revisions of the models PATTERN matches (and read them)::
+``publish=PATTERN`` lets it publish revisions of the models PATTERN matches (and read them);
+``hold=PATTERN`` lets it hold their revisions against retention (publish= implies it)::
 
     s3cr3t-token-for-everything
     team-a-token   team-a/*  shared/base-model
     ops-token      admin=*
     trainer-token  publish=team-a/policy
+    worker-token   team-a/policy  hold=team-a/policy
 
 Blank lines and lines starting with ``#`` are ignored. The file is re-read when it changes
 (checked at most once a second), so tokens rotate without a restart.
@@ -33,6 +35,8 @@ from weightserve.client.wire.routes import split_revision
 
 ADMIN_KEYWORD = "admin="
 PUBLISH_KEYWORD = "publish="
+HOLD_KEYWORD = "hold="
+KEYWORDS = (ADMIN_KEYWORD, PUBLISH_KEYWORD, HOLD_KEYWORD)
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,7 @@ class Grant:
     patterns: tuple[str, ...]  # empty: every model
     admin: tuple[str, ...] = ()  # models it may administer (``admin=PATTERN``); empty: none
     publish: tuple[str, ...] = ()  # models it may publish to (``publish=PATTERN``); empty: none
+    hold: tuple[str, ...] = ()  # models whose revisions it may hold (``hold=PATTERN``)
 
     def may_read(self, model_id: str) -> bool:
         """Whether a pattern names the model (a ``publish=`` one too: publishing implies
@@ -53,6 +58,10 @@ class Grant:
 
     def may_publish(self, model_id: str) -> bool:
         return _names_any(model_id, self.publish)
+
+    def may_hold(self, model_id: str) -> bool:
+        """A hold keeps a revision's disk from retention: ``hold=`` (or ``publish=``)."""
+        return _names_any(model_id, self.hold) or self.may_publish(model_id)
 
     def may_administer(self, model_id: str) -> bool:
         """Whether an ``admin=`` pattern names the model, its revisions covered as for reads."""
@@ -81,12 +90,14 @@ def parse_tokens(text: str) -> list[Grant]:
             continue
         patterns = [p.rstrip(",") for p in fields[1:]]
         keyed: dict[str, tuple[str, ...]] = {}
-        for keyword in (ADMIN_KEYWORD, PUBLISH_KEYWORD):
+        for keyword in KEYWORDS:
             keyed[keyword] = tuple(p[len(keyword) :] for p in patterns if p.startswith(keyword))
             if "" in keyed[keyword]:
                 raise ValueError(f"{keyword} needs a model id or pattern ({keyword}*: every model)")
-        reads = tuple(p for p in patterns if not p.startswith((ADMIN_KEYWORD, PUBLISH_KEYWORD)))
-        grants.append(Grant(fields[0], reads, keyed[ADMIN_KEYWORD], keyed[PUBLISH_KEYWORD]))
+        reads = tuple(p for p in patterns if not p.startswith(KEYWORDS))
+        grants.append(
+            Grant(fields[0], reads, *(keyed[k] for k in KEYWORDS))  # admin, publish, hold
+        )
     return grants
 
 
@@ -185,6 +196,21 @@ class Access:
                 f"this token may not publish model {model_id!r}: its line in the token file "
                 "needs publish=PATTERN matching it"
             )
+
+    def check_hold(self, model_id: str) -> str:
+        """Holding a revision: with tokens, the grant needs ``hold=`` or ``publish=`` for the
+        model (read access is not enough: a hold keeps disk the operator's retention would
+        free); without a token file, anyone who may read (holds are bounded in time). The
+        holder's identity with tokens: the token's."""
+        self.check(model_id)
+        if self.grant is None:
+            return ""
+        if not self.grant.may_hold(model_id):
+            raise PermissionDenied(
+                f"this token may not hold revisions of model {model_id!r}: its line in the "
+                "token file needs hold=PATTERN (or publish=PATTERN) matching it"
+            )
+        return self.grant.identity
 
 
 OPEN_ACCESS = Access(None)

@@ -55,8 +55,16 @@ class RevisionLog(Protocol):
         """Records ``{commit, parent, created, bytes, message, metadata}``, ``main`` first."""
         ...
 
-    def revisions_after(self, model_id: str, since: str) -> list[dict[str, Any]]:
-        """What a watcher that last saw ``since`` has missed, oldest first."""
+    def revisions_after(
+        self, model_id: str, since: str | None, after: int | None = None
+    ) -> list[dict[str, Any]]:
+        """What a watcher that last saw commit ``since`` (or sequence ``after``) has missed:
+        one record per change of main, with its ``sequence``, oldest first
+        (service/sources/revisions/announcements.py)."""
+        ...
+
+    def sequence(self, model_id: str) -> int:
+        """The sequence of the change of main that made the model's current main."""
         ...
 
 

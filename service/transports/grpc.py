@@ -33,7 +33,7 @@ from weightserve.service.serving import files
 from weightserve.service.serving import views as models_view
 from weightserve.service.serving.arrow_writer import END_OF_STREAM
 from weightserve.service.serving.auth import Access, authorize
-from weightserve.service.serving.feed import DRAIN_CHECK_SECONDS, HEARTBEAT_SECONDS
+from weightserve.service.serving.feed import DRAIN_CHECK_SECONDS, HEARTBEAT_SECONDS, OVERRUN_REASON
 from weightserve.service.serving.lease import StreamLease
 from weightserve.service.serving.request import from_proto
 from weightserve.service.serving.state import ServiceState
@@ -276,25 +276,29 @@ class WeightService:
         log.revisions(request.model)  # an unknown model: NOT_FOUND before any event
         with state.feed.subscribe_blocking(request.model) as announced:
             current = log.revisions(request.model)
-            seen = {current[0]["commit"]}
+            sent = log.sequence(request.model)  # later changes are announced, each once
             yield pb.RevisionEvent(event="hello", main=current[0]["commit"])
             if request.since:
                 for record in log.revisions_after(request.model, request.since):
-                    seen.add(record["commit"])
+                    sent = max(sent, record.get("sequence", 0))
                     yield pb.RevisionEvent(event="revision", revision=_revision(record))
             quiet = 0.0
             while context.is_active() and not state.draining:
                 try:
-                    record = announced.get(timeout=DRAIN_CHECK_SECONDS)
+                    announcement = announced.get(timeout=DRAIN_CHECK_SECONDS)
                 except queue.Empty:
                     quiet += DRAIN_CHECK_SECONDS
                     if quiet >= HEARTBEAT_SECONDS:
                         quiet = 0.0
                         yield pb.RevisionEvent(event="heartbeat")
                     continue
-                if record["commit"] not in seen:
-                    seen.add(record["commit"])
-                    yield pb.RevisionEvent(event="revision", revision=_revision(record))
+                if announcement is None:  # fell too far behind: what it missed comes on reconnect
+                    raise ResourceExhausted(OVERRUN_REASON)
+                if announcement.sequence > sent:  # every change of main, rollbacks too
+                    sent = announcement.sequence
+                    yield pb.RevisionEvent(
+                        event="revision", revision=_revision(announcement.record)
+                    )
 
     @_unary_call("model_info")
     def ListFiles(self, request: pb.GetModelRequest, context: grpc.ServicerContext) -> Any:

@@ -431,12 +431,8 @@ class OriginCatalog:
                 self._fill_errors.pop(model_id, None)
                 pending = concurrent.futures.Future()
                 self._fills[model_id] = pending
-                threading.Thread(
-                    target=self._run_fill,
-                    args=(model_id, files, pending),
-                    name=f"weightserve-fill-{model_id}",
-                    daemon=True,
-                ).start()
+                threading.Thread(target=self._run_fill, args=(model_id, files, pending),
+                                 name=f"weightserve-fill-{model_id}", daemon=True).start()  # fmt: skip
         follow = _FOLLOW_FILLS.get() and files is not None
         try:
             timeout = 0 if follow else self.fill_wait_seconds if wait is None else wait
@@ -493,6 +489,8 @@ class OriginCatalog:
         finally:
             with self._fills_lock:
                 self._fills.pop(model_id, None)
+        if pending.exception() is None and not self._holds_listed(model_id):
+            self.follow(model_id, relist=False)  # the origin moved on while this one filled
 
     @contextlib.contextmanager
     def using(self, model_id: str) -> Iterator[None]:

@@ -33,7 +33,7 @@ from weightserve.client.errors import (
     RevisionNotFound,
 )
 from weightserve.client.wire.file_patch import SourceEnded, copy_range
-from weightserve.client.wire.routes import REVISION_SEPARATOR, split_revision
+from weightserve.client.wire.routes import MAIN_REVISION, REVISION_SEPARATOR, split_revision
 from weightserve.client.wire.safetensors_layout import LayoutEntry, safetensors_header
 from weightserve.service.readers.base import TensorEntry
 from weightserve.service.readers.safetensors import SafetensorsReader
@@ -41,6 +41,7 @@ from weightserve.service.sources.base import ModelSource
 from weightserve.service.sources.layout import INDEX_NAME, validate_model_id
 from weightserve.service.sources.local.catalog import Catalog
 from weightserve.service.sources.model import Model
+from weightserve.service.sources.publishing.holds import Holds
 from weightserve.service.sources.publishing.intake import (
     UPLOAD_BODY_TIMEOUT,
     UPLOAD_IDLE_SECONDS,
@@ -54,7 +55,13 @@ from weightserve.service.sources.publishing.uploads import (
     TENSORS_PART,
     Upload,
 )
+from weightserve.service.sources.revisions.announcements import (
+    MainHistory,
+    StoredHistories,
+    missed_records,
+)
 from weightserve.service.sources.revisions.content import DigestStore
+from weightserve.service.sources.revisions.pinning import MIN_PREFIX_CHARS
 from weightserve.service.sources.revisions.stores import (
     INCOMING_PREFIX,
     RevisionStore,
@@ -97,9 +104,10 @@ class Publisher(Intake):
         self.keep_revisions = keep_revisions
         self.on_published = on_published
         self.on_removed = on_removed
-        self._holds: dict[tuple[str, str], float] = {}  # (model, commit) -> held until
         self._lock = threading.Lock()
         self._commit_locks: dict[str, threading.Lock] = {}
+        self.histories = StoredHistories(store)
+        self.holds = Holds(store)  # kept in the store: across restarts, and shared by a bucket
         self._remove_leftovers()
 
     # -- uploads ------------------------------------------------------------------------------
@@ -111,11 +119,18 @@ class Publisher(Intake):
         does not. A model served from plain files under the root cannot be published to."""
         folder = repo_folder(model_id)
         started_main = self.store.main(folder)
-        published = started_main is not None
-        if not published and (model_id in self.catalog.models or model_id in self.catalog.listed):
+        published = self.store.written(folder)
+        if not published and (
+            self.store.exists(folder)
+            or model_id in self.catalog.models
+            or model_id in self.catalog.listed
+        ):
+            # Only a repository with a .revisions/ record is ours: a Hugging Face cache's
+            # snapshots are another tool's, and retention would orphan their blobs.
             raise InvalidRequest(
-                f"model {model_id!r} is served from files weightserve does not own (not "
-                "published): publish to another model id"
+                f"model {model_id!r} is served from files weightserve did not write (a "
+                "Hugging Face cache or plain files, with no revision record of a publish): "
+                "publish to another model id"
             )
         base_model = None
         if base is not None:
@@ -231,14 +246,15 @@ class Publisher(Intake):
         else:
             self.store.put(upload.folder, commit, upload.model_dir, record)
         self.store.set_main(upload.folder, commit)
+        sequence = self.histories.moved(upload.folder, commit)
         self._retain(upload.model_id, upload.folder)
         self.catalog.scan()
         log.info(
             "published %r revision %s (%d bytes, parent %s)",
             upload.model_id, commit[:16], record["bytes"], (parent or "none")[:16],
         )  # fmt: skip
-        if self.on_published is not None:
-            self.on_published(upload.model_id, record)
+        if self.on_published is not None and sequence is not None:  # main moved: announced
+            self.on_published(upload.model_id, {**record, "sequence": sequence})
         return record
 
     def _check_unmoved(self, upload: Upload) -> None:
@@ -368,38 +384,55 @@ class Publisher(Intake):
         found.sort(key=lambda r: (r["commit"] == main, r.get("created", 0)), reverse=True)
         return found
 
-    def revisions_after(self, model_id: str, since: str) -> list[dict[str, Any]]:
-        """The revisions published after ``since`` (a commit, or a prefix of one), oldest
-        first; every one held when ``since`` is no longer among them (removed by retention:
-        older than all that are kept)."""
-        listed = sorted(self.revisions(model_id), key=lambda r: r.get("created", 0.0))
-        wanted = since.lower()
-        for i, record in enumerate(listed):
-            if record["commit"].startswith(wanted):
-                return listed[i + 1 :]
-        return listed
+    def revisions_after(
+        self, model_id: str, since: str | None, after: int | None = None
+    ) -> list[dict[str, Any]]:
+        """What a watcher at ``since`` (a commit) or ``after`` (a sequence) missed: the
+        changes of main since, each revision with its ``sequence``, oldest first
+        (service/sources/revisions/announcements.py)."""
+        plain = split_revision(validate_model_id(model_id))[0]
+        current = self.revisions(plain)[0]
+        folder = self._published_folder(plain)
+        if folder is None:  # plain files: no history, only what they are now
+            return missed_records(MainHistory(), current, since, after, lambda c: None)
+        history = self.histories.read(folder)
+        return missed_records(
+            history, current, since, after, lambda c: self.store.record(folder, c)
+        )
+
+    def sequence(self, model_id: str) -> int:
+        """The sequence of the change that made the current main (0: none known)."""
+        folder = self._published_folder(split_revision(validate_model_id(model_id))[0])
+        if folder is None:
+            return 0
+        last = self.histories.read(folder).last
+        return last.sequence if last is not None and last.commit == self.store.main(folder) else 0
+
+    def _published_folder(self, model_id: str) -> str | None:
+        with contextlib.suppress(InvalidRequest):
+            folder = repo_folder(model_id)
+            return folder if self.store.written(folder) else None
+        return None
 
     # -- retention ----------------------------------------------------------------------------
 
-    def hold(self, model_id: str, commit: str, seconds: float) -> dict[str, Any]:
-        """Keep a revision from retention for ``seconds`` from now (a lease a worker renews
-        while it computes with it); 0 releases it."""
+    def hold(self, model_id: str, commit: str, seconds: float, holder: str) -> dict[str, Any]:
+        """``holder``'s hold of a published revision against retention, ``seconds`` from now
+        (a lease a worker renews while it computes with it; 0 releases it); the revision is
+        kept while any holder's hold runs (service/sources/publishing/holds.py)."""
         plain = split_revision(validate_model_id(model_id))[0]
-        full = self.catalog.get(f"{plain}{REVISION_SEPARATOR}{commit}").commit
-        key = (plain, full)
-        with self._lock:
-            if seconds > 0:
-                self._holds[key] = time.time() + seconds
-            else:
-                self._holds.pop(key, None)
-        return {"commit": full, "held_until": time.time() + seconds if seconds > 0 else None}
-
-    def _held(self, model_id: str) -> set[str]:
-        now = time.time()
-        with self._lock:
-            for key in [k for k, until in self._holds.items() if until <= now]:
-                del self._holds[key]
-            return {commit for (m, commit) in self._holds if m == model_id}
+        folder = self._published_folder(plain)
+        wanted = commit.lower()
+        if folder is not None and wanted == MAIN_REVISION:
+            wanted = self.store.main(folder) or wanted
+        found = [c for c in self.store.commits(folder) if c.startswith(wanted)] if folder else []
+        if len(wanted) < MIN_PREFIX_CHARS or len(found) != 1:
+            raise RevisionNotFound(
+                f"model {plain!r} has no published revision {commit!r} to hold: give a commit "
+                "(or a prefix of one) that its revisions list"
+            )
+        until = self.holds.hold(folder or "", found[0], holder, seconds)
+        return {"commit": found[0], "held_until": until}
 
     def _retain(self, model_id: str, folder: str) -> None:
         """Remove the oldest revisions beyond ``keep_revisions``; ``main`` and held ones stay.
@@ -408,13 +441,13 @@ class Publisher(Intake):
         if self.keep_revisions <= 0:
             return
         revisions = self.revisions(model_id)
-        keep = {r["commit"] for r in revisions[: self.keep_revisions]} | self._held(model_id)
+        keep = {r["commit"] for r in revisions[: self.keep_revisions]} | self.holds.held(folder)
         keep.add(self.store.main(folder) or "")
         streamed = self.streamed
         for r in revisions[self.keep_revisions :]:
             commit = r["commit"]
-            if commit in keep:
-                continue
+            if commit in keep or not self.store.written(folder, commit):
+                continue  # held, or a snapshot weightserve did not write: not ours to remove
             if streamed is not None and streamed(self.catalog.root / folder / "snapshots" / commit):
                 log.info("revision %s of %r is streamed: kept until a later publish",
                          commit[:16], model_id)  # fmt: skip

@@ -3,11 +3,13 @@ uploads (``Publishing``; service/sources/publishing/publisher.py implements it).
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from weightserve.client.errors import InvalidRequest
 from weightserve.service.sources.base import RevisionLog
 from weightserve.service.sources.model import Model
 
@@ -23,6 +25,30 @@ def file_part(name: str) -> str:
 def part_label(part: str) -> str:
     """How a message names a part: its file's name, or "the tensors"/"the patch"."""
     return part.removeprefix("files/") if part.startswith("files/") else f"the {part}"
+
+
+# A revision's record travels whole in every watch event, list and node announcement: its
+# metadata is bounded (its JSON), and so is its message.
+MAX_METADATA_BYTES = 1 << 20
+MAX_MESSAGE_CHARS = 64 << 10
+
+
+def check_record_size(message: str, metadata: dict[str, Any]) -> None:
+    """Refuse a publish whose message or metadata is over its bound, or whose metadata is not
+    plain JSON (``NaN`` and ``Infinity`` are not)."""
+    if len(message) > MAX_MESSAGE_CHARS:
+        raise InvalidRequest(
+            f"the message has {len(message)} characters, over the limit of {MAX_MESSAGE_CHARS}"
+        )
+    try:
+        size = len(json.dumps(metadata, allow_nan=False, separators=(",", ":")).encode())
+    except (ValueError, RecursionError) as e:
+        raise InvalidRequest(f"the metadata is not plain JSON: {e}") from None
+    if size > MAX_METADATA_BYTES:
+        raise InvalidRequest(
+            f"the metadata is {size} bytes as JSON, over the limit of {MAX_METADATA_BYTES} "
+            "(1 MiB): keep large data in a file of the revision"
+        )
 
 
 @dataclass
@@ -128,6 +154,6 @@ class Publishing(RevisionLog, Protocol):
         """Check the upload and make it the model's new revision; its record."""
         ...
 
-    def hold(self, model_id: str, commit: str, seconds: float) -> dict[str, Any]:
-        """Keep a revision from retention for ``seconds``."""
+    def hold(self, model_id: str, commit: str, seconds: float, holder: str) -> dict[str, Any]:
+        """``holder``'s hold of a revision against retention, for ``seconds``."""
         ...

@@ -64,6 +64,16 @@ class RevisionStore(Protocol):
 
     def holds(self, folder: str, commit: str) -> bool: ...
 
+    def written(self, folder: str, commit: str | None = None) -> bool:
+        """Whether weightserve wrote the repository (any revision of it: its ``.revisions/``
+        record), or the revision ``commit`` of it. A repository it did not write (a Hugging
+        Face cache) is never published into nor trimmed by retention."""
+        ...
+
+    def exists(self, folder: str) -> bool:
+        """Whether the repository folder holds anything (a ref or a snapshot)."""
+        ...
+
     def put(self, folder: str, commit: str, files: Path, record: dict[str, Any]) -> None:
         """Store the revision's files (the directory ``files``) and its record."""
         ...
@@ -89,6 +99,14 @@ class RevisionStore(Protocol):
         the (folder, commit) pairs so removed."""
         ...
 
+    def read_note(self, folder: str, name: str) -> str | None:
+        """``.revisions/NAME`` of the repository (a small state file), None when absent."""
+        ...
+
+    def write_note(self, folder: str, name: str, text: str) -> None:
+        """Replace ``.revisions/NAME`` whole."""
+        ...
+
 
 class DirectoryStore:
     """Revisions under a local root, served by the root's catalog as a hub cache."""
@@ -106,6 +124,15 @@ class DirectoryStore:
 
     def holds(self, folder: str, commit: str) -> bool:
         return (self.root / folder / "snapshots" / commit).is_dir()
+
+    def written(self, folder: str, commit: str | None = None) -> bool:
+        records = self.root / folder / RECORDS_DIR
+        if commit is not None:
+            return (records / f"{commit}.json").is_file()
+        return records.is_dir() and any(records.glob("*.json"))
+
+    def exists(self, folder: str) -> bool:
+        return any((self.root / folder / part).exists() for part in ("refs", "snapshots"))
 
     def put(self, folder: str, commit: str, files: Path, record: dict[str, Any]) -> None:
         # The files were synced as they were written; their directory entries (renamed and
@@ -186,6 +213,14 @@ class DirectoryStore:
                     here += os.stat(os.path.join(dirpath, name)).st_size
         return here < recorded
 
+    def read_note(self, folder: str, name: str) -> str | None:
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            return (self.root / folder / RECORDS_DIR / name).read_text()
+        return None
+
+    def write_note(self, folder: str, name: str, text: str) -> None:
+        write_atomically(self.root / folder / RECORDS_DIR / name, text)
+
 
 class BucketStore:
     """Revisions written into the bucket a node cache serves (``pyarrow.fs``: S3, GCS): the
@@ -210,6 +245,16 @@ class BucketStore:
 
     def holds(self, folder: str, commit: str) -> bool:
         return commit in self.commits(folder)
+
+    def written(self, folder: str, commit: str | None = None) -> bool:
+        commits = self.commits(folder)  # a bucket's revisions are listed by their records
+        return bool(commits) if commit is None else commit in commits
+
+    def exists(self, folder: str) -> bool:
+        if self.main(folder) is not None:
+            return True
+        selector = pafs.FileSelector(self._key(folder, "snapshots"), allow_not_found=True)
+        return bool(self.fs.get_file_info(selector))
 
     def put(self, folder: str, commit: str, files: Path, record: dict[str, Any]) -> None:
         for path in sorted(p for p in files.rglob("*") if p.is_file()):
@@ -260,6 +305,14 @@ class BucketStore:
 
     def repair(self) -> list[tuple[str, str]]:
         return []  # a removal deletes the record first: a killed one leaves nothing listed
+
+    def read_note(self, folder: str, name: str) -> str | None:
+        with contextlib.suppress(UnicodeDecodeError):
+            return self._get_text(self._key(folder, RECORDS_DIR, name))
+        return None
+
+    def write_note(self, folder: str, name: str, text: str) -> None:
+        self._put_text(self._key(folder, RECORDS_DIR, name), text)
 
 
 class KeptDeltas:

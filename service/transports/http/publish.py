@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -35,15 +34,25 @@ from weightserve.client.wire.delta import DELTA_MEDIA_TYPE
 from weightserve.client.wire.json_body import load_json_object
 from weightserve.client.wire.routes import MAIN_REVISION, UPLOADS_ROUTE, with_revision
 from weightserve.service.serving.delta import delta_base
-from weightserve.service.serving.feed import DRAIN_CHECK_SECONDS, EVERY_MODEL, HEARTBEAT_SECONDS
+from weightserve.service.serving.feed import (
+    DRAIN_CHECK_SECONDS,
+    EVERY_MODEL,
+    HEARTBEAT_SECONDS,
+    OVERRUN,
+    Announcement,
+    AsyncSubscription,
+    event_line,
+)
 from weightserve.service.serving.lease import StreamLease
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.sources.base import RevisionLog
+from weightserve.service.sources.publishing.holds import hold_seconds, holder_name
 from weightserve.service.sources.publishing.uploads import (
     PATCH_PART,
     TENSORS_PART,
     Publishing,
     Upload,
+    check_record_size,
     file_part,
     part_label,
 )
@@ -225,10 +234,6 @@ def _write_all(fd: int, pieces: list[bytes]) -> None:
             views[0] = views[0][done:]
 
 
-def _line(event: dict[str, Any]) -> bytes:
-    return json.dumps(event, separators=(",", ":")).encode() + b"\n"
-
-
 def add_publish_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -> None:
     """Routes below ``/v1/models/{model}/-/``: uploads, revisions and holds."""
 
@@ -254,6 +259,7 @@ def add_publish_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -
         if base is not None and not isinstance(base, str) or not isinstance(metadata, dict):
             raise InvalidRequest("base must be a revision (a string), metadata an object")
         message = str(body.get("message") or "")
+        check_record_size(message, metadata)
         upload = await run_in_threadpool(found.begin, model, base, message, metadata)
         return JSONResponse({"upload": upload.id}, status_code=201)
 
@@ -337,13 +343,17 @@ def add_publish_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -
         return await off_loop(answer, False)
 
     @app.get(f"{MODEL}/watch", tags=["publish"])
-    async def watch(http: Request, model: str, since: str | None = None) -> Response:
-        """The model's new revisions as they become `main`, one JSON object per line
-        (NDJSON): first `{"event": "hello", "main": COMMIT}`, then with `since=COMMIT` every
-        revision after it, then each new one as `{"event": "revision", ...}`; a
-        `{"event": "heartbeat"}` line every few seconds keeps the connection alive. A
-        watcher whose connection drops reconnects with `since` = the last commit it saw. A
-        node cache announces a revision once it holds its bytes."""
+    async def watch(
+        http: Request, model: str, since: str | None = None, after: int | None = None
+    ) -> Response:
+        """Each change of the model's `main` (a rollback included), one JSON object per line
+        (NDJSON): first `{"event": "hello", "main": COMMIT, "sequence": N}`, then with
+        `since=COMMIT` (or `after=SEQUENCE`) the changes missed since, then each new one as
+        `{"event": "revision", "sequence": N, ...}`; a `{"event": "heartbeat"}` line every
+        few seconds keeps the connection alive. A watcher whose connection drops reconnects
+        with `after` = the last sequence (or `since` = the last commit) it saw; one whose
+        point is no longer known gets the current `main` flagged `history_cut`. A node cache
+        announces a revision once it holds its bytes."""
         http.scope[OPERATION_KEY] = "watch"
         caller = access(http)
         caller.check(model)
@@ -352,22 +362,23 @@ def add_publish_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -
 
         async def lines() -> AsyncIterator[bytes]:
             with state.feed.subscribe(model) as queue:
-                # Read after subscribing: a revision published meanwhile is in the queue.
+                # Read after subscribing: a change meanwhile is in the queue, and its sequence
+                # tells whether this answer already covers it.
                 current = await run_in_threadpool(log.revisions, model)
-                seen = {current[0]["commit"]}
+                sent = await run_in_threadpool(log.sequence, model)
                 backlog = []
-                if since:
-                    backlog = await run_in_threadpool(log.revisions_after, model, since)
-                yield _line({"event": "hello", "main": current[0]["commit"]})
+                if since or after is not None:
+                    backlog = await run_in_threadpool(log.revisions_after, model, since, after)
+                yield event_line({"event": "hello", "main": current[0]["commit"], "sequence": sent})
                 for record in backlog:
-                    seen.add(record["commit"])
-                    yield _line({"event": "revision", **record})
+                    sent = max(sent, record.get("sequence", 0))
+                    yield event_line({"event": "revision", **record})
                 async for announced in _announced(queue):
                     if announced is None:
-                        yield _line({"event": "heartbeat"})
-                    elif announced["commit"] not in seen:
-                        seen.add(announced["commit"])
-                        yield _line({"event": "revision", **announced})
+                        yield event_line({"event": "heartbeat"})
+                    elif announced is OVERRUN or announced.sequence > sent:
+                        sent = announced.sequence
+                        yield announced.line  # serialized once for every watcher
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
@@ -382,31 +393,32 @@ def add_publish_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -
 
         async def lines() -> AsyncIterator[bytes]:
             with state.feed.subscribe(EVERY_MODEL) as queue:
-                yield _line({"event": "hello"})
-                async for record in _announced(queue):
-                    if record is None:
-                        yield _line({"event": "heartbeat"})
-                    elif caller.may_read(record["model"]):
-                        yield _line({"event": "revision", **record})
+                yield event_line({"event": "hello"})
+                async for announced in _announced(queue):
+                    if announced is None:
+                        yield event_line({"event": "heartbeat"})
+                    elif announced is OVERRUN or caller.may_read(announced.record["model"]):
+                        yield announced.line
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
-    async def _announced(
-        queue: asyncio.Queue[dict[str, Any]],
-    ) -> AsyncIterator[dict[str, Any] | None]:
-        """The records announced on ``queue``, and None when a heartbeat is due, until the
-        server shuts down."""
+    async def _announced(watcher: AsyncSubscription) -> AsyncIterator[Announcement | None]:
+        """The announcements for ``watcher``, and None when a heartbeat is due, until the
+        server shuts down; ``OVERRUN`` last for a watcher that fell too far behind."""
         quiet = 0.0
         while not state.draining:
             try:
-                record = await asyncio.wait_for(queue.get(), DRAIN_CHECK_SECONDS)
+                announced = await watcher.get(DRAIN_CHECK_SECONDS)
             except TimeoutError:
                 quiet += DRAIN_CHECK_SECONDS
                 if quiet >= HEARTBEAT_SECONDS:
                     quiet = 0.0
                     yield None
                 continue
-            yield record
+            if announced is None:  # overrun: what it missed comes with its reconnect
+                yield OVERRUN
+                return
+            yield announced
 
     def revision_log() -> RevisionLog:
         if state.revision_log is None:
@@ -449,16 +461,22 @@ def add_publish_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -
 
     @app.post(f"{MODEL}/holds", tags=["publish"])
     async def hold(http: Request, model: str) -> Response:
-        """Keep a revision from retention: `{"commit": C, "seconds": S}` (renew before it
-        ends; 0 releases it)."""
+        """Keep a revision from retention: `{"commit": C, "seconds": S, "holder": ID}` (renew
+        before it ends; 0 releases the caller's own hold). One hold per holder: the token's
+        identity, or without a token file the `holder` id the client names (else its
+        address); seconds from 0 to a week (service/sources/publishing/holds.py)."""
         http.scope[OPERATION_KEY] = "model_info"
-        caller = access(http)
-        caller.check(model)
+        holder = access(http).check_hold(model)
         body = await _json_body(http)
-        commit, seconds = body.get("commit"), body.get("seconds", 0)
-        if not isinstance(commit, str) or not isinstance(seconds, int | float) or seconds < 0:
+        commit = body.get("commit")
+        if not isinstance(commit, str):
             raise InvalidRequest('a hold is {"commit": COMMIT, "seconds": N >= 0}')
+        seconds = hold_seconds(body.get("seconds", 0))
+        if not holder:
+            named = holder_name(body.get("holder"))
+            address = http.client.host if http.client else ""
+            holder = f"client {named}" if named else f"address {address}"
         if state.publisher is None:
             raise InvalidRequest("this server keeps no published revisions to hold")
-        answer = await run_in_threadpool(state.publisher.hold, model, commit, float(seconds))
+        answer = await run_in_threadpool(state.publisher.hold, model, commit, seconds, holder)
         return JSONResponse(answer)

@@ -1,0 +1,162 @@
+"""Every change of ``main`` is announced, a rollback included: publish A, B, then A again, and
+the HTTP watch, gRPC ``WatchRevisions``, ``RemoteModel.watch``, ``weightserve watch`` and a
+node cache's watchers all report the move back to A, each event with a growing sequence; a
+watcher resuming from a point retention removed gets the current ``main``, flagged, never an
+older held revision."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from tests.support.publishing import serve
+from weightserve.client import _cli
+from weightserve.client._client import Client
+from weightserve.service.server import ServerConfig, WeightServer
+
+MODEL = "team/policy"
+
+
+def weights(step: int) -> dict[str, np.ndarray]:
+    return {"w": np.full((64, 64), step, dtype=np.float32), "b": np.arange(step, step + 4.0)}
+
+
+def watch_lines(port: int, query: str, wanted: int, timeout: float = 30) -> list[dict]:
+    """The events of one raw HTTP watch until ``wanted`` revision events came."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    events: list[dict] = []
+    try:
+        conn.request("GET", f"/v1/models/{MODEL}/-/watch{query}")
+        response = conn.getresponse()
+        assert response.status == 200
+        while sum(e["event"] == "revision" for e in events) < wanted:
+            line = response.readline()
+            if not line:
+                break
+            events.append(json.loads(line))
+    finally:
+        conn.close()
+    return events
+
+
+def until(condition: Callable[[], bool], seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_rollback_is_announced_on_every_watch(tmp_path: Path, capsys) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    with serve(root, allow_publish=True) as upstream, Client(upstream.http_url) as publisher:
+        first = publisher.publish(MODEL, weights(0))
+        config = ServerConfig(
+            upstream.http_url, http_port=0, grpc_port=0, flight_port=None, rescan_seconds=0,
+            watch=False, cache_dir=str(tmp_path / "node"), grace_seconds=1,
+        )  # fmt: skip
+        with WeightServer(config) as node:
+            with Client(node.http_url, retry_seconds=30) as worker:
+                worker.model(MODEL).fetch()  # the node holds the model: it follows it
+            heard: dict[str, list[str]] = {}
+            raw: list[dict] = []
+
+            def follow(name: str, url: str) -> None:
+                with Client(url) as c:
+                    heard[name] = []
+                    for revision in c.model(MODEL).watch(timeout=60):
+                        heard[name].append(revision.commit)
+                        if len(heard[name]) == 2:
+                            return
+
+            def command_line() -> None:
+                url = f"{upstream.http_url}/v1/models/{MODEL}"
+                assert _cli.main(["watch", url, "--timeout", "20"]) == 0
+
+            threads = [
+                threading.Thread(target=follow, args=("http", upstream.http_url)),
+                threading.Thread(target=follow, args=("grpc", upstream.grpc_url)),
+                threading.Thread(target=follow, args=("node", node.http_url)),
+                threading.Thread(target=lambda: raw.extend(watch_lines(upstream.http_port, "", 2))),
+                threading.Thread(target=command_line),
+            ]
+            for t in threads:
+                t.start()
+            # Every watch open: four on the upstream, the node's own follower, one on the node.
+            until(lambda: upstream.state.feed.watchers() == 5 and node.state.feed.watchers() == 1)
+            second = publisher.publish(MODEL, weights(1))
+            # A node announces what it holds: once it holds B (a node that never held B
+            # would have nothing to announce when main moves back to A).
+            until(lambda: len(heard.get("node", [])) == 1)
+            back = publisher.publish(MODEL, weights(0))  # the same bytes: main moves back
+            assert back.commit == first.commit
+            until(lambda: len(heard.get("node", [])) == 2)  # the node filled A again
+            for t in threads:
+                t.join(60)
+    moves = [second.commit, first.commit]
+    assert heard == {"http": moves, "grpc": moves, "node": moves}
+    revisions = [e for e in raw if e["event"] == "revision"]
+    assert [e["commit"] for e in revisions] == moves
+    assert revisions[0]["sequence"] < revisions[1]["sequence"]
+    assert raw[0]["event"] == "hello" and raw[0]["sequence"] < revisions[0]["sequence"]
+    printed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert printed == moves
+
+
+def test_a_watcher_resumes_by_sequence_and_by_commit(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    with serve(root, allow_publish=True) as srv, Client(srv.http_url) as c:
+        a = c.publish(MODEL, weights(0))
+        live: list[dict] = []
+        watcher = threading.Thread(target=lambda: live.extend(watch_lines(srv.http_port, "", 2)))
+        watcher.start()
+        until(lambda: srv.state.feed.watchers() == 1)
+        b = c.publish(MODEL, weights(1))
+        c.publish(MODEL, weights(0))
+        watcher.join(30)
+        hello, *moves = live
+        assert [e["commit"] for e in moves] == [b.commit, a.commit]
+        assert hello["sequence"] < moves[0]["sequence"] < moves[1]["sequence"]
+        resumed = watch_lines(srv.http_port, f"?after={moves[0]['sequence']}", 1)
+        assert resumed[0]["sequence"] == moves[1]["sequence"]  # hello: main's own change
+        assert [(e["commit"], e["sequence"]) for e in resumed[1:]] == [
+            (a.commit, moves[1]["sequence"])
+        ]
+        # At A before B (its first sequence): B and the move back, though A is main again.
+        since_first = watch_lines(srv.http_port, f"?since={a.commit}&after={hello['sequence']}", 2)
+        assert [e["commit"] for e in since_first[1:]] == [b.commit, a.commit]
+        model = c.model(MODEL)
+        # Resuming from B: the move back to A. From A (main now): nothing missed.
+        assert [r.commit for r in model.watch(since=b.commit, timeout=1.0)] == [a.commit]
+        assert list(model.watch(since=a.commit, timeout=1.0)) == []
+
+
+def test_a_since_that_retention_removed_gets_main_not_an_older_held_revision(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    with serve(root, allow_publish=True, keep_revisions=2) as srv, Client(srv.http_url) as c:
+        held = c.publish(MODEL, weights(0))
+        model = c.model(MODEL)
+        model.hold(held.commit, 600)  # an older revision kept by a hold
+        removed = c.publish(MODEL, weights(1)).commit
+        kept = [c.publish(MODEL, weights(step)).commit for step in (2, 3, 4)]
+        listed = [r.commit for r in model.revisions()]
+        assert removed not in listed and held.commit in listed
+        # The changes after the removed one that are still held, never the older held one.
+        _, *events = watch_lines(srv.http_port, f"?since={removed}", 2)
+        assert [e["commit"] for e in events] == kept[1:]
+        assert [r.commit for r in model.watch(since=removed, timeout=1.0)] == kept[1:]
+        # A point the server never announced (or no longer remembers): main, flagged.
+        _, *events = watch_lines(srv.http_port, f"?since={'f' * 40}", 1)
+        assert [(e["commit"], e["history_cut"]) for e in events] == [(kept[-1], True)]
+        _, *events = watch_lines(srv.http_port, "?after=1", 1)
+        assert [(e["commit"], e["history_cut"]) for e in events] == [(kept[-1], True)]

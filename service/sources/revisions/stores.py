@@ -132,7 +132,14 @@ class DirectoryStore:
         return records.is_dir() and any(records.glob("*.json"))
 
     def exists(self, folder: str) -> bool:
-        return any((self.root / folder / part).exists() for part in ("refs", "snapshots"))
+        # Hidden entries (an upload's staging, a removal under way) are weightserve's own
+        # work in progress, not another tool's snapshots.
+        if (self.root / folder / "refs").exists():
+            return True
+        snapshots = self.root / folder / "snapshots"
+        return snapshots.is_dir() and any(
+            not entry.name.startswith(".") for entry in snapshots.iterdir()
+        )
 
     def put(self, folder: str, commit: str, files: Path, record: dict[str, Any]) -> None:
         # The files were synced as they were written; their directory entries (renamed and

@@ -183,9 +183,13 @@ class MappedFile:
 
     def _only_relinked(self, st: os.stat_result, now: FileStamp) -> bool:
         """A rename over the file, a delete or a new hard link changes its ctime (the link
-        count changed) but not one byte: streams of the old version read on."""
+        count changed) but not one byte: streams of the old version read on. Under a read
+        lease any writer's open would have broken it, so a ctime-only change is links alone
+        even when they balanced out (a revision linked the file, retention removed it)."""
         assert self._mapped_stamp is not None
-        return now.same_but_ctime(self._mapped_stamp) and st.st_nlink != self._mapped_nlink
+        if not now.same_but_ctime(self._mapped_stamp):
+            return False
+        return self._leased or st.st_nlink != self._mapped_nlink
 
     def ensure_unchanged(self, end: int = 0) -> None:
         """Refuse to go on if the file is not the version the stream started with.

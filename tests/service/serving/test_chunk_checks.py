@@ -6,6 +6,7 @@ cold stream, and an overwrite in place still cuts the stream at its next check."
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -94,3 +95,23 @@ def test_a_chunk_not_hashed_yet_is_checked_before_it_is_read(root: Path) -> None
     overwritten_in_place(root)
     with pytest.raises(ModelUnavailable, match="overwritten in place"):
         next(messages)  # its digest is not known: the file is checked before hashing
+
+
+def test_a_link_made_and_removed_meanwhile_does_not_cut_a_held_stream(root: Path) -> None:
+    """A revision links the file and retention removes that link: its ctime moved but its link
+    count is back where it was. Under the stream's read lease a writer would have broken the
+    lease, so that is links alone, not an overwrite."""
+    model = ServiceState(Catalog(root)).catalog.get("m")
+    request = TensorRequest(names=(NAME,), chunk_bytes=CHUNK)
+    plan = plan_stream(model, request)
+    path = root / "m" / "model.safetensors"
+    with model.holding({p.entry.file for p in plan}):
+        messages = stream_messages(model, plan, CHUNK)
+        messages.checks.every_bytes = 0  # every chunk checked
+        head = [next(messages), next(messages)]
+        time.sleep(0.05)  # past the clock's tick: the ctime below differs from the mapped one
+        os.link(path, root / "m" / "linked")
+        os.unlink(root / "m" / "linked")
+        assert path.stat().st_nlink == 1
+        whole = b"".join(bytes(part) for message in [*head, *messages] for part in message)
+    assert whole == body(open_stream(root))

@@ -52,6 +52,13 @@ def _take_read_lease(fd: int, path: Path) -> bool:
         return False
 
 
+def _linked(st: os.stat_result) -> bool:
+    """A file with more than one link: a published revision's, whose links weightserve adds
+    and removes (a new revision keeps it, retention drops an old one); its bytes never
+    change, so its ctime moves with no write."""
+    return st.st_nlink > 1
+
+
 class MappedFile:
     """One read-only mmap of one file, shared by every request.
 
@@ -108,7 +115,9 @@ class MappedFile:
                 try:
                     st = os.fstat(f.fileno())
                     found = file_stamp(st)
-                    if self.stamp is not None and found != self.stamp:
+                    if self.stamp is not None and not (
+                        found == self.stamp or (found.same_but_ctime(self.stamp) and _linked(st))
+                    ):
                         # Replaced between indexing and first use: the index describes another
                         # file, so serving these bytes under the old revision would mix two.
                         raise ModelUnavailable(
@@ -183,13 +192,15 @@ class MappedFile:
 
     def _only_relinked(self, st: os.stat_result, now: FileStamp) -> bool:
         """A rename over the file, a delete or a new hard link changes its ctime (the link
-        count changed) but not one byte: streams of the old version read on. Under a read
-        lease any writer's open would have broken it, so a ctime-only change is links alone
-        even when they balanced out (a revision linked the file, retention removed it)."""
+        count changed) but not one byte: streams of the old version read on. Links can
+        balance out between two checks (a revision links the file, retention removes another
+        revision's link), so a ctime-only change is links alone too where the file is
+        hard-linked (a published revision's, which is never written) or under a read lease
+        (a writer's open would have broken it)."""
         assert self._mapped_stamp is not None
         if not now.same_but_ctime(self._mapped_stamp):
             return False
-        return self._leased or st.st_nlink != self._mapped_nlink
+        return self._leased or _linked(st) or st.st_nlink != self._mapped_nlink
 
     def ensure_unchanged(self, end: int = 0) -> None:
         """Refuse to go on if the file is not the version the stream started with.

@@ -115,3 +115,18 @@ def test_a_link_made_and_removed_meanwhile_does_not_cut_a_held_stream(root: Path
         assert path.stat().st_nlink == 1
         whole = b"".join(bytes(part) for message in [*head, *messages] for part in message)
     assert whole == body(open_stream(root))
+
+
+def test_a_published_files_links_changing_do_not_cut_a_stream_without_a_lease(root: Path) -> None:
+    """A hard-linked file (a published revision's, kept by the next) gains and loses links
+    with no write: a stream that holds no lease (the handoff's checks) reads on."""
+    path = root / "m" / "model.safetensors"
+    os.link(path, root / "kept-by-another-revision")
+    messages = open_stream(root)
+    messages.checks.every_bytes = 0
+    head = [next(messages), next(messages)]
+    time.sleep(0.05)
+    os.link(path, root / "m" / "linked")
+    os.unlink(root / "m" / "linked")  # two links again, a new ctime
+    whole = b"".join(bytes(part) for message in [*head, *messages] for part in message)
+    assert whole == body(open_stream(root))

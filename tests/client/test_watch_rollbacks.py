@@ -275,3 +275,44 @@ def test_remote_model_watch_over_grpc_resumes_by_sequence_after_a_restart(
     with WeightServer(config):
         following.join(60)
     assert heard == [b.commit, a.commit]
+
+
+def test_an_overrun_grpc_watcher_reconnects_and_misses_nothing(tmp_path: Path) -> None:
+    """A watcher that reads nothing while many large announcements pass is cut by the server
+    (RESOURCE_EXHAUSTED over gRPC, as an ``overrun`` event ends an HTTP watch);
+    ``RemoteModel.watch`` reconnects by sequence and reports every change, in order."""
+    root = tmp_path / "root"
+    root.mkdir()
+    heard: list[str] = []
+    failed: list[BaseException] = []
+    stalled, resume = threading.Event(), threading.Event()
+    published: list[str] = []
+    # Every revision kept: retention's removals are skipped on resuming, by design.
+    with serve(root, allow_publish=True, keep_revisions=64) as srv, Client(srv.http_url) as c:
+        c.publish(MODEL, weights(0))
+
+        def follow() -> None:
+            try:
+                with Client(srv.grpc_url) as watcher:
+                    for revision in watcher.model(MODEL).watch(timeout=120):
+                        heard.append(revision.commit)
+                        if len(heard) == 1:
+                            stalled.set()
+                            resume.wait(120)  # reads nothing while the rest are published
+                        if len(heard) == len(published) and len(published) > 1:
+                            return
+            except BaseException as e:  # noqa: BLE001 - reported by the test below
+                failed.append(e)
+
+        following = threading.Thread(target=follow)
+        following.start()
+        until(lambda: srv.state.feed.watchers() == 1)
+        published.append(c.publish(MODEL, weights(1)).commit)
+        assert stalled.wait(30)
+        big = {"notes": "x" * (512 << 10)}  # fills the stream's flow-control window fast
+        for step in range(2, 40):
+            published.append(c.publish(MODEL, weights(step), metadata=big).commit)
+        resume.set()
+        following.join(120)
+    assert not failed, failed
+    assert heard == published

@@ -19,7 +19,12 @@ from typing import Any
 
 import numpy as np
 
-from weightserve.client.errors import InvalidRequest, ServerUnreachable, TransportError
+from weightserve.client.errors import (
+    InvalidRequest,
+    ResourceExhausted,
+    ServerUnreachable,
+    TransportError,
+)
 from weightserve.client.transports.base import ControlTransport, UploadPart
 from weightserve.client.wire.backoff import Delays
 from weightserve.client.wire.delta_plan import element_bytes, header_line, plan_delta
@@ -252,6 +257,11 @@ def watch(
                     yield revision
         except (ServerUnreachable, ValueError):
             pass  # reconnected below, from the last commit seen
+        except ResourceExhausted:
+            # Over gRPC the server cuts a watcher that fell too far behind (HTTP ends the
+            # stream with an ``overrun`` event): what it missed comes on reconnecting.
+            if not connected:
+                raise  # refused before any event (too many watches): not ours to wait out
         except TransportError:
             if not connected:
                 raise  # never answered (TLS, a wrong port): waiting will not fix it

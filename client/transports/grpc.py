@@ -331,17 +331,15 @@ class GrpcTransport(base.RefusesControl, base.DataTransport):
         self, model: str, since: str | None, timeout: float | None, after: int | None = None
     ) -> Iterator[dict[str, Any]]:
         """WatchRevisions' events as the HTTP watch's lines read: ``{"event": "hello",
-        "main"}``, ``{"event": "revision", ...}``, ``{"event": "heartbeat"}``; ends at
-        ``timeout`` seconds (None: when the server ends it). By ``since`` only: the gRPC
-        watch carries no sequence."""
-        request = self._pb.WatchRequest(model=model, since=since or "")
+        "main", "sequence"}``, ``{"event": "revision", "sequence", ...}`` (with
+        ``"history_cut": true`` where the server's history no longer reached the point
+        resumed from), ``{"event": "heartbeat"}``; ends at ``timeout`` seconds (None: when
+        the server ends it). A server that numbers no changes sends no ``sequence``."""
+        request = self._pb.WatchRequest(model=model, since=since or "", after=after)
         call = self._watch_revisions(request, timeout=timeout, metadata=self._metadata())
         try:
             for event in call:
-                if event.event == "revision":
-                    yield {"event": "revision", **_revision_record(event.revision)}
-                else:
-                    yield {"event": event.event, "main": event.main}
+                yield _watch_event(event)
         except self._grpc.RpcError as e:
             if e.code() == self._grpc.StatusCode.DEADLINE_EXCEEDED:
                 return  # the watch's own time is up
@@ -562,6 +560,21 @@ class _GrpcFileSource(_GrpcSource):
 
     def readinto(self, view: memoryview) -> int:
         return 0 if self.empty else super().readinto(view)
+
+
+def _watch_event(event: Any) -> dict[str, Any]:
+    """A RevisionEvent as the HTTP watch's line: a field the message leaves unset (sequence
+    0, no history cut) is left out, as the HTTP watch leaves it out."""
+    found: dict[str, Any] = {"event": event.event}
+    if event.event == "hello":
+        found["main"] = event.main
+    elif event.event == "revision":
+        found.update(_revision_record(event.revision))
+        if event.history_cut:
+            found["history_cut"] = True
+    if event.sequence:
+        found["sequence"] = event.sequence
+    return found
 
 
 def _revision_record(revision: Any) -> dict[str, Any]:

@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from weightserve.service.sources.base import RevisionLog
+
 Record = dict[str, Any]
 EVERY_MODEL = "*"  # the key of watchers of the whole server (``GET /v1/watch``)
 HEARTBEAT_SECONDS = 5.0  # a line this often on an idle watch: proxies keep it, clients see it live
@@ -54,6 +56,33 @@ class Announcement:
 
 # What an overrun watcher is sent last, before its stream ends.
 OVERRUN = Announcement({}, event_line({"event": "overrun", "reason": OVERRUN_REASON}))
+
+
+@dataclass(frozen=True)
+class WatchStart:
+    """What a watch of one model sends before its live announcements, as every transport
+    sends it: ``hello`` (``main`` and its sequence), then ``backlog``, the changes a watcher
+    resuming at ``since`` / ``after`` missed (each record with its ``sequence``, the last
+    flagged ``history_cut`` where the history kept does not reach back). ``sent``: the last
+    sequence these cover; a live announcement numbered at or below it is not sent again."""
+
+    hello: Record
+    backlog: list[Record]
+    sent: int
+
+
+def watch_start(
+    log: RevisionLog, model_id: str, since: str | None, after: int | None
+) -> WatchStart:
+    """Read after subscribing (blocking: it reads the store): a change meanwhile is queued
+    for the watcher, and its sequence tells whether this answer already covers it."""
+    current = log.revisions(model_id)
+    sent = log.sequence(model_id)
+    backlog = log.revisions_after(model_id, since, after) if since or after is not None else []
+    hello = {"event": "hello", "main": current[0]["commit"], "sequence": sent}
+    for record in backlog:
+        sent = max(sent, int(record.get("sequence") or 0))
+    return WatchStart(hello, backlog, sent)
 
 
 class Subscription:

@@ -33,13 +33,19 @@ from weightserve.service.serving import files
 from weightserve.service.serving import views as models_view
 from weightserve.service.serving.arrow_writer import END_OF_STREAM
 from weightserve.service.serving.auth import Access, authorize
-from weightserve.service.serving.feed import DRAIN_CHECK_SECONDS, HEARTBEAT_SECONDS, OVERRUN_REASON
+from weightserve.service.serving.feed import (
+    DRAIN_CHECK_SECONDS,
+    HEARTBEAT_SECONDS,
+    OVERRUN_REASON,
+    watch_start,
+)
 from weightserve.service.serving.lease import StreamLease
 from weightserve.service.serving.request import from_proto
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.serving.streams import plan_stream, stream_chunks, stream_messages
 from weightserve.service.serving.views import server_version
 from weightserve.service.sources.base import RevisionLog
+from weightserve.service.sources.revisions.announcements import HISTORY_CUT
 from weightserve.service.transports.listener import (
     StartupError,
     check_port_free,
@@ -91,6 +97,16 @@ def _revision(record: dict[str, Any]) -> pb.Revision:
         bytes=int(record.get("bytes") or 0),
         message=record.get("message") or "",
         metadata_json=json.dumps(record.get("metadata") or {}),
+    )
+
+
+def _revision_event(record: dict[str, Any]) -> pb.RevisionEvent:
+    """A change of main as the HTTP watch's ``revision`` line carries it."""
+    return pb.RevisionEvent(
+        event="revision",
+        revision=_revision(record),
+        sequence=int(record.get("sequence") or 0),
+        history_cut=bool(record.get(HISTORY_CUT)),
     )
 
 
@@ -242,8 +258,8 @@ class WeightService:
         return pb.RevisionList(model=request.model, revisions=[_revision(r) for r in listed])
 
     def WatchRevisions(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Any:
-        """As ``GET /v1/models/ID/-/watch``: hello, the revisions after ``since``, then each
-        new one; a handler thread per watch, so their number is bounded (GRPC_WATCHES)."""
+        """As ``GET /v1/models/ID/-/watch``: hello, the changes after ``since`` / ``after``,
+        then each new one; a handler thread per watch, so their number is bounded (GRPC_WATCHES)."""
         state = self.state
         try:
             access = self._access(context)
@@ -274,14 +290,14 @@ class WeightService:
     ) -> Iterator[pb.RevisionEvent]:
         state = self.state
         log.revisions(request.model)  # an unknown model: NOT_FOUND before any event
+        after = request.after if request.HasField("after") else None
         with state.feed.subscribe_blocking(request.model) as announced:
-            current = log.revisions(request.model)
-            sent = log.sequence(request.model)  # later changes are announced, each once
-            yield pb.RevisionEvent(event="hello", main=current[0]["commit"])
-            if request.since:
-                for record in log.revisions_after(request.model, request.since):
-                    sent = max(sent, record.get("sequence", 0))
-                    yield pb.RevisionEvent(event="revision", revision=_revision(record))
+            start = watch_start(log, request.model, request.since or None, after)
+            sent = start.sent  # later changes are announced, each once
+            hello = start.hello
+            yield pb.RevisionEvent(event="hello", main=hello["main"], sequence=hello["sequence"])
+            for record in start.backlog:
+                yield _revision_event(record)
             quiet = 0.0
             while context.is_active() and not state.draining:
                 try:
@@ -296,9 +312,7 @@ class WeightService:
                     raise ResourceExhausted(OVERRUN_REASON)
                 if announcement.sequence > sent:  # every change of main, rollbacks too
                     sent = announcement.sequence
-                    yield pb.RevisionEvent(
-                        event="revision", revision=_revision(announcement.record)
-                    )
+                    yield _revision_event(announcement.record)
 
     @_unary_call("model_info")
     def ListFiles(self, request: pb.GetModelRequest, context: grpc.ServicerContext) -> Any:

@@ -42,6 +42,7 @@ from weightserve.service.serving.feed import (
     Announcement,
     AsyncSubscription,
     event_line,
+    watch_start,
 )
 from weightserve.service.serving.lease import StreamLease
 from weightserve.service.serving.state import ServiceState
@@ -362,16 +363,10 @@ def add_publish_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -
 
         async def lines() -> AsyncIterator[bytes]:
             with state.feed.subscribe(model) as queue:
-                # Read after subscribing: a change meanwhile is in the queue, and its sequence
-                # tells whether this answer already covers it.
-                current = await run_in_threadpool(log.revisions, model)
-                sent = await run_in_threadpool(log.sequence, model)
-                backlog = []
-                if since or after is not None:
-                    backlog = await run_in_threadpool(log.revisions_after, model, since, after)
-                yield event_line({"event": "hello", "main": current[0]["commit"], "sequence": sent})
-                for record in backlog:
-                    sent = max(sent, record.get("sequence", 0))
+                start = await run_in_threadpool(watch_start, log, model, since, after)
+                sent = start.sent
+                yield event_line(start.hello)
+                for record in start.backlog:
                     yield event_line({"event": "revision", **record})
                 async for announced in _announced(queue):
                     if announced is None:

@@ -31,22 +31,28 @@ class RevisionList(_message.Message):
     def __init__(self, model: _Optional[str] = ..., revisions: _Optional[_Iterable[_Union[Revision, _Mapping]]] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
-    __slots__ = ("model", "since")
+    __slots__ = ("model", "since", "after")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SINCE_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
     model: str
     since: str
-    def __init__(self, model: _Optional[str] = ..., since: _Optional[str] = ...) -> None: ...
+    after: int
+    def __init__(self, model: _Optional[str] = ..., since: _Optional[str] = ..., after: _Optional[int] = ...) -> None: ...
 
 class RevisionEvent(_message.Message):
-    __slots__ = ("event", "main", "revision")
+    __slots__ = ("event", "main", "revision", "sequence", "history_cut")
     EVENT_FIELD_NUMBER: _ClassVar[int]
     MAIN_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_CUT_FIELD_NUMBER: _ClassVar[int]
     event: str
     main: str
     revision: Revision
-    def __init__(self, event: _Optional[str] = ..., main: _Optional[str] = ..., revision: _Optional[_Union[Revision, _Mapping]] = ...) -> None: ...
+    sequence: int
+    history_cut: bool
+    def __init__(self, event: _Optional[str] = ..., main: _Optional[str] = ..., revision: _Optional[_Union[Revision, _Mapping]] = ..., sequence: _Optional[int] = ..., history_cut: bool = ...) -> None: ...
 
 class FileList(_message.Message):
     __slots__ = ("id", "revision", "commit", "files")

@@ -16,7 +16,6 @@ import errno
 import json
 import logging
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -36,14 +35,13 @@ from weightserve.client.errors import (
 )
 from weightserve.client.transports.base import Transport
 from weightserve.client.wire.digests import file_digest
-from weightserve.client.wire.routes import ServerAddress, split_revision
+from weightserve.client.wire.routes import ServerAddress, is_content_name, split_revision
 
 STATE_FILE = ".weightserve-pull.json"  # which file content each .partial holds
 PARTIAL_SUFFIX = ".partial"
 _BLOCK = 1 << 20  # bytes per read from the server and per write
 # A model that changes this often during one pull is being rewritten: wait for it to settle.
 MAX_REVISIONS = 5
-_COMMIT_LIKE = re.compile(r"[0-9a-f]{12,64}")  # a commit or a prefix of one, not a ref
 
 log = logging.getLogger("weightserve.client")
 
@@ -197,7 +195,7 @@ class FilePull:
         now = {p.target for p in self.files}
         lost = [p.file.name for p in before if p.target not in now]
         pinned = split_revision(self.model.id)[1]
-        if lost and pinned is not None and _COMMIT_LIKE.fullmatch(pinned.lower()):
+        if lost and pinned is not None and is_content_name(pinned):
             # A commit named in the id does not lose files (a ref such as main may move): its
             # copy on the server is being removed (retention) or was damaged. Never end
             # "done" with part of it.

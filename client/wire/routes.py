@@ -106,6 +106,19 @@ def _parse_unix_url(url: str) -> tuple[ServerAddress, str | None]:
     return server, model or None
 
 
+# Shorter hex names would soon match several commits of a busy model; 12 is git's own
+# default abbreviation length for large repositories.
+MIN_PREFIX_CHARS = 12
+HEX_DIGITS = frozenset("0123456789abcdef")
+
+
+def is_content_name(name: str) -> bool:
+    """Whether a revision ``name`` has the form of content (at least ``MIN_PREFIX_CHARS``
+    hex digits of a revision or commit) rather than of a ref: a name some server may hold,
+    whether or not this one does."""
+    return len(name) >= MIN_PREFIX_CHARS and set(name.lower()) <= HEX_DIGITS
+
+
 def split_revision(model_id: str) -> tuple[str, str | None]:
     """(the model id without its revision, the revision or None): ``org/name@R`` is revision
     ``R`` of ``org/name``. The revision runs to the next ``/`` or ``:``, so a hub snapshot's

@@ -19,9 +19,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from weightserve.client.wire.routes import is_content_name
 from weightserve.service.sources.origin.base import ObjectVersion
 from weightserve.service.sources.revisions.content import COMMIT_CHARS, content_revision
-from weightserve.service.sources.revisions.pinning import MIN_PREFIX_CHARS
 
 log = logging.getLogger("weightserve.node_cache")
 
@@ -31,7 +31,6 @@ PAST_COPIES = ".revisions"
 # grow its history file without bound.
 KEEP_REVISIONS = 64
 HISTORY_FORMAT = 1
-_HEX_DIGITS = frozenset("0123456789abcdef")
 
 
 def model_file_name(model_id: str, name: str) -> str:
@@ -167,9 +166,9 @@ class RevisionHistory:
     def find(self, model_id: str, name: str) -> PastRevision | None:
         """The revision of the model ``name`` names (its commit, revision or a prefix of at
         least MIN_PREFIX_CHARS hex digits), if it is the one recorded revision that does."""
-        name = name.lower()
-        if len(name) < MIN_PREFIX_CHARS or not set(name) <= _HEX_DIGITS:
+        if not is_content_name(name):
             return None
+        name = name.lower()
         with self._lock:
             found = [r for r in self._revisions.get(model_id, []) if r.digest.startswith(name)]
         return found[0] if len(found) == 1 else None

@@ -9,23 +9,16 @@ they name). ``pick_revision`` is the one rule every source answers ``ID@R`` by;
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 
 from weightserve.client.errors import InvalidRequest, RevisionNotFound
-from weightserve.client.wire.routes import MAIN_REVISION
+from weightserve.client.wire.routes import (
+    HEX_DIGITS,
+    MAIN_REVISION,
+    MIN_PREFIX_CHARS,
+    is_content_name,
+)
 from weightserve.service.sources.model import Model
-
-# Shorter hex names would soon match several commits of a busy model; 12 is git's own
-# default abbreviation length for large repositories.
-MIN_PREFIX_CHARS = 12
-_HEX = re.compile(r"[0-9a-f]+")
-
-
-def is_content_name(name: str) -> bool:
-    """Whether ``name`` has the form of content (at least ``MIN_PREFIX_CHARS`` hex digits of
-    a revision or commit): a name some server may hold, whether or not this one does."""
-    return len(name) >= MIN_PREFIX_CHARS and _HEX.fullmatch(name.lower()) is not None
 
 
 def names_content(model: Model, name: str) -> bool:
@@ -42,7 +35,7 @@ def pick_revision(model_id: str, revision: str, held: Mapping[str, Model]) -> Mo
     found = held.get(revision)
     if found is not None:
         return found
-    if _HEX.fullmatch(revision.lower()):
+    if revision and set(revision.lower()) <= HEX_DIGITS:
         if len(revision) < MIN_PREFIX_CHARS:
             raise InvalidRequest(
                 f"revision {revision!r} of model {model_id!r} is too short: give a ref "

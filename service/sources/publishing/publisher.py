@@ -21,7 +21,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -177,13 +177,8 @@ class Publisher(Intake):
         assert upload.base is not None
         output = self.target(upload, None)
         try:
-            try:
+            with _base_kept(upload, "its patch arrived"):
                 changed = apply_patch_file(upload.base, patch, output)
-            except FileNotFoundError:  # retention removed the base while the patch arrived
-                raise PublishConflict(
-                    f"the base of the upload of {upload.model_id!r} was removed while its "
-                    "patch arrived: nothing was kept; publish again on main"
-                ) from None
             self.end_part(upload, PATCH_PART)  # the patch's bytes go: its tensors count now
             if changed:
                 size = output.stat().st_size
@@ -211,16 +206,11 @@ class Publisher(Intake):
 
     def _commit(self, upload: Upload) -> dict[str, Any]:
         self._check_unmoved(upload)
-        try:
+        with _base_kept(upload, "it was committed"):  # another node over the bucket, say
             if upload.tensors is not None:
                 self._place_tensors(upload)
             if upload.base is not None:
                 self._keep_base_files(upload)
-        except FileNotFoundError:  # another node over the bucket removed the base meanwhile
-            raise PublishConflict(
-                f"the base of the upload of {upload.model_id!r} was removed while it was "
-                "committed: nothing was committed; publish again on main"
-            ) from None
         model = self._check(upload)
         commit = model.commit
         parent = upload.started_main
@@ -270,11 +260,7 @@ class Publisher(Intake):
                 f"committed; publish again on main ({main})"
             )
         if upload.base is not None and not self.store.holds(upload.folder, upload.base.commit):
-            raise PublishConflict(
-                f"base {upload.base.commit[:16]} of the upload of {upload.model_id!r} was "
-                "removed (retention, --keep-revisions) while the upload was in progress. "
-                f"Nothing was committed; publish again on main ({main})"
-            )
+            raise _base_removed(upload, "the upload was in progress")
 
     def _check(self, upload: Upload) -> Model:
         """The upload indexed as any root's model is: every file through the strict readers."""
@@ -515,3 +501,22 @@ def _write_safetensors(path: Path, entries: list[TensorEntry]) -> None:
             for fd in sources.values():
                 os.close(fd)
         os.fsync(out.fileno())
+
+
+def _base_removed(upload: Upload, during: str) -> PublishConflict:
+    """The refusal of an upload whose base was removed (retention, --keep-revisions, here or
+    by another node over the bucket) ``during`` a step of it: nothing is committed."""
+    base = upload.base.commit[:16] if upload.base is not None else "?"
+    return PublishConflict(
+        f"base {base} of the upload of {upload.model_id!r} was removed (retention, "
+        f"--keep-revisions) while {during}. Nothing was committed; publish again on main"
+    )
+
+
+@contextlib.contextmanager
+def _base_kept(upload: Upload, during: str) -> Iterator[None]:
+    """Reading the base's files: one gone means the base was removed meanwhile."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise _base_removed(upload, during) from None

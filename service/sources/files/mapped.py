@@ -52,13 +52,6 @@ def _take_read_lease(fd: int, path: Path) -> bool:
         return False
 
 
-def _linked(st: os.stat_result) -> bool:
-    """A file with more than one link: a published revision's, whose links weightserve adds
-    and removes (a new revision keeps it, retention drops an old one); its bytes never
-    change, so its ctime moves with no write."""
-    return st.st_nlink > 1
-
-
 class MappedFile:
     """One read-only mmap of one file, shared by every request.
 
@@ -84,7 +77,6 @@ class MappedFile:
         self._view: memoryview | None = None
         self.size = stamp.size if stamp is not None else path.stat().st_size
         self._mapped_stamp: FileStamp | None = None  # the file as mapped, checked by streams
-        self._mapped_nlink = 0
         self._holds = 0  # streams reading this mapping now (see hold)
         self._leased = False
         self._digests = digests if digests is not None else ChunkDigests()
@@ -115,9 +107,7 @@ class MappedFile:
                 try:
                     st = os.fstat(f.fileno())
                     found = file_stamp(st)
-                    if self.stamp is not None and not (
-                        found == self.stamp or (found.same_but_ctime(self.stamp) and _linked(st))
-                    ):
+                    if self.stamp is not None and not found.same_but_ctime(self.stamp):
                         # Replaced between indexing and first use: the index describes another
                         # file, so serving these bytes under the old revision would mix two.
                         raise ModelUnavailable(
@@ -128,7 +118,7 @@ class MappedFile:
                     if self._check_content is not None:
                         self._check_content(found)
                     self.size = found.size
-                    self._mapped_stamp, self._mapped_nlink = found, st.st_nlink
+                    self._mapped_stamp = found
                     if self.size == 0:
                         f.close()
                         self._view = memoryview(b"")
@@ -190,25 +180,19 @@ class MappedFile:
         with self._lock:
             return self._leased and fcntl.fcntl(fd, fcntl.F_GETLEASE) != fcntl.F_RDLCK
 
-    def _only_relinked(self, st: os.stat_result, now: FileStamp) -> bool:
-        """A rename over the file, a delete or a new hard link changes its ctime (the link
-        count changed) but not one byte: streams of the old version read on. Links can
-        balance out between two checks (a revision links the file, retention removes another
-        revision's link), so a ctime-only change is links alone too where the file is
-        hard-linked (a published revision's, which is never written) or under a read lease
-        (a writer's open would have broken it)."""
-        assert self._mapped_stamp is not None
-        if not now.same_but_ctime(self._mapped_stamp):
-            return False
-        return self._leased or _linked(st) or st.st_nlink != self._mapped_nlink
-
     def ensure_unchanged(self, end: int = 0) -> None:
         """Refuse to go on if the file is not the version the stream started with.
 
         One fstat: a size below ``end`` means a truncation (reading a mapped page it removed
-        raises SIGBUS and kills the process), a changed size, mtime or ctime means the file
-        was overwritten in place (``cp`` over it, not a rename): its bytes may now be a mix
-        of two versions, so the streams of this file end with a clear error instead.
+        raises SIGBUS and kills the process), a changed size or mtime means the file was
+        overwritten in place (``cp`` over it, not a rename): its bytes may now be a mix of two
+        versions, so the streams of this file end with a clear error instead.
+
+        A change of the ctime alone is links, not a write: weightserve itself adds and removes
+        hard links of published files (a revision keeps its base's files as links; retention
+        and aborted uploads drop them), often leaving the link count where it was. A write that
+        puts the mtime back at the same size (``cp -p`` over a live file) is caught by the
+        read lease a stream holds and by the per-chunk digests every client checks.
         """
         if self._file is None:
             return
@@ -226,7 +210,8 @@ class MappedFile:
                 f"{self.path.name} was truncated while being served; the model reloads on "
                 "its next request"
             )
-        if now != self._mapped_stamp and not self._only_relinked(st, now):
+        assert self._mapped_stamp is not None  # set with the mapping this file belongs to
+        if not now.same_but_ctime(self._mapped_stamp):
             raise ModelUnavailable(
                 f"{self.path.name} was overwritten in place while being served; the stream "
                 "is cut so no bytes of two versions mix; the model reloads on its next "

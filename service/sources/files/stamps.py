@@ -12,7 +12,8 @@ from typing import NamedTuple
 
 class FileStamp(NamedTuple):
     """A file's identity and version from ``stat``: any write, truncation, rename over or
-    chmod changes one field (ctime catches a write that restores the old mtime)."""
+    chmod changes one field. The ctime also moves with every link made or removed, which
+    weightserve does to published files: a mapping compares without it (files/mapped.py)."""
 
     device: int
     inode: int

@@ -32,6 +32,10 @@ class TensorInfo:
         )
 
 
+# The files whose tensors a server serves (client/max/load.py maps them to MAX's formats).
+WEIGHT_FILE_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth")
+
+
 @dataclass(frozen=True)
 class RemoteFile:
     """One file of a model's repository as the server lists it (``/-/files``)."""
@@ -39,6 +43,11 @@ class RemoteFile:
     name: str  # relative to the model directory, "/" between parts
     size: int
     etag: str  # xxh3-128 (hex) of the whole file
+
+    @property
+    def is_side_file(self) -> bool:
+        """Not a checkpoint's weights: a config, a tokenizer, an index..."""
+        return not self.name.endswith(WEIGHT_FILE_SUFFIXES)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> RemoteFile:

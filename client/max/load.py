@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 from weightserve.client._client import Client, FetchOptions
 from weightserve.client._extras import install_hint
+from weightserve.client._models import WEIGHT_FILE_SUFFIXES
 from weightserve.client.max.compat import max_available
 from weightserve.client.max.weights import RemoteWeights
 from weightserve.client.transports.base import TLSOptions
@@ -43,7 +44,7 @@ _SUFFIXES = {
 }
 
 
-CHECKPOINT_SUFFIXES = tuple(_SUFFIXES)  # a file of any other name is a side file
+CHECKPOINT_SUFFIXES = WEIGHT_FILE_SUFFIXES  # a file of any other name is a side file
 
 
 class ConnectionArgs(TypedDict, total=False):

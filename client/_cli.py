@@ -208,6 +208,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=float, default=None, help="stop after this many seconds (default: never)"
     )
     server_flags(watch)
+    follow = model_command(
+        "follow-vllm",
+        _follow_vllm,
+        help="keep a running vLLM server on a model's main as revisions are published",
+        description="Brings the vLLM server at --engine to the model's main now, then to each "
+        "revision published, through vLLM's weight-update routes and the weightserve "
+        "weight-transfer backend (the server runs with VLLM_SERVER_DEV_MODE=1, "
+        "--load-format weightserve and --weight-transfer-config "
+        '\'{"backend": "weightserve"}\'); prints each commit applied. '
+        "URL: http://HOST:PORT/v1/models/MODEL (docs/vllm.md).",
+    )
+    follow.add_argument("--engine", required=True, help="the vLLM server: http://HOST:PORT")
+    follow.add_argument(
+        "--timeout", type=float, default=None, help="stop after this many seconds (default: never)"
+    )
+    server_flags(follow)
     add_cache_parser(sub, _CommandParser, token_help, (_retry_seconds, retry_default, retry_help))
     sub.add_parser(
         "max",
@@ -386,6 +402,15 @@ def _watch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _follow_vllm(args: argparse.Namespace) -> int:
+    from weightserve.client.vllm.follow import follow
+
+    reach_server(args)
+    for commit in follow(args.engine, args.url, token=args.token, timeout=args.timeout):
+        print(commit, flush=True)
+    return 0
+
+
 def _pull_since(args: argparse.Namespace, model: Any, out_dir: Path) -> int:
     from weightserve.client._pull_since import PullSince
 
@@ -491,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown and args.func is not _no_server:  # `serve --demo` without the server extra
         args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    if args.command in ("ls", "pull", "publish", "watch"):
+    if args.command in ("ls", "pull", "publish", "watch", "follow-vllm"):
         from weightserve.client.wire.routes import parse_url
 
         try:

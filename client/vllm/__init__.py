@@ -1,9 +1,9 @@
 """vLLM from a weightserve server: a load format and a weight-transfer backend.
 
-``pip install 'weightserve[vllm]'`` beside vLLM registers both through vLLM's
-``vllm.general_plugins`` entry point, which every vLLM process runs (the engine core loads the
-model in a process of its own, so a registration by import in the caller would not reach
-it)::
+Installing weightserve with its ``vllm`` extra (``pip install -e '.[vllm]'`` in a checkout)
+beside vLLM registers both through vLLM's ``vllm.general_plugins`` entry point, which every
+vLLM process runs (the engine core loads the model in a process of its own, so a registration
+by import in the caller would not reach it)::
 
     HF_ENDPOINT=http://weights:8080 vllm serve smollm2 --load-format weightserve
     LLM(model="smollm2", load_format="weightserve",

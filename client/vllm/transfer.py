@@ -291,5 +291,9 @@ def _reprocess_tied(model: Any) -> None:
             continue
         for module in modules:
             method = getattr(module, "quant_method", None)
-            if type(method) in (UnquantizedEmbeddingMethod, UnquantizedLinearMethod):
+            # Exactly these classes: a subclass may process in a way that is not idempotent.
+            if method is not None and type(method) in (
+                UnquantizedEmbeddingMethod,
+                UnquantizedLinearMethod,
+            ):
                 method.process_weights_after_loading(module)

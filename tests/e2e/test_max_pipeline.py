@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.support.environment import child_environment
-from tests.support.paths import REPO
+from tests.support.commands import stop_process
+from tests.support.environment import child_environment, engine_python
 from tests.support.smollm2 import smollm2_checkpoint
 from weightserve.service.server import ServerConfig, WeightServer
 
@@ -43,13 +43,11 @@ WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth")
 
 
 def max_python() -> Path:
-    path = Path(os.environ.get("WEIGHTSERVE_MAX_PYTHON") or REPO / ".venv-max" / "bin" / "python")
-    if not path.is_file():
-        pytest.skip(
-            f"no MAX serving environment at {path}: python -m venv .venv-max && "
-            ".venv-max/bin/pip install -e '.[max]' 'max[serve]' (as .ci/run does)"
-        )
-    return path
+    return engine_python(
+        "WEIGHTSERVE_MAX_PYTHON",
+        ".venv-max",
+        ".venv-max/bin/pip install -e '.[max]' 'max[serve]' (as .ci/run does)",
+    )
 
 
 def cache_dir() -> Path:
@@ -233,9 +231,4 @@ def test_serve_answers_a_completion_from_served_weights(
         assert answer["choices"][0]["message"]["content"].strip() == local_text
         assert weight_files_under(tmp_path) == []
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)

@@ -197,7 +197,12 @@ def test_client_imports_no_server_module() -> None:
         import weightserve.client
         first = sorted(sys.modules)
         for info in pkgutil.walk_packages(weightserve.client.__path__, "weightserve.client."):
-            importlib.import_module(info.name)
+            try:
+                importlib.import_module(info.name)
+            except ModuleNotFoundError as e:
+                # The vLLM plugin's engine subclasses vLLM's: it exists only beside vLLM.
+                if not (info.name.startswith("weightserve.client.vllm.") and e.name == "vllm"):
+                    raise
         print(json.dumps([first, sorted(sys.modules)]))
     """
     result = subprocess.run(

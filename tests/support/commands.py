@@ -53,6 +53,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_process(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """SIGTERM, then SIGKILL if it has not ended within ``timeout`` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @dataclass
 class Served:
     proc: subprocess.Popen

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -55,3 +56,15 @@ def _private_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Non
 def child_env() -> dict[str, str]:
     """``env=`` for subprocesses that run ``sys.executable`` (see child_environment)."""
     return child_environment()
+
+
+def engine_python(variable: str, venv: str, install: str) -> Path:
+    """The Python of an inference engine's own environment (MAX's, vLLM's): ``variable``
+    names it, else ``venv`` in the repository (which .ci/run makes); skips, saying how to
+    make it (``install``), where there is none."""
+    from tests.support.paths import REPO
+
+    path = Path(os.environ.get(variable) or REPO / venv / "bin" / "python")
+    if not path.is_file():
+        pytest.skip(f"no {venv} environment at {path}: python -m venv {venv} && {install}")
+    return path

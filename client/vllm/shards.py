@@ -1,7 +1,8 @@
 """Which part of each checkpoint tensor a tensor-parallel rank needs, so that it fetches only
-that part: the server slices (``shard=(k, n)`` along an axis) and vLLM's weight loaders are
-told the tensor comes sliced already (``is_sharded_weight``, the flag vLLM's own pre-sliced
-loads set).
+that part: the server slices (``shard=(k, n)`` along an axis), and while the load runs each
+such parameter's weight loader is one that copies the slice straight into its place (vLLM's
+own loaders slice whole tensors, and its ``weight_loader_v2``, which unquantized layers use,
+has no way to be told a tensor comes sliced).
 
 Covered: vLLM's unquantized ``ColumnParallelLinear`` (weight and bias, rows),
 ``MergedColumnParallelLinear`` and ``QKVParallelLinear`` (each packed part's rows; a K/V
@@ -36,16 +37,18 @@ class RankSlice:
 
 @dataclass(frozen=True)
 class _Slot:
-    """One checkpoint tensor that lands in a sliceable parameter."""
+    """One checkpoint tensor that lands in a sliceable parameter (``parts``: where each
+    packed part lies in this rank's parameter, rows ``(offset, size)``; None: unpacked)."""
 
     checkpoint_name: str
     param: Any
     slice: RankSlice
+    parts: tuple[tuple[int, int], ...] | None = None
 
 
 def plan_rank_slices(
     model: Any, shapes: Mapping[str, tuple[int, ...]]
-) -> tuple[dict[str, RankSlice], list[Any]]:
+) -> tuple[dict[str, RankSlice], list[tuple[Any, Any]]]:
     """The served tensors (``shapes``: name -> shape) this rank fetches sliced, and the
     parameters they land in (to be marked pre-sliced while they load). A parameter is in
     only when every checkpoint tensor it takes is served and splits evenly, so a parameter
@@ -63,7 +66,7 @@ def plan_rank_slices(
             continue
         for slot in slots:
             plan[slot.checkpoint_name] = slot.slice
-        params.extend({id(s.param): s.param for s in slots}.values())
+        params.extend({id(s.param): (s.param, s.parts) for s in slots}.values())
     return plan, params
 
 
@@ -97,8 +100,11 @@ def _slots(
         return
     parent, _, packed_name = prefix.rpartition(".")
     parts = packed.get(packed_name)
-    if not parts:
+    sizes = list(getattr(module, "output_partition_sizes", ()))
+    if not parts or len(parts) != len(sizes):
         return  # the model names its packed parts in a way this plan cannot see
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    rows = tuple(zip(offsets, sizes, strict=True))
     for i, part_name in enumerate(parts):
         part_slice = RankSlice(0, rank, ranks)
         if kind is linear.QKVParallelLinear and i > 0 and module.num_kv_head_replicas > 1:
@@ -108,7 +114,7 @@ def _slots(
             )
         base = f"{parent}.{part_name}" if parent else part_name
         for name, param in own:
-            yield _Slot(f"{base}.{name}", param, part_slice)
+            yield _Slot(f"{base}.{name}", param, part_slice, rows)
 
 
 def _fits(slot: _Slot, shapes: Mapping[str, tuple[int, ...]]) -> bool:
@@ -118,21 +124,47 @@ def _fits(slot: _Slot, shapes: Mapping[str, tuple[int, ...]]) -> bool:
     return shape[slot.slice.axis] % slot.slice.parts == 0
 
 
-class sliced_loading:  # noqa: N801 - used as a context manager, like torch.no_grad
-    """While inside, the given parameters take pre-sliced tensors (vLLM's loaders skip their
-    own slicing); outside, they slice again (an update then sends whole tensors)."""
+# vLLM's packed-part ids of a QKV layer, in the order of its output_partition_sizes
+_QKV_PARTS = {"q": 0, "k": 1, "v": 2}
 
-    def __init__(self, params: Iterable[Any]) -> None:
+
+class sliced_loading:  # noqa: N801 - used as a context manager, like torch.no_grad
+    """While inside, the given parameters (with their packed parts' rows) take this rank's
+    slices, copied straight into place; outside, vLLM's own loaders are back (an update then
+    sends whole tensors, which they slice)."""
+
+    def __init__(self, params: Iterable[tuple[Any, Any]]) -> None:
         self.params = list(params)
+        self.saved: list[tuple[Any, Any]] = []
 
     def __enter__(self) -> sliced_loading:
-        for param in self.params:
-            param.is_sharded_weight = True
+        for param, parts in self.params:
+            self.saved.append((param, param.weight_loader))
+            param.weight_loader = _slice_loader(parts)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for param in self.params:
-            param.is_sharded_weight = False
+        for param, loader in self.saved:
+            param.weight_loader = loader
+        self.saved.clear()
+
+
+def _slice_loader(parts: tuple[tuple[int, int], ...] | None) -> Any:
+    def load_slice(param: Any, loaded_weight: Any, loaded_shard_id: Any = None) -> None:
+        target = param.data
+        if loaded_shard_id is not None:
+            if parts is None:
+                raise ValueError(f"a packed part ({loaded_shard_id!r}) for an unpacked parameter")
+            offset, size = parts[_QKV_PARTS.get(loaded_shard_id, loaded_shard_id)]
+            target = target.narrow(0, offset, size)
+        if tuple(target.shape) != tuple(loaded_weight.shape):
+            raise ValueError(
+                f"this rank's slice is {list(loaded_weight.shape)}, its place in the "
+                f"parameter {list(target.shape)}"
+            )
+        target.copy_(loaded_weight)
+
+    return load_slice
 
 
 def sliced_positions(

@@ -344,7 +344,9 @@ def test_tensor_parallel_ranks_fetch_their_slices_and_apply_an_update(
         loaded = worker.next_result()
         # Float sums split over ranks: the same greedy tokens here as on one rank.
         assert loaded["tokens"] == baselines["A"]
-        assert served.bytes_served(model) == 3 * whole + sliced  # not 3 * (whole + sliced)
+        # Not 3 * (whole + sliced); besides the tensors, the side files vLLM read (3.6 MiB).
+        tensor_bytes = 3 * whole + sliced
+        assert tensor_bytes <= served.bytes_served(model) < tensor_bytes + 8 * MiB
         assert worker.next_result()["version"] == a
         b = served.publish_b(model, a)
         updated = worker.next_result()

@@ -22,7 +22,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -50,6 +49,7 @@ from safetensors.numpy import save_file  # noqa: E402
 
 from tests.support import fixtures_gguf, fixtures_safetensors  # noqa: E402
 from tests.support._util import record_streams  # noqa: E402
+from tests.support.environment import engine_cache_dir  # noqa: E402
 from tests.support.model_root import link_or_copy  # noqa: E402
 from weightserve.client import (  # noqa: E402
     Client,
@@ -189,10 +189,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Root]:
 def max_cache() -> None:
     """MAX caches compiled graphs under XDG_CACHE_HOME: a stable directory outside the
     repository, so the ~40 s first compile happens once per machine, not per run."""
-    cache = os.environ.get("WEIGHTSERVE_TEST_CACHE") or str(
-        Path(tempfile.gettempdir()) / "weightserve-test-max-cache"
-    )
-    Path(cache).mkdir(parents=True, exist_ok=True)
+    cache = str(engine_cache_dir())
     old = os.environ.get("XDG_CACHE_HOME")
     os.environ["XDG_CACHE_HOME"] = cache
     yield

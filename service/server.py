@@ -49,6 +49,7 @@ from weightserve.service.transports.flight import FlightListener
 from weightserve.service.transports.grpc import GrpcListener
 from weightserve.service.transports.handoff import HandoffEndpoint, HandoffListener, HandoffServer
 from weightserve.service.transports.http.app import create_app
+from weightserve.service.transports.http.streaming import WeightserveApp
 from weightserve.service.transports.http.uvicorn_listener import UvicornListener
 from weightserve.service.transports.listener import (
     Listener,
@@ -415,6 +416,11 @@ class WeightServer:
     @property
     def http_port(self) -> int:
         return self._http.port if self._http is not None else 0
+
+    @property
+    def http_app(self) -> WeightserveApp | None:
+        """The HTTP app (its counters say which paths engaged), once started."""
+        return self._http.app if self._http is not None else None
 
     @property
     def grpc_port(self) -> int:

@@ -57,6 +57,7 @@ from weightserve.service.sources.publishing.uploads import (
     file_part,
     part_label,
 )
+from weightserve.service.transports.http.body_reader import SocketBodyReader, write_all
 from weightserve.service.transports.http.common import (
     OPERATION_KEY,
     AccessCheck,
@@ -64,11 +65,14 @@ from weightserve.service.transports.http.common import (
     off_loop,
 )
 from weightserve.service.transports.http.routes import get_and_head
-from weightserve.service.transports.http.streaming import LeasedStreamResponse
+from weightserve.service.transports.http.streaming import (
+    CYCLE_KEY,
+    LeasedStreamResponse,
+    WeightserveApp,
+)
 
 PUBLISH_OPERATION = "publish"
 WRITE_BLOCK = 8 << 20  # bytes gathered before one write to disk, off the event loop
-WRITEV_PIECES = 512  # below every platform's IOV_MAX
 COMMIT_POLL_SECONDS = 0.02  # how often a commit looks whether its upload's parts have ended
 COMMIT_WAIT_TIMEOUTS = 2  # a commit waits this many --upload-body-timeout for parts arriving
 MODEL = "/v1/models/{model:model_id}/-"
@@ -115,36 +119,13 @@ async def _receive_into(
     except OSError as e:
         publisher.end_part(upload, part)
         raise InvalidRequest(f"{label} cannot be written: {e.strerror}") from None
-    written = 0
-    pending: list[bytes] = []  # the body's messages since the last write, written with one writev
-    pending_bytes = 0
+    progress = _Progress(publisher, upload, part, label)
     try:
-        while True:
-            # The ASGI messages themselves (not Request.stream): no copy, no generator per piece.
-            try:
-                message = await asyncio.wait_for(http.receive(), publisher.body_timeout)
-            except TimeoutError:
-                raise _Stalled(
-                    InvalidRequest(
-                        f"{label}: nothing arrived for {publisher.body_timeout:g} s "
-                        f"(--upload-body-timeout) after {written} bytes; the upload of "
-                        f"{upload.model_id!r} was discarded"
-                    )
-                ) from None
-            if message["type"] == "http.disconnect":
-                raise ClientDisconnect()
-            body = message.get("body", b"")
-            if body:
-                pending.append(body)
-                pending_bytes += len(body)
-                written += len(body)
-                publisher.grow_part(upload, part, written)
-            more = message.get("more_body", False)
-            if pending_bytes >= WRITE_BLOCK or (pending and not more):
-                await run_in_threadpool(_write_all, out.fileno(), pending)
-                pending, pending_bytes = [], 0
-            if not more:
-                break
+        reading = _socket_reader(http, declared, publisher.body_timeout)
+        if reading is None:
+            written = await _receive_messages(http, out.fileno(), progress)
+        else:
+            written = await _receive_from_socket(http, out.fileno(), progress, *reading)
         await run_in_threadpool(os.fsync, out.fileno())  # durable before any commit names it
     except ClientDisconnect:
         publisher.abort(upload.id, "the publisher went away in the middle of a file")
@@ -161,6 +142,105 @@ async def _receive_into(
         publisher.end_part(upload, part)
         raise InvalidRequest(f"{label}: {written} bytes of {declared} arrived")
     return written
+
+
+class _Progress:
+    """One part's bytes as they arrive: counted against ``--max-upload-bytes`` (from any
+    thread), and the error of a body that stalls."""
+
+    def __init__(self, publisher: Publishing, upload: Upload, part: str, label: str) -> None:
+        self.publisher, self.upload, self.part, self.label = publisher, upload, part, label
+        self.arrived = 0
+
+    def grow(self, arrived: int) -> None:
+        self.arrived = arrived
+        self.publisher.grow_part(self.upload, self.part, arrived)
+
+    def stalled(self) -> _Stalled:
+        return _Stalled(
+            InvalidRequest(
+                f"{self.label}: nothing arrived for {self.publisher.body_timeout:g} s "
+                f"(--upload-body-timeout) after {self.arrived} bytes; the upload of "
+                f"{self.upload.model_id!r} was discarded"
+            )
+        )
+
+
+async def _receive_messages(http: Request, fd: int, progress: _Progress) -> int:
+    """The body from uvicorn's ASGI messages, gathered into writes of ``WRITE_BLOCK``."""
+    written = 0
+    pending: list[bytes] = []  # the body's messages since the last write, written with one writev
+    pending_bytes = 0
+    while True:
+        # The ASGI messages themselves (not Request.stream): no copy, no generator per piece.
+        try:
+            message = await asyncio.wait_for(http.receive(), progress.publisher.body_timeout)
+        except TimeoutError:
+            raise progress.stalled() from None
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        body = message.get("body", b"")
+        if body:
+            pending.append(body)
+            pending_bytes += len(body)
+            written += len(body)
+            progress.grow(written)
+        more = message.get("more_body", False)
+        if pending_bytes >= WRITE_BLOCK or (pending and not more):
+            await run_in_threadpool(write_all, fd, pending)
+            pending, pending_bytes = [], 0
+        if not more:
+            return written
+
+
+def _socket_reader(
+    http: Request, declared: int | None, timeout: float
+) -> tuple[SocketBodyReader, bytes, WeightserveApp] | None:
+    """The body's reader from the connection's socket (service/transports/http/
+    body_reader.py) where it can engage and a reading thread is free, with the bytes
+    uvicorn had buffered; None: the ASGI messages carry it."""
+    app = http.scope.get("app")
+    cycle = http.scope.get(CYCLE_KEY)
+    if not isinstance(app, WeightserveApp) or cycle is None or not app.reserve_body_reader():
+        return None
+    taken = SocketBodyReader.attach(cycle, declared, timeout)
+    if taken is None:
+        app.release_body_reader(None)
+        return None
+    reader, already = taken
+    app.open_readers.add(reader)
+    return reader, already, app
+
+
+async def _receive_from_socket(
+    http: Request,
+    fd: int,
+    progress: _Progress,
+    reader: SocketBodyReader,
+    already: bytes,
+    app: WeightserveApp,
+) -> int:
+    """The body from the connection's socket, on one of the app's reading threads (which
+    releases the reader however it ends)."""
+
+    def read() -> int:
+        try:
+            if already:
+                progress.grow(len(already))
+                write_all(fd, [already])
+            return len(already) + reader.read_into(fd, lambda n: progress.grow(len(already) + n))
+        finally:
+            app.release_body_reader(reader)
+
+    try:
+        return await asyncio.get_running_loop().run_in_executor(app.body_reader_pool(), read)
+    except TimeoutError:
+        raise progress.stalled() from None
+    except EOFError:
+        raise ClientDisconnect() from None
+    except asyncio.CancelledError:
+        reader.abort()  # the thread must not go on writing a file the route gives up
+        raise
 
 
 async def _part_answer(http: Request, receiving: Any) -> Response:
@@ -221,18 +301,6 @@ def _without_paths(exc: WeightserveError, upload: Upload) -> WeightserveError:
         {k: clean(v) if isinstance(v, str) else v for k, v in vars(exc).items()}
     )
     return scrubbed
-
-
-def _write_all(fd: int, pieces: list[bytes]) -> None:
-    """Write every piece, in order, with as few system calls as the kernel allows."""
-    views = [memoryview(p) for p in pieces]
-    while views:
-        done = os.writev(fd, views[:WRITEV_PIECES])
-        while views and done >= views[0].nbytes:
-            done -= views[0].nbytes
-            views.pop(0)
-        if views and done:
-            views[0] = views[0][done:]
 
 
 def add_publish_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -> None:

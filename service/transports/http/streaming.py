@@ -32,6 +32,7 @@ from weightserve.client.errors import ModelUnavailable, WeightserveError
 from weightserve.client.wire.schema import ARROW_STREAM_MEDIA_TYPE
 from weightserve.service.serving.lease import StreamLease
 from weightserve.service.serving.streams import FileMessage, MessageStream
+from weightserve.service.transports.http.body_reader import SocketBodyReader, plain_socket
 from weightserve.service.transports.http.common import ERROR_KEY
 from weightserve.service.transports.http.one_write import one_write
 
@@ -416,14 +417,8 @@ class _SocketWriter:
         account = _content_length_account(cycle)
         if transport is None or account is None:
             return None
-        sock = transport.get_extra_info("socket")
-        if (
-            sock is None
-            or sock.type != socket.SOCK_STREAM
-            or transport.get_extra_info("sslcontext") is not None
-            or transport.get_extra_info("ssl_object") is not None
-            or transport.is_closing()
-        ):
+        sock = plain_socket(transport)
+        if sock is None:
             return None
         # The status line and headers must be on the wire before the body.
         while transport.get_write_buffer_size():
@@ -623,6 +618,8 @@ def _writer_pool(scope: Any, max_streams: int) -> ThreadPoolExecutor | None:
 
 
 WRITER_THREAD_NAME = "weightserve-writer"
+READER_THREAD_NAME = "weightserve-body-reader"
+BODY_READERS = 16  # uploads read from their sockets at once; more take the ASGI messages
 
 
 class WeightserveApp(FastAPI):
@@ -641,6 +638,11 @@ class WeightserveApp(FastAPI):
         self.open_writers: set[_SocketWriter] = set()  # streams on a writer thread now
         self._writers: ThreadPoolExecutor | None = None
         self._writers_lock = threading.Lock()
+        self.open_readers: set[SocketBodyReader] = set()  # uploads on a reading thread now
+        self._readers: ThreadPoolExecutor | None = None
+        self._readers_taken = 0
+        self._readers_lock = threading.Lock()
+        self.socket_body_bytes = 0  # upload bytes read from the socket (tests check it engages)
 
     def abort_streams(self) -> int:
         """Cut every stream a writer thread is sending (the listener's forced stop, once the
@@ -650,7 +652,38 @@ class WeightserveApp(FastAPI):
         writers = list(self.open_writers)
         for writer in writers:
             writer.abort()
-        return len(writers)
+        readers = list(self.open_readers)
+        for reader in readers:
+            reader.abort()
+        return len(writers) + len(readers)
+
+    def reserve_body_reader(self) -> bool:
+        """A reading thread for one upload's body (``SocketBodyReader``), if one of
+        ``BODY_READERS`` is free: a publisher that stalls holds its thread up to the body
+        timeout, so past that many the ASGI messages carry the body (they hold no thread)."""
+        with self._readers_lock:
+            if self._readers_taken >= BODY_READERS:
+                return False
+            self._readers_taken += 1
+            return True
+
+    def release_body_reader(self, reader: SocketBodyReader | None) -> None:
+        """The reservation ends (and ``reader``, if one was attached, is closed)."""
+        with self._readers_lock:
+            self._readers_taken -= 1
+            if reader is not None:
+                self.open_readers.discard(reader)
+                self.socket_body_bytes += reader.received
+        if reader is not None:
+            reader.close()
+
+    def body_reader_pool(self) -> ThreadPoolExecutor:
+        with self._readers_lock:
+            if self._readers is None:
+                self._readers = ThreadPoolExecutor(
+                    max_workers=BODY_READERS, thread_name_prefix=READER_THREAD_NAME
+                )
+            return self._readers
 
     def writer_pool(self, max_streams: int) -> ThreadPoolExecutor:
         """The threads that write streams to their sockets, one per stream the server admits

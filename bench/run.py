@@ -97,6 +97,10 @@ def contenders(
             base=base, model_id=MODEL_ID)  # fmt: skip
         add(f"ws_{t}_fetch_1stream", "diagnostic", "bench.weightserve_loads:fetch_load",
             base=base, model_id=MODEL_ID, parallel=1)  # fmt: skip
+        # The chunk size a bulk load asks for, against the server's default (2 MiB).
+        for mib in (2, 8, 16):
+            add(f"ws_{t}_fetch_chunk{mib}m", "diagnostic", "bench.weightserve_loads:fetch_load",
+                base=base, model_id=MODEL_ID, chunk_bytes=mib << 20)  # fmt: skip
     # Layer by layer (iter_tensors, each tensor copied into parameters allocated up front).
     add("ws_http_layers", "weightserve", "bench.weightserve_loads:layers_load",
         base=http, model_id=MODEL_ID)  # fmt: skip

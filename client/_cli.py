@@ -9,6 +9,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -166,8 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument(
         "--parallel",
         type=positive_int,
-        default=2,
-        help="with --to: concurrent streams (default 2)",
+        default=None,
+        help="with --to: concurrent streams (default: one per four cores, 2 to 4; "
+        "WEIGHTSERVE_PARALLEL_STREAMS)",
     )
     pull.add_argument(
         "--verify",
@@ -326,7 +328,9 @@ def _pull(args: argparse.Namespace) -> int:
     out_dir = Path(args.out) if args.out else Path(name)
     reach_server(args)
     with Client(args.url, token=args.token, retry_seconds=args.retry_seconds) as client:
-        options = FetchOptions(parallel=args.parallel, verify=args.verify)
+        options = FetchOptions(verify=args.verify)
+        if args.parallel is not None:
+            options = replace(options, parallel=args.parallel)
         model = client.model(model_id, options, revision=args.revision)
         if args.to == "safetensors":
             return _pull_converted(args, model, out_dir)

@@ -6,6 +6,7 @@ place; optionally within a memory window. Never one round trip per tensor.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -29,18 +30,42 @@ from weightserve.client.transports.handoff import Handoff, HandoffClient
 from weightserve.client.transports.planes import PlaneChooser, Planes
 from weightserve.client.wire.dtypes import numpy_dtype, wire_dtype
 from weightserve.client.wire.hints import did_you_mean
-from weightserve.client.wire.schema import ChunkHeader
+from weightserve.client.wire.schema import DEFAULT_CHUNK_BYTES, ChunkHeader
 
 # Loads below this many bytes use one stream: a second one costs a small load a connection, a
 # thread and an arena, and on the 2-core bench machine it barely helped large ones
-# (docs/performance.md). Above this, two streams keep a client with more cores from being one
-# thread's pace.
+# (docs/performance.md). Above this, parallel streams keep a client with more cores from
+# being one thread's pace, each of at least STREAM_MIN_BYTES.
 PARALLEL_MIN_BYTES = 256 << 20
+STREAM_MIN_BYTES = 128 << 20
+PARALLEL_ENV = "WEIGHTSERVE_PARALLEL_STREAMS"
+# A stream per four cores the process may run on, from 2 to 4: each stream is a receiving
+# thread that copies and hashes at about one core's pace, and the rest of the cores are the
+# engine's. 4 at most: eight workers of one node are one client to the server's per-client
+# stream limit (16 by default).
+MAX_DEFAULT_PARALLEL = 4
+
+
+def default_parallel() -> int:
+    """Concurrent streams for a bulk fetch: ``WEIGHTSERVE_PARALLEL_STREAMS``, else one per
+    four cores this process may use (its CPU affinity), from 2 to ``MAX_DEFAULT_PARALLEL``."""
+    given = os.environ.get(PARALLEL_ENV)
+    if given:
+        try:
+            value = int(given)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise ValueError(f"{PARALLEL_ENV} must be a whole number of at least 1, got {given!r}")
+        return value
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(2, min(MAX_DEFAULT_PARALLEL, (cores or 1) // 4))
 
 
 @dataclass(frozen=True)
 class FetchOptions:
-    parallel: int = 2  # concurrent streams for a bulk fetch (split by bytes)
+    # Concurrent streams for a bulk fetch (split by bytes): default_parallel().
+    parallel: int = field(default_factory=default_parallel)
     # At most this many retries of one stream; None: as many as retry_seconds allows.
     retries: int | None = None
     chunk_bytes: int | None = None
@@ -187,7 +212,7 @@ class TensorFetcher:
         """One stream of ``names`` over ``streams``, received within the window."""
         return iter_received(
             lambda p: streams.open_chunks(self.model.id, p),
-            self._stream_params(names, how),
+            self._stream_params(names, how, streams),
             names,
             window_bytes=window_bytes,
             receiving=streams.receiving(min(window_bytes, self.bytes_of(names))),
@@ -199,13 +224,20 @@ class TensorFetcher:
             verify=self.model.options.verify,
         )
 
-    def _stream_params(self, names: list[str], how: Receiving) -> StreamParams:
-        """A stream request for ``names``, pinned to the revision the index was read at."""
+    def _stream_params(
+        self, names: list[str], how: Receiving, streams: DataTransport
+    ) -> StreamParams:
+        """A stream request for ``names``, pinned to the revision the index was read at; in
+        the transport's bulk chunks unless the options set the chunk, or the request is at
+        most one default chunk (a small tensor keeps its fastest route)."""
+        chunk_bytes = self.model.options.chunk_bytes
+        if chunk_bytes is None and self.bytes_of(names) > DEFAULT_CHUNK_BYTES:
+            chunk_bytes = streams.bulk_chunk_bytes
         return StreamParams(
             names=tuple(names),
             shard=how.shard,
             axis=how.axis,
-            chunk_bytes=self.model.options.chunk_bytes,
+            chunk_bytes=chunk_bytes,
             revision=self.model.info.revision,
         )
 
@@ -242,9 +274,9 @@ class TensorFetcher:
 
     def _groups(self, names: list[str]) -> list[list[str]]:
         """Split into up to ``parallel`` groups of about equal bytes, keeping stream order."""
-        parallel = max(1, self.model.options.parallel)
         total = self.bytes_of(names)
-        if parallel == 1 or len(names) < 2 or total < PARALLEL_MIN_BYTES:
+        parallel = min(max(1, self.model.options.parallel), total // STREAM_MIN_BYTES)
+        if parallel <= 1 or len(names) < 2 or total < PARALLEL_MIN_BYTES:
             return [names]
         groups: list[list[str]] = [[]]
         target, acc = total / parallel, 0
@@ -302,7 +334,7 @@ class TensorFetcher:
                     on_bytes(n)
 
         def one(group: list[str]) -> dict[str, ReceivedTensor]:
-            params = self._stream_params(group, how)
+            params = self._stream_params(group, how, transport)
             place = how.allocate
             if place is None and len(group) > 1:
                 # One tensor alone gets the same aligned buffer without an arena.

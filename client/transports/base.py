@@ -111,6 +111,10 @@ class DataTransport(Protocol):
     objects of the HTTP API (docs/protocol.md), whichever wire carried them."""
 
     address: ServerAddress
+    # The chunk a bulk load asks for where the caller sets none (None: the server's default):
+    # a transport whose chunks land in their final buffers gains from fewer, larger ones; one
+    # that holds each message whole in memory does not.
+    bulk_chunk_bytes: int | None = None
 
     def list_models(self) -> dict[str, Any]:
         """``{models: [{id, format, revision, tensor_count, total_bytes, state}],

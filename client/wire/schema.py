@@ -32,6 +32,9 @@ ARROW_STREAM_MEDIA_TYPE = "application/vnd.apache.arrow.stream"
 # in flight per stream, large enough that per-chunk overhead is noise (measured:
 # docs/performance.md, "Decisions and the figures behind them").
 DEFAULT_CHUNK_BYTES = 2 << 20
+# What a bulk load over HTTP asks for (client/transports/http.py): its resume and digest
+# granularity, at most this many bytes received again after a break.
+BULK_CHUNK_BYTES = 8 << 20
 MAX_CHUNK_BYTES = 64 << 20
 # The largest gRPC message either side sends or accepts: one chunk and its framing.
 MAX_GRPC_MESSAGE_BYTES = MAX_CHUNK_BYTES + (1 << 20)

@@ -196,8 +196,11 @@ def test_large_loads_split_into_parallel_streams_by_bytes(
         assert total < _fetch.PARALLEL_MIN_BYTES
         assert_all_same(remote.fetch(prefix=""), {n: r.array for n, r in ref.items()})
         assert len(opened) == 1
+        # A bulk load asks for the transport's bulk chunk (HTTP's: its chunks land in place).
+        assert opened[0].chunk_bytes == c.transport.bulk_chunk_bytes
         opened.clear()
         monkeypatch.setattr(_fetch, "PARALLEL_MIN_BYTES", 0)
+        monkeypatch.setattr(_fetch, "STREAM_MIN_BYTES", 1)
         assert_all_same(remote.fetch(prefix=""), {n: r.array for n, r in ref.items()})
     assert len(opened) == 2
     order = remote.names()
@@ -207,6 +210,31 @@ def test_large_loads_split_into_parallel_streams_by_bytes(
     sizes = [sum(ref[n].array.nbytes for n in group) for group in (first, second)]
     largest = max(r.array.nbytes for r in ref.values())
     assert abs(sizes[0] - sizes[1]) <= largest  # about equal bytes
+
+
+def test_the_parallel_streams_follow_the_environment_and_each_stays_large(
+    server, transport: str, model_root, reference, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``WEIGHTSERVE_PARALLEL_STREAMS`` sets a load's streams where the options do not; a
+    load too small for that many streams of STREAM_MIN_BYTES gets fewer."""
+    from weightserve.client import _fetch
+
+    model = "minilm" if "minilm" not in model_root.skipped else "org/sharded"
+    ref = reference(model)
+    total = sum(r.array.nbytes for r in ref.values())
+    monkeypatch.setattr(_fetch, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setenv(_fetch.PARALLEL_ENV, "3")
+    for stream_min, streams in ((1, 3), (total // 2, 2), (total + 1, 1)):
+        monkeypatch.setattr(_fetch, "STREAM_MIN_BYTES", stream_min)
+        with connect(server, transport) as c:
+            remote = c.model(model)
+            assert remote.options.parallel == 3
+            opened = record_streams(c.transport)
+            assert_all_same(remote.fetch(prefix=""), {n: r.array for n, r in ref.items()})
+        assert len(opened) == streams, stream_min
+    monkeypatch.setenv(_fetch.PARALLEL_ENV, "none")
+    with pytest.raises(ValueError, match="WEIGHTSERVE_PARALLEL_STREAMS must be a whole number"):
+        _fetch.default_parallel()
 
 
 # --------------------------------------------------------------------------- shards

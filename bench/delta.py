@@ -179,11 +179,11 @@ def measure_step(
     update_s = time.perf_counter() - t0
     # A second worker: the stream's body read first, then its apply timed alone.
     t0 = time.perf_counter()
-    target, conn, resp = open_updates(client.transport, MODEL, base)
+    target, stream = open_updates(client.transport, MODEL, base)
     try:
-        body = resp.read()
+        body = stream.read()
     finally:
-        conn.close()
+        stream.close()
     wait_s = time.perf_counter() - t0
     assert target.commit == revision.commit and target.base, "no delta against the base"
 

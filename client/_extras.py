@@ -13,22 +13,13 @@ from types import ModuleType
 TORCH_REQUIREMENT = "torch==2.13.0"
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("weightserve")
-    except PackageNotFoundError:
-        return "VERSION"
-
-
 def install_hint(extra: str, *also: str) -> str:
     """How to install weightserve's ``extra`` (and the requirements ``also``), one line."""
     more = "".join(f" '{requirement}'" for requirement in also)
-    wheel = f"dist/weightserve-{_version()}-py3-none-any.whl[{extra}]"
     return (
         f"pip install -e '.[{extra}]'{more} in a checkout of weightserve (it is not on PyPI), "
-        f"or build a wheel there with python -m build and pip install '{wheel}'{more}"
+        f"or build a wheel there with python -m build and pip install --find-links dist "
+        f"'weightserve[{extra}]'{more}"
     )
 
 

@@ -2,11 +2,17 @@
 a publisher's patch against its base both send, per tensor, the cheapest of nothing, an element
 patch or the whole tensor (cheapest for the worker's CPU too where a tensor is large), in the
 form of client/wire/delta.py.
+
+The diff (``changed_elements``) runs in one native pass over both tensors where the optional
+extension ``weightserve.client.wire._diffnative`` (client/wire/_diffnative.c) was built at
+install, and on NumPy otherwise; both give the same plans, byte for byte. The environment
+variable ``WEIGHTSERVE_NATIVE=0``, read once at import, forces NumPy's.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,10 +24,19 @@ import xxhash
 from weightserve.client.wire.delta import PATCH, SAME, WHOLE, DeltaHeader
 from weightserve.client.wire.dtypes import wire_dtype
 
+try:
+    import weightserve.client.wire._diffnative as _diffnative
+except ImportError:  # built only where the install found a C compiler
+    _diffnative = None
+# Whether the diff runs natively unless a caller says otherwise.
+NATIVE = _diffnative is not None and os.environ.get("WEIGHTSERVE_NATIVE", "1") != "0"
+
 CODEC = "zstd"
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 # Elements compared at a time: the chunk's flags stay in the CPU's cache, where finding the few
-# set ones is cheap (docs/performance.md, "Delta updates on a trained model").
+# set ones is cheap (docs/performance.md, "Delta updates on a trained model"), and the chunk of
+# the new tensor is hashed from there (the native diff, with no flags, is fastest at this size
+# too, for that hash).
 COMPARE_CHUNK = 1 << 18
 _GAP_TYPES = tuple((t, int(np.iinfo(t).max)) for t in (np.uint8, np.uint16, np.uint32, np.uint64))
 # From this size on a tensor's patch is planned for the worker's CPU as well as the wire: more
@@ -57,10 +72,12 @@ def plan_delta(
     new: memoryview,
     old: memoryview | None,
     element_size: int,
+    *,
+    native: bool | None = None,
 ) -> DeltaEntry:
     """The cheapest way from ``old`` (None: not held, or another dtype or shape) to ``new``,
     the tensor's bytes, patched as elements of ``element_size`` bytes (from CPU_BOUND_BYTES
-    on, cheap for the worker's CPU too)."""
+    on, cheap for the worker's CPU too). ``native`` as ``changed_elements``'."""
 
     def entry(kind: str, digest: str, **fields: Any) -> DeltaHeader:
         return DeltaHeader(
@@ -88,6 +105,7 @@ def plan_delta(
         b,
         b.size // 2 if large else None,
         hasher,
+        native=native,
     )
     if found is None:
         return whole()
@@ -132,13 +150,87 @@ class _Chunk:
 
 
 def changed_elements(
-    old: np.ndarray, new: np.ndarray, limit: int | None = None, hasher: Any = None
+    old: np.ndarray,
+    new: np.ndarray,
+    limit: int | None = None,
+    hasher: Any = None,
+    *,
+    native: bool | None = None,
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """Where ``new`` differs from ``old`` (arrays of one shape) as gaps between the changed
     elements (the first gap is the first index), in the narrowest unsigned integer that holds
     them, and the changed elements of ``new``; None when more than ``limit`` differ. Chunk by
     chunk, never an index per element of the whole tensor at once; ``hasher`` (an xxhash
-    object) is given each chunk of ``new`` in order when the whole tensor is compared."""
+    object) is given each chunk of ``new`` in order when the whole tensor is compared.
+
+    ``native``: True runs the native diff (integer elements of contiguous 1-D arrays; others
+    take NumPy's path), False NumPy's, None the module's choice (``NATIVE``)."""
+    if native is None:
+        native = NATIVE
+    elif native and _diffnative is None:
+        raise RuntimeError("the native diff (weightserve.client.wire._diffnative) is not built")
+    if (
+        native
+        and new.dtype.kind in "ui"
+        and new.itemsize in _UNSIGNED
+        and old.dtype == new.dtype
+        and old.ndim == new.ndim == 1
+        and old.size == new.size
+        and old.flags.c_contiguous
+        and new.flags.c_contiguous
+    ):
+        return _native_changes(old, new, limit, hasher)
+    return _numpy_changes(old, new, limit, hasher)
+
+
+def _native_changes(
+    old: np.ndarray, new: np.ndarray, limit: int | None, hasher: Any
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """``changed_elements`` in one native pass per chunk: gaps and values written as the
+    compare finds them, into buffers that grow where many elements changed."""
+    assert _diffnative is not None
+    size = new.size
+    # Gaps inside a tensor are below its size (narrowed once the widest is known).
+    gap_type = np.uint64 if size >> 32 else np.uint32
+    gap_size = np.dtype(gap_type).itemsize
+    # One past the limit is enough to know it was passed.
+    most = size if limit is None else min(size, limit + 1)
+    capacity = min(most, max(COMPARE_CHUNK, size >> 4))  # a 16th of the elements, then doubled
+    gaps = np.empty(capacity, dtype=gap_type)
+    values = np.empty(capacity, dtype=new.dtype)
+    written = last = widest = 0
+    for start in range(0, size, COMPARE_CHUNK):
+        stop = min(start + COMPARE_CHUNK, size)
+        position = start
+        while True:
+            written, position, last, chunk_widest = _diffnative.diff(
+                old, new, new.itemsize, position, stop, gaps, gap_size, values, written, last
+            )
+            widest = max(widest, chunk_widest)
+            if position == stop or written == most:
+                break
+            capacity = min(most, 2 * capacity)
+            gaps = _grown(gaps, written, capacity)
+            values = _grown(values, written, capacity)
+        if limit is not None and written > limit:
+            return None
+        if hasher is not None:  # the chunk of ``new`` is still in the CPU's cache
+            hasher.update(new[start:stop])
+    final_type = next(t for t, bound in _GAP_TYPES if widest <= bound)
+    return gaps[:written].astype(final_type), values[:written]
+
+
+def _grown(array: np.ndarray, kept: int, size: int) -> np.ndarray:
+    """A new array of ``size`` elements that starts with ``array[:kept]``."""
+    grown = np.empty(size, dtype=array.dtype)
+    grown[:kept] = array[:kept]
+    return grown
+
+
+def _numpy_changes(
+    old: np.ndarray, new: np.ndarray, limit: int | None, hasher: Any
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """``changed_elements`` on NumPy: a flag per element of a chunk, then its set ones."""
     flags = np.empty(min(COMPARE_CHUNK, new.size), dtype=bool)
     chunks: list[_Chunk] = []
     dense: list[int] = []  # mostly changed: indexed once ``limit`` is known not to be passed

@@ -38,6 +38,7 @@ from weightserve.client.wire.safetensors_layout import LayoutEntry, safetensors_
 from weightserve.service.readers.base import TensorEntry
 from weightserve.service.readers.safetensors import SafetensorsReader
 from weightserve.service.sources.base import ModelSource
+from weightserve.service.sources.files.stamps import FileStamp, file_stamp
 from weightserve.service.sources.layout import INDEX_NAME, validate_model_id
 from weightserve.service.sources.local.catalog import Catalog
 from weightserve.service.sources.model import Model
@@ -154,9 +155,21 @@ class Publisher(Intake):
             return upload.directory / "tensors.safetensors"
         return upload.model_dir / upload_file_name(name, upload.taken_names())
 
-    def received(self, upload: Upload, name: str | None, path: Path, size: int) -> None:
+    def received(
+        self,
+        upload: Upload,
+        name: str | None,
+        path: Path,
+        size: int,
+        written: tuple[FileStamp, str] | None = None,
+    ) -> None:
+        """A part arrived whole; ``written``: the file's identity after its last write and
+        the digest of the bytes written, which the commit then takes as they are."""
+        if written is not None:
+            self.digests.record(*written)
         if name is None:
             upload.tensors = path
+            upload.tensors_digest = written[1] if written is not None else None
         self.settle_part(upload, TENSORS_PART if name is None else f"files/{name.strip('/')}", size)
 
     def patch_target(self, upload: Upload) -> Path:
@@ -289,6 +302,8 @@ class Publisher(Intake):
             if target.exists():
                 raise InvalidRequest(f"{TENSORS_NAME} is uploaded both as a file and as tensors")
             os.rename(upload.tensors, target)
+            if upload.tensors_digest is not None:  # the rename moved its ctime: the same bytes
+                self.digests.record(file_stamp(target.stat()), upload.tensors_digest)
             return
         self._tensors_base(upload, base)
         by_file: dict[Path, list[TensorEntry]] = {}

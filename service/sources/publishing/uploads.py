@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 from weightserve.client.errors import InvalidRequest
 from weightserve.service.sources.base import RevisionLog
+from weightserve.service.sources.files.stamps import FileStamp
 from weightserve.service.sources.model import Model
 
 MODEL_PART = "model"  # the incoming model's directory: indexed as a directory model
@@ -65,6 +66,7 @@ class Upload:
     started_main: str | None = None  # main when it began: its commit is refused if main moved
     files: dict[str, int] = field(default_factory=dict)  # name -> bytes received
     tensors: Path | None = None  # the uploaded tensors (a safetensors file), if any
+    tensors_digest: str | None = None  # their xxh3-128, taken as they arrived
     tensor_bytes: int = 0  # their size (a patch's: the tensors it led to)
     touched: float = field(default_factory=time.monotonic)
     # The parts whose bodies are arriving now (files/NAME, tensors, patch) -> the bytes they
@@ -134,8 +136,16 @@ class Publishing(RevisionLog, Protocol):
         """The commit did not happen: parts may start again."""
         ...
 
-    def received(self, upload: Upload, name: str | None, path: Path, size: int) -> None:
-        """A file of the upload arrived whole at ``path``."""
+    def received(
+        self,
+        upload: Upload,
+        name: str | None,
+        path: Path,
+        size: int,
+        written: tuple[FileStamp, str] | None = None,
+    ) -> None:
+        """A file of the upload arrived whole at ``path``; ``written``: its identity after
+        the last write and the digest of the bytes written (kept for the commit)."""
         ...
 
     def patch_target(self, upload: Upload) -> Path:

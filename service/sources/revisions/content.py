@@ -161,6 +161,16 @@ class DigestStore:
         with self._lock:
             self._remember_all(found)
 
+    def record(self, stamp: FileStamp, digest: str) -> None:
+        """Keep ``digest``, taken of a file's bytes as this process wrote them (an upload
+        hashed as it arrived), for the file's identity ``stamp`` taken after the last write:
+        its revision's commit then reads it from here, not from the disk again. A store that
+        finds digests its own way keeps nothing."""
+        if type(self).digest is not DigestStore.digest:
+            return
+        with self._lock:
+            self._remember(stamp, digest)
+
     def digest(self, path: Path, stamp: FileStamp) -> str:
         """The content digest of ``path`` as of ``stamp``; FileChanged if it is not that file
         any more (the caller re-indexes it)."""

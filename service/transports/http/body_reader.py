@@ -23,6 +23,8 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+from weightserve.client.wire.digests import Hasher
+
 # Bodies from this size on are read from the socket; smaller ones cost less through the
 # event loop than through a thread.
 RAW_BODY_MIN_BYTES = 1 << 20
@@ -96,9 +98,12 @@ class SocketBodyReader:
             return None  # cannot happen with a Content-Length parser; never read past it
         return cls(sock.fileno(), declared - len(already), timeout), already
 
-    def read_into(self, fd: int, on_bytes: Callable[[int], None]) -> int:
-        """Receive the rest of the body and write it to ``fd``, calling ``on_bytes`` with the
-        total received after each block; the bytes read. ``EOFError``: the client closed the
+    def read_into(
+        self, fd: int, on_bytes: Callable[[int], None], hasher: Hasher | None = None
+    ) -> int:
+        """Receive the rest of the body and write it to ``fd`` (and to ``hasher``, from the
+        CPU's cache), calling ``on_bytes`` with the total received after each block; the
+        bytes read. ``EOFError``: the client closed the
         connection first; ``TimeoutError``: nothing arrived for the timeout. On a thread."""
         block = bytearray(min(READ_BLOCK, max(self.remaining, 1)))
         view = memoryview(block)
@@ -119,7 +124,7 @@ class SocketBodyReader:
                 self.remaining -= n
                 self.received += n
                 if filled == len(block) or not self.remaining:
-                    write_all(fd, [view[:filled]])
+                    write_all(fd, [view[:filled]], hasher)
                     filled = 0
                     on_bytes(self.received)
         finally:
@@ -136,9 +141,15 @@ class SocketBodyReader:
         self.sock.close()
 
 
-def write_all(fd: int, pieces: list[bytes] | list[memoryview]) -> None:
-    """Write every piece, in order, with as few system calls as the kernel allows."""
+def write_all(
+    fd: int, pieces: list[bytes] | list[memoryview], hasher: Hasher | None = None
+) -> None:
+    """Write every piece, in order, with as few system calls as the kernel allows; each also
+    to ``hasher``."""
     views = [memoryview(p) for p in pieces]
+    if hasher is not None:
+        for view in views:
+            hasher.update(view)
     while views:
         done = os.writev(fd, views[:WRITEV_PIECES])
         while views and done >= views[0].nbytes:

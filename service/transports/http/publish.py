@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import xxhash
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -47,6 +48,7 @@ from weightserve.service.serving.feed import (
 from weightserve.service.serving.lease import StreamLease
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.sources.base import RevisionLog
+from weightserve.service.sources.files.stamps import file_stamp
 from weightserve.service.sources.publishing.holds import hold_seconds, holder_name
 from weightserve.service.sources.publishing.uploads import (
     PATCH_PART,
@@ -98,17 +100,25 @@ async def _receive(http: Request, publisher: Publishing, upload: Upload, name: s
     with _no_paths(upload):
         target = publisher.target(upload, name)
     part = TENSORS_PART if name is None else file_part(name.strip("/"))
-    written = await _receive_into(http, publisher, upload, target, part)
-    publisher.received(upload, name, target, written)
+    hasher = xxhash.xxh3_128()  # the file's digest, as its bytes pass: the commit reads it
+    written = await _receive_into(http, publisher, upload, target, part, hasher)
+    stamp = await run_in_threadpool(lambda: file_stamp(target.stat()))
+    publisher.received(upload, name, target, written, (stamp, hasher.hexdigest()))
     return written
 
 
 async def _receive_into(
-    http: Request, publisher: Publishing, upload: Upload, target: Path, part: str
+    http: Request,
+    publisher: Publishing,
+    upload: Upload,
+    target: Path,
+    part: str,
+    hasher: xxhash.xxh3_128 | None = None,
 ) -> int:
     """Stream the request body into ``target`` as the upload's ``part``; the bytes written,
-    made durable. The part stays counted (as arriving) until the caller settles it; any
-    failure on the way discards the whole upload."""
+    made durable (and given to ``hasher`` as they are written). The part stays counted (as
+    arriving) until the caller settles it; any failure on the way discards the whole
+    upload."""
     length = http.headers.get("content-length")
     declared = int(length) if length is not None and length.isdigit() else None
     label = part_label(part)
@@ -119,7 +129,7 @@ async def _receive_into(
     except OSError as e:
         publisher.end_part(upload, part)
         raise InvalidRequest(f"{label} cannot be written: {e.strerror}") from None
-    progress = _Progress(publisher, upload, part, label)
+    progress = _Progress(publisher, upload, part, label, hasher)
     try:
         reading = _socket_reader(http, declared, publisher.body_timeout)
         if reading is None:
@@ -148,8 +158,16 @@ class _Progress:
     """One part's bytes as they arrive: counted against ``--max-upload-bytes`` (from any
     thread), and the error of a body that stalls."""
 
-    def __init__(self, publisher: Publishing, upload: Upload, part: str, label: str) -> None:
+    def __init__(
+        self,
+        publisher: Publishing,
+        upload: Upload,
+        part: str,
+        label: str,
+        hasher: xxhash.xxh3_128 | None,
+    ) -> None:
         self.publisher, self.upload, self.part, self.label = publisher, upload, part, label
+        self.hasher = hasher
         self.arrived = 0
 
     def grow(self, arrived: int) -> None:
@@ -187,7 +205,7 @@ async def _receive_messages(http: Request, fd: int, progress: _Progress) -> int:
             progress.grow(written)
         more = message.get("more_body", False)
         if pending_bytes >= WRITE_BLOCK or (pending and not more):
-            await run_in_threadpool(write_all, fd, pending)
+            await run_in_threadpool(write_all, fd, pending, progress.hasher)
             pending, pending_bytes = [], 0
         if not more:
             return written
@@ -227,8 +245,10 @@ async def _receive_from_socket(
         try:
             if already:
                 progress.grow(len(already))
-                write_all(fd, [already])
-            return len(already) + reader.read_into(fd, lambda n: progress.grow(len(already) + n))
+                write_all(fd, [already], progress.hasher)
+            return len(already) + reader.read_into(
+                fd, lambda n: progress.grow(len(already) + n), progress.hasher
+            )
         finally:
             app.release_body_reader(reader)
 

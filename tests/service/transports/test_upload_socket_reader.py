@@ -142,3 +142,38 @@ def test_past_the_reading_threads_the_messages_carry_the_body(
         snapshot = root / "models--team--big" / "snapshots" / record.json()["commit"]
         assert (snapshot / "a.safetensors").read_bytes() == first
         assert (snapshot / "b.safetensors").read_bytes() == second
+
+
+def test_each_file_is_hashed_as_it_arrives_and_not_read_again_at_commit(
+    server, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The digest the commit names a file by is taken as its bytes pass, on either path
+    (the socket for the large part, the ASGI messages for the small one): the commit hashes
+    no file of the upload again, and the digest is the file's."""
+    from weightserve.client.wire.digests import file_digest
+    from weightserve.service.sources.revisions import content
+
+    hashed: list[str] = []
+    hash_file = content.hash_file
+
+    def counted(path: Path, stamp):  # type: ignore[no-untyped-def]
+        hashed.append(path.name)
+        return hash_file(path, stamp)
+
+    monkeypatch.setattr(content, "hash_file", counted)
+    port = server.http_port
+    upload = begin_upload(port, MODEL)
+    weights = pub.safetensors_bytes({"w": np.arange(2 * MiB, dtype=np.float32)})
+    config = b'{"layers": 2}'
+    assert put_part(port, MODEL, upload, "tensors", weights).status == 200
+    assert put_part(port, MODEL, upload, "files/config.json", config).status == 200
+    record = commit_upload(port, MODEL, upload)
+    assert record.status == 201, record.body
+    assert socket_bytes(server) > 0
+    assert hashed == [], f"the commit read {hashed} again"
+    snapshot = root / "models--team--big" / "snapshots" / record.json()["commit"]
+    with Client(server.http_url) as c:
+        listed = {f.name: f.etag for f in c.model(MODEL).files()}
+    for name in ("model.safetensors", "config.json"):
+        assert listed[name] == file_digest(snapshot / name), name
+    assert (snapshot / "config.json").read_bytes() == config

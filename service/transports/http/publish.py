@@ -75,6 +75,9 @@ from weightserve.service.transports.http.streaming import (
 
 PUBLISH_OPERATION = "publish"
 WRITE_BLOCK = 8 << 20  # bytes gathered before one write to disk, off the event loop
+# Files from this size on keep the digest taken as they arrived (one write of the digest
+# table each); smaller ones are hashed at commit, all in one pass and one table write.
+HASHED_ON_ARRIVAL_MIN_BYTES = 1 << 20
 COMMIT_POLL_SECONDS = 0.02  # how often a commit looks whether its upload's parts have ended
 COMMIT_WAIT_TIMEOUTS = 2  # a commit waits this many --upload-body-timeout for parts arriving
 MODEL = "/v1/models/{model:model_id}/-"
@@ -102,8 +105,11 @@ async def _receive(http: Request, publisher: Publishing, upload: Upload, name: s
     part = TENSORS_PART if name is None else file_part(name.strip("/"))
     hasher = xxhash.xxh3_128()  # the file's digest, as its bytes pass: the commit reads it
     written = await _receive_into(http, publisher, upload, target, part, hasher)
-    stamp = await run_in_threadpool(lambda: file_stamp(target.stat()))
-    publisher.received(upload, name, target, written, (stamp, hasher.hexdigest()))
+    digest = None
+    if written >= HASHED_ON_ARRIVAL_MIN_BYTES:
+        stamp = await run_in_threadpool(lambda: file_stamp(target.stat()))
+        digest = (stamp, hasher.hexdigest())
+    publisher.received(upload, name, target, written, digest)
     return written
 
 

@@ -144,36 +144,40 @@ def test_past_the_reading_threads_the_messages_carry_the_body(
         assert (snapshot / "b.safetensors").read_bytes() == second
 
 
-def test_each_file_is_hashed_as_it_arrives_and_not_read_again_at_commit(
-    server, root: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("path", ["socket", "messages"])
+def test_each_large_file_is_hashed_as_it_arrives_and_not_read_again_at_commit(
+    path: str, root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The digest the commit names a file by is taken as its bytes pass, on either path
-    (the socket for the large part, the ASGI messages for the small one): the commit hashes
-    no file of the upload again, and the digest is the file's."""
+    """The digest the commit names a file of 1 MiB or more by is taken as its bytes pass,
+    whichever path carried them (the socket, or uvicorn's messages when no reading thread is
+    free): the commit hashes none of them again, and each digest is its file's."""
     from weightserve.client.wire.digests import file_digest
     from weightserve.service.sources.revisions import content
 
     hashed: list[str] = []
     hash_file = content.hash_file
 
-    def counted(path: Path, stamp):  # type: ignore[no-untyped-def]
-        hashed.append(path.name)
-        return hash_file(path, stamp)
+    def counted(file: Path, stamp):  # type: ignore[no-untyped-def]
+        hashed.append(file.name)
+        return hash_file(file, stamp)
 
     monkeypatch.setattr(content, "hash_file", counted)
-    port = server.http_port
-    upload = begin_upload(port, MODEL)
+    if path == "messages":
+        monkeypatch.setattr(streaming, "BODY_READERS", 0)
     weights = pub.safetensors_bytes({"w": np.arange(2 * MiB, dtype=np.float32)})
-    config = b'{"layers": 2}'
-    assert put_part(port, MODEL, upload, "tensors", weights).status == 200
-    assert put_part(port, MODEL, upload, "files/config.json", config).status == 200
-    record = commit_upload(port, MODEL, upload)
-    assert record.status == 201, record.body
-    assert socket_bytes(server) > 0
-    assert hashed == [], f"the commit read {hashed} again"
-    snapshot = root / "models--team--big" / "snapshots" / record.json()["commit"]
-    with Client(server.http_url) as c:
-        listed = {f.name: f.etag for f in c.model(MODEL).files()}
-    for name in ("model.safetensors", "config.json"):
+    extra = np.random.default_rng(3).bytes(3 * MiB // 2)
+    with pub.serve(root, allow_publish=True) as srv:
+        port = srv.http_port
+        upload = begin_upload(port, MODEL)
+        assert put_part(port, MODEL, upload, "tensors", weights).status == 200
+        assert put_part(port, MODEL, upload, "files/extra.bin", extra).status == 200
+        record = commit_upload(port, MODEL, upload)
+        assert record.status == 201, record.body
+        assert (socket_bytes(srv) > 0) == (path == "socket")
+        assert hashed == [], f"the commit read {hashed} again"
+        snapshot = root / "models--team--big" / "snapshots" / record.json()["commit"]
+        with Client(srv.http_url) as c:
+            listed = {f.name: f.etag for f in c.model(MODEL).files()}
+    for name in ("model.safetensors", "extra.bin"):
         assert listed[name] == file_digest(snapshot / name), name
-    assert (snapshot / "config.json").read_bytes() == config
+    assert (snapshot / "extra.bin").read_bytes() == extra

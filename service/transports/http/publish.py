@@ -105,11 +105,14 @@ async def _receive(http: Request, publisher: Publishing, upload: Upload, name: s
     part = TENSORS_PART if name is None else file_part(name.strip("/"))
     hasher = xxhash.xxh3_128()  # the file's digest, as its bytes pass: the commit reads it
     written = await _receive_into(http, publisher, upload, target, part, hasher)
-    digest = None
-    if written >= HASHED_ON_ARRIVAL_MIN_BYTES:
-        stamp = await run_in_threadpool(lambda: file_stamp(target.stat()))
-        digest = (stamp, hasher.hexdigest())
-    publisher.received(upload, name, target, written, digest)
+
+    def settle() -> None:  # off the event loop: keeping the digest writes the digest table
+        digest = None
+        if written >= HASHED_ON_ARRIVAL_MIN_BYTES:
+            digest = (file_stamp(target.stat()), hasher.hexdigest())
+        publisher.received(upload, name, target, written, digest)
+
+    await run_in_threadpool(settle)
     return written
 
 

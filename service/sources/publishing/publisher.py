@@ -169,7 +169,6 @@ class Publisher(Intake):
             self.digests.record(*written)
         if name is None:
             upload.tensors = path
-            upload.tensors_digest = written[1] if written is not None else None
         self.settle_part(upload, TENSORS_PART if name is None else f"files/{name.strip('/')}", size)
 
     def patch_target(self, upload: Upload) -> Path:
@@ -301,9 +300,9 @@ class Publisher(Intake):
             target = upload.model_dir / TENSORS_NAME
             if target.exists():
                 raise InvalidRequest(f"{TENSORS_NAME} is uploaded both as a file and as tensors")
+            before = file_stamp(upload.tensors.stat())
             os.rename(upload.tensors, target)
-            if upload.tensors_digest is not None:  # the rename moved its ctime: the same bytes
-                self.digests.record(file_stamp(target.stat()), upload.tensors_digest)
+            self.digests.renamed(before, file_stamp(target.stat()))
             return
         self._tensors_base(upload, base)
         by_file: dict[Path, list[TensorEntry]] = {}

@@ -66,7 +66,6 @@ class Upload:
     started_main: str | None = None  # main when it began: its commit is refused if main moved
     files: dict[str, int] = field(default_factory=dict)  # name -> bytes received
     tensors: Path | None = None  # the uploaded tensors (a safetensors file), if any
-    tensors_digest: str | None = None  # their xxh3-128, taken as they arrived
     tensor_bytes: int = 0  # their size (a patch's: the tensors it led to)
     touched: float = field(default_factory=time.monotonic)
     # The parts whose bodies are arriving now (files/NAME, tensors, patch) -> the bytes they

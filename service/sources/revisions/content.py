@@ -171,6 +171,16 @@ class DigestStore:
         with self._lock:
             self._remember(stamp, digest)
 
+    def renamed(self, before: FileStamp, after: FileStamp) -> None:
+        """A file whose digest was just recorded was renamed (same bytes; the rename moved its
+        ctime): its digest holds for its new identity ``after`` too."""
+        if type(self).digest is not DigestStore.digest:
+            return
+        with self._lock:
+            found = self._memory.get(before)
+            if found is not None:
+                self._remember(after, found)
+
     def digest(self, path: Path, stamp: FileStamp) -> str:
         """The content digest of ``path`` as of ``stamp``; FileChanged if it is not that file
         any more (the caller re-indexes it)."""

@@ -82,6 +82,8 @@ class SocketBodyReader:
             return None
         if not getattr(cycle, "more_body", False) or getattr(cycle, "chunked_encoding", None):
             return None
+        if len(buffered) > declared:
+            return None  # cannot happen with a Content-Length parser; never read past it
         sock = plain_socket(transport)
         if sock is None:
             return None
@@ -94,8 +96,6 @@ class SocketBodyReader:
         already = bytes(buffered)
         cycle.body = bytearray()
         cycle.keep_alive = False  # closed after the answer: see the module's docstring
-        if len(already) > declared:
-            return None  # cannot happen with a Content-Length parser; never read past it
         return cls(sock.fileno(), declared - len(already), timeout), already
 
     def read_into(

@@ -144,7 +144,7 @@ async def _receive_into(
         if reading is None:
             written = await _receive_messages(http, out.fileno(), progress)
         else:
-            written = await _receive_from_socket(http, out.fileno(), progress, *reading)
+            written = await _receive_from_socket(out.fileno(), progress, *reading)
         await run_in_threadpool(os.fsync, out.fileno())  # durable before any commit names it
     except ClientDisconnect:
         publisher.abort(upload.id, "the publisher went away in the middle of a file")
@@ -240,7 +240,6 @@ def _socket_reader(
 
 
 async def _receive_from_socket(
-    http: Request,
     fd: int,
     progress: _Progress,
     reader: SocketBodyReader,

@@ -86,7 +86,7 @@ def make_loader_class() -> type:
         def load_weights(self, model: Any, model_config: Any) -> None:
             source = ServedSource.from_config(self._extra(), model_config)
             with source.client() as client:
-                commit = agreed(lambda: _commit_of(source.open(client)))
+                commit = agreed(lambda: source.commit(client))
                 remote = source.open(client, commit)
                 checked = check_side_files(remote, model_config)
                 log.info("weightserve: side files match the server's: %s", ", ".join(checked))
@@ -104,15 +104,6 @@ def make_loader_class() -> type:
 
     WeightserveModelLoader.__qualname__ = WeightserveModelLoader.__name__
     return WeightserveModelLoader
-
-
-def _commit_of(remote: RemoteModel) -> str:
-    if not remote.commit:
-        raise RuntimeError(
-            f"the server at {remote.client.address.url} does not name its revisions' commits; "
-            "upgrade it to load from vLLM"
-        )
-    return remote.commit
 
 
 def _updates_configured() -> bool:

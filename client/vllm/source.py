@@ -83,6 +83,16 @@ class ServedSource:
         """The model at ``revision`` (default: this source's) on ``client``."""
         return client.model(self.model, revision=revision or self.revision)
 
+    def commit(self, client: Client, revision: str | None = None) -> str:
+        """The commit ``revision`` (default: this source's) names on ``client`` now."""
+        remote = self.open(client, revision)
+        if not remote.commit:
+            raise RuntimeError(
+                f"the server at {remote.client.address.url} does not name its revisions' "
+                "commits; upgrade it to load from vLLM"
+            )
+        return remote.commit
+
 
 def _hub_id(model_config: Any) -> str | None:
     """vLLM's ``model`` when it names a repository (the Hub routes' id), not a directory."""

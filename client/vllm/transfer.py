@@ -31,7 +31,6 @@ from weightserve.client._client import RemoteModel
 from weightserve.client._models import TensorInfo
 from weightserve.client.vllm.loader import (
     LoadedRevision,
-    _commit_of,
     as_torch,
     forget,
     loaded_revision,
@@ -114,7 +113,7 @@ class WeightserveTransferEngine(_Engine):  # type: ignore[misc,valid-type]
         source = held.source.with_overrides(self.overrides)
         started = time.perf_counter()
         with source.client() as client:
-            commit = agreed(lambda: _commit_of(source.open(client, update_info.revision)))
+            commit = agreed(lambda: source.commit(client, update_info.revision))
             if commit == held.commit:
                 self.last_update = {SAME: len(held.tensors), "wire_bytes": 0}
                 return

@@ -131,6 +131,9 @@ def running_seaweedfs(
         f"-master.port.grpc={master_grpc}",
         f"-master.volumeSizeLimitMB={volume_size_limit_mb}",
         f"-volume.max={max_volumes}",
+        # Its default (1 % of the disk) turns every volume read-only on a big shared disk with a
+        # few GB free; what it stores here is small and thrown away.
+        "-volume.minFreeSpace=256MiB",
         f"-volume.port={volume}",
         f"-volume.port.grpc={volume_grpc}",
         f"-filer.port={filer}",

@@ -149,6 +149,7 @@ def _configured_server(args: argparse.Namespace) -> WeightServer:
         "rescan_seconds": args.rescan,
         "watch": not args.no_watch,
         "follow": not args.no_follow,
+        "peers": not args.no_peers,
         "cache_dir": str(cache_dir),
         "pins": tuple(args.pin),
         "origin_tls": (args.origin_ca, args.origin_cert, args.origin_key),

@@ -31,6 +31,7 @@ from weightserve.service.sources.publishing.intake import (
     UPLOAD_BODY_TIMEOUT,
     UPLOAD_IDLE_SECONDS,
 )
+from weightserve.service.sources.swarm.engine import DEFAULT_PEER_PORT
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", re.IGNORECASE)
 _UNITS = {
@@ -265,6 +266,18 @@ SETTINGS: tuple[Setting, ...] = (
             "with an http(s):// origin: a read that receives no byte for this long is abandoned "
             "and retried; a fill fails with OriginUnavailable after 4 such attempts",
             positive_seconds),
+    Setting("--no-peers", "WEIGHTSERVE_NO_PEERS", False,
+            "no peer fills: a node cache fills from its upstream weightserve alone and seeds to "
+            "no other node; as an upstream, refuse node caches' swarm joins"),
+    Setting("--peer-port", "WEIGHTSERVE_PEER_PORT", DEFAULT_PEER_PORT,
+            "with an http(s):// origin: the TCP port (TLS) other node caches take this node's "
+            "pieces of a revision from, 0: any free port", port),
+    Setting("--peer-address", "WEIGHTSERVE_PEER_ADDRESS", None,
+            "with an http(s):// origin: the address other node caches reach this one at (a "
+            "pod's IP)", non_empty, "the address the upstream sees"),
+    Setting("--peer-upload-limit", "WEIGHTSERVE_PEER_UPLOAD_LIMIT", 0,
+            "with an http(s):// origin: bytes per second this node uploads to all peers "
+            "together, e.g. 100MB; 0: no limit", byte_budget, "no limit"),
     Setting("--require-models", "WEIGHTSERVE_REQUIRE_MODELS", False,
             "refuse to start when the root holds no servable model (otherwise: a warning)"),
     Setting("--log-level", "WEIGHTSERVE_LOG_LEVEL", "info",

@@ -9,6 +9,7 @@ streams get ``grace`` seconds to finish, then the listeners stop.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import ssl
 import threading
@@ -30,7 +31,7 @@ from weightserve.service.serving.state import Lifecycle, Limits, Ports, ServiceS
 from weightserve.service.sources.base import FillsOnRequest, ModelSource, Problem
 from weightserve.service.sources.cache.node_cache import NodeCache
 from weightserve.service.sources.local.catalog import Catalog
-from weightserve.service.sources.origin.base import OriginFile
+from weightserve.service.sources.origin.base import Origin, OriginFile
 from weightserve.service.sources.origin.catalog import OriginCatalog
 from weightserve.service.sources.origin.follow import UpstreamFollower
 from weightserve.service.sources.origin.objects import FileSystemOrigin
@@ -45,6 +46,10 @@ from weightserve.service.sources.revisions.stores import (
     DirectoryStore,
 )
 from weightserve.service.sources.served import Served
+from weightserve.service.sources.swarm.engine import PeerEngine, PeerSettings
+from weightserve.service.sources.swarm.node import PeerFills
+from weightserve.service.sources.swarm.torrents import libtorrent_missing
+from weightserve.service.sources.swarm.tracker import SwarmDesk
 from weightserve.service.transports.flight import FlightListener
 from weightserve.service.transports.grpc import GrpcListener
 from weightserve.service.transports.handoff import HandoffEndpoint, HandoffListener, HandoffServer
@@ -104,6 +109,14 @@ class ServerConfig:
     # (CA, client certificate, key) PEM files for an https:// upstream; None: system CAs
     origin_tls: tuple[str | None, str | None, str | None] | None = None
     origin_stall_seconds: float = default_of("origin_stall_seconds")
+    # Peer fills (service/sources/swarm/): a node cache over an upstream weightserve fills from
+    # the other node caches too and seeds what it holds; an upstream admits them. Off for a
+    # server built in code (it opens a port); `weightserve serve` turns it on unless
+    # --no-peers, where libtorrent is installed (the peers extra).
+    peers: bool = False
+    peer_port: int = default_of("peer_port")
+    peer_address: str | None = None
+    peer_upload_limit: int = default_of("peer_upload_limit")
     # Same-node Unix sockets (docs/deploy.md): HTTP on UDS, gRPC on UDS.grpc and the
     # zero-copy descriptor handoff on UDS.handoff; None: none. Plain (no TLS): the kernel is
     # the transport, and peers are told apart by their credentials.
@@ -242,10 +255,26 @@ def build_served(
                 on_refused=events.refused,
             )
     if isinstance(source, Catalog):
-        return _local_served(config, source, events)
-    if isinstance(source, OriginCatalog):
-        return _origin_served(config, source, events)
-    return Served(source)
+        served = _local_served(config, source, events)
+    elif isinstance(source, OriginCatalog):
+        served = _origin_served(config, source, events)
+    else:
+        served = Served(source)
+    return dataclasses.replace(served, **_swarm_desk(config))
+
+
+def _swarm_desk(config: ServerConfig) -> dict[str, Any]:
+    """The desk that admits node caches to a revision's swarm (any server can be an upstream),
+    or why there is none."""
+    from weightserve.service.demo import default_cache_dir
+
+    if not config.peers:
+        return {"swarm_off": "peer fills are off on this server (--no-peers)"}
+    missing = libtorrent_missing()
+    if missing is not None:
+        return {"swarm_off": f"peer fills are off on this server: {missing}"}
+    cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
+    return {"swarm_desk": SwarmDesk(cache_dir / "swarm")}
 
 
 @dataclass(frozen=True)
@@ -312,6 +341,7 @@ def _origin_served(config: ServerConfig, catalog: OriginCatalog, events: _Source
             body_timeout=config.upload_body_timeout,
             idle_seconds=config.upload_idle_timeout,
         )
+    peers = catalog.cache.peers
     return Served(
         catalog,
         publisher=publisher,
@@ -319,6 +349,7 @@ def _origin_served(config: ServerConfig, catalog: OriginCatalog, events: _Source
         cache_controls=catalog.admin,
         cache_stats=catalog.cache.snapshot,
         follower=follower,
+        peer_counters=peers.engine.snapshot if peers is not None else None,
     )
 
 
@@ -342,6 +373,7 @@ def _origin_catalog(config: ServerConfig, events: _SourceEvents) -> OriginCatalo
     directory = cache_dir / "node-cache"
 
     def open_cache(*, on_evict: Callable[[], None]) -> NodeCache:
+        peers = _peer_fills(config, origin)
         try:
             directory.mkdir(parents=True, exist_ok=True)
             return NodeCache(
@@ -353,6 +385,7 @@ def _origin_catalog(config: ServerConfig, events: _SourceEvents) -> OriginCatalo
                 pins=config.pins,
                 watch=config.watch,
                 on_evict=on_evict,
+                peers=peers,
             )
         except OSError as e:
             raise StartupError(
@@ -376,6 +409,28 @@ def _origin_catalog(config: ServerConfig, events: _SourceEvents) -> OriginCatalo
         raise StartupError("pin", f"cannot fill the pinned models: {e}") from None
     catalog.scan()
     return catalog
+
+
+def _peer_fills(config: ServerConfig, origin: Origin) -> PeerFills | None:
+    """A node cache's side of the swarm, over an upstream weightserve where it is on."""
+    if not isinstance(origin, UpstreamOrigin) or not config.peers:
+        return None
+    missing = libtorrent_missing()
+    if missing is not None:
+        log.info("peer fills off: %s; the node fills from its upstream alone", missing)
+        return None
+    settings = PeerSettings(
+        port=config.peer_port,
+        host=config.host,
+        advertise=config.peer_address,
+        upload_limit=config.peer_upload_limit,
+    )
+    try:
+        engine = PeerEngine(settings, origin.join_swarm)
+    except OSError as e:
+        raise StartupError("peer_port", str(e)) from None
+    log.info("peer fills on: other node caches reach this one at port %d (TLS)", engine.port)
+    return PeerFills(engine, origin)
 
 
 def _listing(catalog: OriginCatalog) -> list[OriginFile]:

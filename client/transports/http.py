@@ -472,6 +472,11 @@ class HttpTransport(HttpControl, DataTransport):
         """``{id, revision, commit, files: [{name, size, etag}]}``: the model's repository."""
         return self._json(http_model_path(model, "files"))
 
+    def join_swarm(self, model: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A node cache's join of a revision's swarm (docs/protocol.md, "Peer fills")."""
+        _, answer = self._answer("POST", http_model_path(model, "swarm"), ok=(200,), body=body)
+        return answer
+
     def open_span(self, model: str, name: str, span: FileSpan) -> FileSource:
         """See ``DataTransport.open_file``; through an HTTP Range request."""
         offset, length = span.offset, span.length

@@ -131,9 +131,10 @@ NODE_CACHE_METRICS = (
     ("weightserve_origin_failures_total", "counter", "Origin listings and fetches that failed",
      "origin_failures"),
     ("weightserve_origin_bytes_total", "counter",
-     "Bytes taken from the origin, by kind: fill (a model's files), header (metadata of a model "
+     "Bytes a node cache took, by kind: fill (a model's files), header (metadata of a model "
      "not cached), file (a side file fetched alone), patch (an upstream's delta stream and "
-     "headers a changed file was built from)", "origin_bytes_by_kind"),
+     "headers a changed file was built from); and by source: origin, or peers (other node "
+     "caches, a fill's pieces through the revision's swarm)", "origin_bytes_by_kind"),
     ("weightserve_cache_fills_total", "counter", "Models filled (or refreshed) from the origin",
      "fills"),
     ("weightserve_cache_fill_failures_total", "counter", "Fills that failed", "fill_failures"),
@@ -169,7 +170,11 @@ _LABELLED: dict[str, tuple[tuple[str, ...], tuple[tuple[str, ...], ...]]] = {
         ("kind", "outcome"),
         tuple((kind, outcome) for kind in ORIGIN_REQUEST_KINDS for outcome in ("ok", "error")),
     ),
-    "origin_bytes_by_kind": (("kind",), tuple((kind,) for kind in ORIGIN_BYTE_KINDS)),
+    # (kind, source): every kind from the origin, a fill's bytes from peers too (peer_bytes).
+    "origin_bytes_by_kind": (
+        ("kind", "source"),
+        (("fill", "peers"), *((kind, "origin") for kind in ORIGIN_BYTE_KINDS)),
+    ),
     "evictions_by_reason": (("reason",), tuple((reason,) for reason in EVICTION_REASONS)),
     "evicted_bytes_by_reason": (("reason",), tuple((reason,) for reason in EVICTION_REASONS)),
 }
@@ -189,7 +194,11 @@ class NodeCacheCollector(Collector):
                 counts = getattr(stats, field)
                 family = CounterMetricFamily(name.removesuffix("_total"), text, labels=labels)
                 for key in keys:
-                    family.add_metric(key, counts.get(key if len(key) > 1 else key[0], 0))
+                    if field == "origin_bytes_by_kind":  # (kind, source)
+                        count = stats.peer_bytes if key[1] == "peers" else counts.get(key[0], 0)
+                    else:
+                        count = counts.get(key if len(key) > 1 else key[0], 0)
+                    family.add_metric(key, count)
                 yield family
                 continue
             value: float = getattr(stats, field)
@@ -197,6 +206,57 @@ class NodeCacheCollector(Collector):
                 yield CounterMetricFamily(name.removesuffix("_total"), text, value=value)
             else:
                 yield GaugeMetricFamily(name, text, value=value)
+
+
+# A node's swarm (service/sources/swarm/engine.py PeerCounters): (metric, kind, help, field).
+PEER_METRICS = (
+    ("weightserve_peer_fills_total", "counter",
+     "Fills that went through a revision's swarm (peers and the upstream at once)", "fills"),
+    ("weightserve_peer_fills_abandoned_total", "counter",
+     "Swarm fills abandoned (stalled, the upstream failing); the upstream alone filled the rest",
+     "fills_abandoned"),
+    ("weightserve_peer_hash_failures_total", "counter",
+     "Pieces that did not match the revision's Merkle tree (refused, fetched again)",
+     "hash_failures"),
+    ("weightserve_peer_bans_total", "counter", "Peers banned for sending bad pieces",
+     "peers_banned"),
+    ("weightserve_peer_uploaded_bytes_total", "counter",
+     "Payload bytes this node sent to other node caches", "uploaded"),
+    ("weightserve_peer_seeding_revisions", "gauge",
+     "Revisions this node serves to other node caches now", "seeding"),
+)  # fmt: skip
+
+
+class PeerCollector(Collector):
+    """A node cache's swarm counters, and, on any server, its desk's (joins, nodes known)."""
+
+    def __init__(
+        self,
+        counters: Callable[[], Any] | None,
+        desk: Any | None,
+    ) -> None:
+        self.counters, self.desk = counters, desk
+
+    def collect(self) -> Iterator[Metric]:
+        if self.counters is not None:
+            counters = self.counters()
+            for name, kind, text, field in PEER_METRICS:
+                value = getattr(counters, field)
+                if kind == "counter":
+                    yield CounterMetricFamily(name.removesuffix("_total"), text, value=value)
+                else:
+                    yield GaugeMetricFamily(name, text, value=value)
+        if self.desk is not None:
+            yield CounterMetricFamily(
+                "weightserve_swarm_joins",
+                "Node caches' joins of a revision's swarm answered (fills, re-announces, seeds)",
+                value=self.desk.joins,
+            )
+            yield GaugeMetricFamily(
+                "weightserve_swarm_nodes",
+                "Node caches named to each other now, over every revision's swarm",
+                value=self.desk.peers(),
+            )
 
 
 class CallRecorder:

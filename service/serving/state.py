@@ -24,7 +24,7 @@ from weightserve.service.serving.auth import Access, TokenStore
 from weightserve.service.serving.delta import DeltaCache
 from weightserve.service.serving.feed import RevisionFeed
 from weightserve.service.serving.idle import IdleCutter
-from weightserve.service.serving.metrics import Metrics, NodeCacheCollector
+from weightserve.service.serving.metrics import Metrics, NodeCacheCollector, PeerCollector
 from weightserve.service.sources.base import ModelSource
 from weightserve.service.sources.model import Model
 from weightserve.service.sources.revisions.pinning import names_content
@@ -113,6 +113,10 @@ class ServiceState:
         self.idle_cutter = IdleCutter(self.limits.idle_timeout)  # shared by every stream
         if self.served.cache_stats is not None:
             self.metrics.registry.register(NodeCacheCollector(self.served.cache_stats))
+        if self.served.peer_counters is not None or self.served.swarm_desk is not None:
+            self.metrics.registry.register(
+                PeerCollector(self.served.peer_counters, self.served.swarm_desk)
+            )
         self.refresh_gauges()
 
     def refresh_gauges(self) -> None:

@@ -15,6 +15,8 @@ from weightserve.service.sources.base import CacheControls, ModelSource, Revisio
 from weightserve.service.sources.cache.stats import CacheStats
 from weightserve.service.sources.publishing.uploads import Publishing
 from weightserve.service.sources.revisions.stores import KeptDeltas
+from weightserve.service.sources.swarm.engine import PeerCounters
+from weightserve.service.sources.swarm.tracker import SwarmDesk
 
 
 class Background(Protocol):
@@ -39,3 +41,9 @@ class Served:
     cache_stats: Callable[[], CacheStats] | None = None
     # Runs from start to stop: a node cache following its upstream weightserve.
     follower: Background | None = None
+    # Peer fills (service/sources/swarm/): the desk that admits node caches to a revision's
+    # swarm (None: joins are refused, for the reason ``swarm_off`` gives), and a node cache's
+    # own counters of bytes from peers and from its upstream.
+    swarm_desk: SwarmDesk | None = None
+    swarm_off: str | None = None
+    peer_counters: Callable[[], PeerCounters] | None = None

@@ -31,6 +31,8 @@ def clean_env(**extra: str) -> dict[str, str]:
     """This process's environment without any WEIGHTSERVE_* setting, plus ``extra``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTSERVE_")}
     env["PYTHONUNBUFFERED"] = "1"
+    # A node cache's peer port is fixed by default (6881); tests run several nodes at once.
+    env["WEIGHTSERVE_PEER_PORT"] = "0"
     env.update(extra)
     return env
 

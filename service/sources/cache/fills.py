@@ -42,6 +42,7 @@ from weightserve.service.sources.revisions.content import hash_file
 
 if TYPE_CHECKING:
     from weightserve.service.sources.origin.base import FillPlan, Origin, OriginFile
+    from weightserve.service.sources.swarm.node import PeerFills
 
 log = logging.getLogger("weightserve.node_cache")
 
@@ -63,6 +64,9 @@ class Fills:
     room: Room
     origin: Origin
     plan: FillPlan
+    # Other node caches of the cluster, through the revision's swarm (service/sources/swarm/):
+    # tried first for the files no patch builds; what it cannot give comes from the origin.
+    peers: PeerFills | None = None
 
     def ensure(self, model_id: str, files: list[OriginFile] | None = None) -> Path:
         """The model's path in the cache, filled first if any of its files is missing or stale.
@@ -214,14 +218,24 @@ class Fills:
     ) -> None:
         try:
             self.room.release_evicted()  # the room made for this fill, freed before it is written
+            if self.peers is not None:
+                self.peers.stop(model_id)  # its files are about to change: no more seeding them
             built = self._build_patched(model_id, files, stale)
             try:
+                built.update(self._from_peers(model_id, stale, built, fill))
                 for file in sorted(stale, key=lambda f: f.name):
                     self._fetch_file(model_id, file, fill, built.pop(file.name, None))
             finally:
                 for partial, _ in built.values():  # a fill that failed before placing them
                     partial.unlink(missing_ok=True)
             self._finish(model_id, files)
+            if self.peers is not None:
+                with self.book.lock:
+                    records = dict(self.book.states[model_id].files)
+                self.peers.seed(
+                    model_id,
+                    {f.name: (self.book.data_dir / f.name, records[f.name].digest) for f in files},
+                )
         except BaseException as e:
             fill.error = e
             for landing in fill.landing.values():
@@ -235,6 +249,41 @@ class Fills:
                 del self.book.fills[model_id]
                 self.book.stats.fill_seconds += time.monotonic() - fill.started
             fill.finished.set()
+
+    def _from_peers(
+        self,
+        model_id: str,
+        stale: list[OriginFile],
+        built: dict[str, tuple[Path, str]],
+        fill: Fill,
+    ) -> dict[str, tuple[Path, str]]:
+        """The stale files no patch built, as the swarm gave them (verified, not in place).
+        Their bytes count as progress while they arrive; placing them counts them again, so
+        they are taken back out here."""
+        if self.peers is None:
+            return {}
+        wanted = [f for f in stale if f.name not in built]
+        arrived = 0
+
+        def on_bytes(n: int) -> None:
+            nonlocal arrived
+            with self.book.lock:
+                fill.done_bytes += n
+                arrived += n
+
+        def on_sources(from_peers: int, from_origin: int) -> None:
+            with self.book.lock:
+                self.book.stats.peer_bytes += from_peers
+                self.book.stats.origin_bytes += from_origin
+
+        try:
+            got = self.peers.fetch(
+                model_id, wanted, self.book.data_dir, self._partial, on_bytes, on_sources
+            )
+        finally:
+            with self.book.lock:
+                fill.done_bytes -= arrived
+        return got
 
     def _partial(self, file: OriginFile) -> Path:
         target = self.book.data_dir / file.name

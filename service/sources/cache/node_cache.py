@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import threading
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -44,6 +45,7 @@ from weightserve.service.sources.origin.base import FillPlan
 
 if TYPE_CHECKING:
     from weightserve.service.sources.origin.base import Origin, OriginFile
+    from weightserve.service.sources.swarm.node import PeerFills
 
 
 class NodeCache:
@@ -69,6 +71,7 @@ class NodeCache:
         pins: Iterable[str] = (),
         watch: bool = False,
         on_evict: Callable[[], None] | None = None,
+        peers: PeerFills | None = None,
     ) -> None:
         if size_limit_bytes is not None and size_limit_bytes <= 0:
             raise ValueError(f"the cache size must be positive, not {size_limit_bytes} bytes")
@@ -82,7 +85,12 @@ class NodeCache:
         # Called (outside the lock) after models were evicted (``Room.on_evict``).
         self.space = Room(self.book, size_limit_bytes, on_evict)
         self.integrity = Integrity(self.book, origin.description)
-        self.fills = Fills(self.book, self.space, origin, FillPlan(concurrency, part_bytes))
+        self.fills = Fills(
+            self.book, self.space, origin, FillPlan(concurrency, part_bytes), peers=peers
+        )
+        self.peers = peers
+        if peers is not None:  # an evicted model is seeded no more before its files go
+            self.space.before_evict = peers.stop
         self._lock_file = _lock_directory(self.directory)
         # Files that no longer match their fill record are dropped (a stat each; one whose
         # stamp changed is hashed again), then what no whole model records is removed.
@@ -91,6 +99,18 @@ class NodeCache:
         self.book.remove_unrecorded()
         if watch:  # the files changed on disk are checked as the kernel reports them
             self.integrity.start_watching()
+        if peers is not None:  # what the node held before a restart is seeded again
+            threading.Thread(target=self._seed_held, name="swarm-seed-held", daemon=True).start()
+
+    def _seed_held(self) -> None:
+        assert self.peers is not None
+        for model_id in self.book.cached_models():
+            held = {
+                name: (self.data_dir / name, record.digest)
+                for name, record in self.book.records(model_id).items()
+            }
+            if held:
+                self.peers.seed(model_id, held)
 
     # -- filling -----------------------------------------------------------------------------
 
@@ -205,6 +225,8 @@ class NodeCache:
     def close(self) -> None:
         """Release the cache directory for another process (a restarted server)."""
         self.integrity.stop()
+        if self.peers is not None:
+            self.peers.engine.close()
         self._lock_file.close()
 
     def __enter__(self) -> NodeCache:

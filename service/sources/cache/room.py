@@ -73,6 +73,8 @@ class Room:
         self.book = book
         self.size_limit_bytes = size_limit_bytes
         self.on_evict = on_evict
+        # Called (under the lock) with a model about to be evicted: its seeding stops first.
+        self.before_evict: Callable[[str], None] | None = None
         self.evicted_unreleased = False
 
     def now(self) -> CacheRoom:
@@ -215,6 +217,8 @@ class Room:
         return freed
 
     def evict(self, model_id: str, reason: str) -> int:
+        if self.before_evict is not None:
+            self.before_evict(model_id)
         # The state file goes first: a crash midway leaves unrecorded files, removed at start.
         state = self.book.states.pop(model_id)
         self.book.state_path(model_id).unlink(missing_ok=True)

@@ -14,7 +14,8 @@ class CacheStats:
     """Counters since start (and two gauges) for the server's metrics."""
 
     origin_failures: int = 0  # listings and fetches that raised
-    origin_bytes: int = 0
+    origin_bytes: int = 0  # a fill's bytes from the origin (through the swarm's reads too)
+    peer_bytes: int = 0  # a fill's bytes from other node caches (service/sources/swarm/)
     fills: int = 0  # fills started; fill_failures of them failed
     fill_failures: int = 0
     fill_seconds: float = 0.0

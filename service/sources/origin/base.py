@@ -85,7 +85,8 @@ class ObjectVersion(OriginFile):
     digest: str = ""
 
 
-ORIGIN_REQUEST_KINDS = ("list", "head", "get", "watch")  # watch: a follower's connection
+# watch: a follower's connection; swarm: a node joining a revision's swarm (peer fills)
+ORIGIN_REQUEST_KINDS = ("list", "head", "get", "watch", "swarm")
 # What bytes taken from the origin were for: a model's fill, the header reads that describe a
 # model not cached (service/sources/origin/headers.py), a side file fetched alone, an upstream's
 # delta stream and new headers a changed file was built from (service/sources/cache/patched_files.py).

@@ -200,6 +200,30 @@ class UpstreamOrigin:
             self._sources = {file.name: (model, name) for file, model, name in found}
         return sorted((file for file, _, _ in found), key=lambda f: f.name)
 
+    @property
+    def url(self) -> str:
+        """The upstream's base URL (``http(s)://HOST:PORT``)."""
+        return self.transport.address.url
+
+    def revision_of(self, model: str) -> str | None:
+        """The model's revision as last listed (None: not listed yet)."""
+        with self._models_lock:
+            listed = self._listed.get(model)
+        return listed[0] if listed is not None and listed[0] else None
+
+    def split_name(self, name: str) -> tuple[str, str]:
+        """(model id, file name on the upstream) of an origin file name."""
+        return self._split(name)
+
+    def join_swarm(self, model: str, body: dict[str, Any]) -> dict[str, Any]:
+        """The upstream's answer to a node joining a revision's swarm (``POST
+        /v1/models/ID/-/swarm``, one attempt: a node that cannot join fills from the upstream
+        alone). NotFound from an upstream without the route; only the HTTP API has it."""
+        join = getattr(self.transport, "join_swarm", None)
+        if join is None:
+            raise NotFound(f"origin {self.description}: peer fills need its HTTP API")
+        return self.requests.call("swarm", lambda: join(model, body))
+
     def _split(self, name: str) -> tuple[str, str]:
         """(model id, file name on the upstream) of an origin file name, as last listed."""
         for refresh in (False, True):

@@ -29,6 +29,7 @@ from weightserve.service.transports.http.middleware import (
 from weightserve.service.transports.http.ops import add_model_info_route, add_operations_routes
 from weightserve.service.transports.http.publish import add_publish_routes
 from weightserve.service.transports.http.streaming import WeightserveApp
+from weightserve.service.transports.http.swarm import add_swarm_routes
 from weightserve.service.transports.http.tensors import (
     TensorStreams,
     add_legacy_routes,
@@ -82,6 +83,7 @@ def create_app(state: ServiceState) -> FastAPI:
     add_file_routes(app, state, access)
     add_admin_routes(app, state, access)
     add_publish_routes(app, state, access)
+    add_swarm_routes(app, state, access)
     add_legacy_routes(app, streams)
     add_model_info_route(app, state, access)  # any path below /v1/models/: after those above
     # Last: the Hub's layout (/api/models/..., /{repo}/resolve/...) takes only what no route

@@ -350,3 +350,33 @@ def test_documented_commands_render_valid(helm: Path, command: list[str]) -> Non
 
 def test_docs_show_helm_template_commands() -> None:
     assert len(documented_commands()) >= 3
+
+
+def test_node_caches_over_a_central_server_open_the_peer_port(helm: Path) -> None:
+    central = ["--set", "origin.url=http://weightserve-central:8080", "--set", "mode=daemonset"]
+    objects = render(
+        helm, *central, "--set", "hostPort.enabled=true", "--set", "peers.uploadLimit=500MB",
+        "--set", "networkPolicy.enabled=true",
+    )  # fmt: skip
+    validate(objects)
+    server = container(objects, "DaemonSet")
+    ports = {p["name"]: p for p in server["ports"]}
+    assert ports["peers"]["containerPort"] == ports["peers"]["hostPort"] == 6881
+    env = {e["name"]: e for e in server["env"]}
+    assert env["WEIGHTSERVE_PEER_ADDRESS"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
+    (config,) = find(objects, "ConfigMap")
+    assert config["data"]["WEIGHTSERVE_PEER_PORT"] == "6881"
+    assert config["data"]["WEIGHTSERVE_PEER_UPLOAD_LIMIT"] == "500MB"
+    (policy,) = find(objects, "NetworkPolicy")
+    assert {"port": "peers"} in policy["spec"]["ingress"][0]["ports"]
+    # Without hostPort, peers dial the pod's IP; turned off, no port and the server is told.
+    server = container(render(helm, *central), "DaemonSet")
+    env = {e["name"]: e for e in server["env"]}
+    assert env["WEIGHTSERVE_PEER_ADDRESS"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    off = render(helm, *central, "--set", "peers.enabled=false")
+    assert "peers" not in {p["name"] for p in container(off, "DaemonSet")["ports"]}
+    (config,) = find(off, "ConfigMap")
+    assert config["data"]["WEIGHTSERVE_NO_PEERS"] == "1"
+    # A bucket origin has no peers to fill from: no port.
+    bucket = container(render(helm, *ORIGIN, "--set", "mode=daemonset"), "DaemonSet")
+    assert "peers" not in {p["name"] for p in bucket["ports"]}

@@ -38,7 +38,7 @@ def test_four_nodes_loading_at_once_cost_the_upstream_about_one_copy(tmp_path: P
     model_bytes = write_model(root, size_mib=16, seed=7)
     expected = {p.relative_to(root).as_posix(): p.read_bytes() for p in (root / MODEL).rglob("*")}
     with Hosts(rate_mbit=100) as hosts:
-        cluster = start_cluster(hosts, NODES, root, tmp_path, peers=True, upstream_rate=None)
+        cluster = start_cluster(hosts, NODES, root, tmp_path, peers=True)
         before = hosts.tx_bytes("up")
         cluster.load_everywhere(MODEL)
         copies = (hosts.tx_bytes("up") - before) / model_bytes

@@ -22,7 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from weightserve.service.sources.swarm.certs import NodeKey, dh_params_pem
-from weightserve.service.sources.swarm.torrents import libtorrent_missing, lt, torrent_files
+from weightserve.service.sources.swarm.torrents import (
+    libtorrent_missing,
+    lt,
+    torrent_files,
+    torrent_names,
+)
 
 log = logging.getLogger("weightserve.swarm")
 
@@ -53,13 +58,13 @@ _FEED_STREAMS = 4
 ReadRange = Callable[[str, int, int], bytes]
 
 
-def _piece_spans(layout: Any, commit: str, files: list[int]) -> dict[int, tuple[str, int, int]]:
-    """Piece -> (file name below the model, offset, length) of ``files``' pieces, in order (a
-    v2 torrent aligns every file to a piece)."""
+def _piece_spans(layout: Any, files: dict[int, str]) -> dict[int, tuple[str, int, int]]:
+    """Piece -> (file name below the model, offset, length) of the pieces of ``files`` (index
+    -> name), in order (a v2 torrent aligns every file to a piece)."""
     length = layout.piece_length()
     spans: dict[int, tuple[str, int, int]] = {}
-    for i in sorted(files):
-        name, size = layout.file_path(i).removeprefix(commit + "/"), layout.file_size(i)
+    for i, name in sorted(files.items()):
+        size = layout.file_size(i)
         first = layout.piece_index_at_file(i)
         for j in range(-(-size // length)):
             spans[first + j] = (name, j * length, min(length, size - j * length))
@@ -170,7 +175,12 @@ class Admission:
         return filling.index(self.you), len(filling)
 
     def files(self) -> dict[str, int]:
-        return torrent_files(self.torrent, self.commit)
+        """The revision's files the torrent lists, by name below the model, with sizes."""
+        return torrent_files(self.torrent, self.commit, self.etags)
+
+    def names(self) -> dict[int, str]:
+        """The torrent's file indexes -> names below the model."""
+        return torrent_names(self.torrent, self.commit, self.etags)
 
 
 @dataclass
@@ -287,17 +297,14 @@ class PeerEngine:
             return {}
         info = lt.torrent_info(admission.torrent)
         layout = info.layout()
-        index = {
-            layout.file_path(i).removeprefix(admission.commit + "/"): i
-            for i in range(layout.num_files())
-        }
+        index = {name: i for i, name in admission.names().items()}
         params = self._params(info)
         params.save_path = str(staging)
         priorities = [0] * layout.num_files()
         for name in wanted:
             priorities[index[name]] = 4
         params.file_priorities = priorities
-        spans = _piece_spans(layout, admission.commit, [index[n] for n in wanted])
+        spans = _piece_spans(layout, {index[n]: n for n in wanted})
         with self._lock:
             self.counters.fills += 1
         handle = self._session.add_torrent(params)
@@ -315,7 +322,7 @@ class PeerEngine:
             raise
         finally:
             self._remove(handle)  # its files closed before the caller hashes and moves them
-        return {name: staging / admission.commit / name for name in wanted}
+        return {name: staging / layout.file_path(index[name]) for name in wanted}
 
     def _follow(
         self,
@@ -425,14 +432,10 @@ class PeerEngine:
         """Serve the revision to admitted peers from ``paths`` (name below the model -> the
         node's verified file; every file of the torrent), until ``stop``."""
         info = lt.torrent_info(admission.torrent)
-        layout = info.layout()
         params = self._params(info)
         params.flags |= lt.torrent_flags.seed_mode  # verified against the listing's digests
         renamed = {}
-        for i in range(layout.num_files()):
-            if layout.file_flags(i) & layout.flag_pad_file:
-                continue
-            name = layout.file_path(i).removeprefix(admission.commit + "/")
+        for i, name in admission.names().items():
             if name not in paths:
                 raise ValueError(f"cannot seed {admission.model}@{admission.commit}: no {name}")
             renamed[i] = str(paths[name].resolve())

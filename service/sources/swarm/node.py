@@ -73,25 +73,31 @@ class PeerFills:
 
         try:
             got = self.engine.fill(admission, wanted, staging, read, on_bytes, on_sources)
-        except (SwarmUnavailable, OSError) as e:
+        except SwarmUnavailable as e:
             log.info("peer fill of %s stopped (%s): the upstream fills the rest", model_id, e)
             got = {}
+        except Exception as e:  # noqa: BLE001 - a swarm's fault never fails the fill
+            log.warning("peer fill of %s failed (%s): the upstream fills the rest", model_id, e)
+            got = {}
         placed: dict[str, tuple[Path, str]] = {}
-        for file in files:
-            path = got.get(names[file.name])
-            if path is None:
-                continue
-            digest = file_digest(path)
-            if digest != file.version:  # another revision's bytes, or a broken swarm
-                log.warning(
-                    "peer fill of %s: %s hashes to %s, the listing says %s; fetching it from "
-                    "the upstream", model_id, file.name, digest, file.version,
-                )  # fmt: skip
-                continue
-            target = partial(file)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            path.replace(target)
-            placed[file.name] = (target, digest)
+        try:
+            for file in files:
+                path = got.get(names[file.name])
+                if path is None:
+                    continue
+                digest = file_digest(path)
+                if digest != file.version:  # another revision's bytes, or a broken swarm
+                    log.warning(
+                        "peer fill of %s: %s hashes to %s, the listing says %s; fetching it "
+                        "from the upstream", model_id, file.name, digest, file.version,
+                    )  # fmt: skip
+                    continue
+                target = partial(file)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                path.replace(target)
+                placed[file.name] = (target, digest)
+        except OSError as e:  # what was placed stays the caller's; the rest comes whole
+            log.warning("peer fill of %s: %s; the upstream fills the rest", model_id, e)
         shutil.rmtree(staging, ignore_errors=True)
         with self._lock:
             self._admitted[model_id] = admission

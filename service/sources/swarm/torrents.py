@@ -16,7 +16,7 @@ import json
 import os
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,25 +49,38 @@ class RevisionTorrent:
     data: bytes
     authority: SwarmAuthority
 
-    def files(self) -> dict[str, int]:
+    def files(self, names: Iterable[str] = ()) -> dict[str, int]:
         """The model's files it lists, by name below the model, with their sizes."""
-        return torrent_files(self.data, self.commit)
+        return torrent_files(self.data, self.commit, names)
 
 
-def torrent_files(data: bytes, commit: str) -> dict[str, int]:
-    """A revision torrent's files (pad files left out), by name below the model; ValueError
-    when it is not one torrent of that commit."""
+def torrent_names(data: bytes, commit: str, names: Iterable[str] = ()) -> dict[int, str]:
+    """A revision torrent's files (pad files left out): index -> name below the model.
+
+    A torrent of several files is named by the commit and lists ``COMMIT/NAME``; libtorrent
+    makes a torrent of one file a single-file torrent named by that file's base name, which
+    is then matched against ``names`` (the revision's files). ValueError when it is neither."""
     info = lt.torrent_info(data)
-    if info.name() != commit:
-        raise ValueError(f"the torrent is named {info.name()!r}, not the commit {commit!r}")
     layout = info.layout()
-    found: dict[str, int] = {}
-    for i in range(layout.num_files()):
-        if layout.file_flags(i) & layout.flag_pad_file:
-            continue
-        path = layout.file_path(i)
-        found[path.removeprefix(commit + "/")] = layout.file_size(i)
-    return found
+    files = [
+        i for i in range(layout.num_files()) if not layout.file_flags(i) & layout.flag_pad_file
+    ]
+    if info.name() == commit:
+        prefix = commit + "/"
+        found = {i: layout.file_path(i) for i in files}
+        if all(path.startswith(prefix) for path in found.values()):
+            return {i: path.removeprefix(prefix) for i, path in found.items()}
+    elif len(files) == 1:
+        matches = [n for n in names if n.rpartition("/")[2] == info.name()]
+        if len(matches) == 1:
+            return {files[0]: matches[0]}
+    raise ValueError(f"the torrent {info.name()!r} does not describe the revision {commit!r}")
+
+
+def torrent_files(data: bytes, commit: str, names: Iterable[str] = ()) -> dict[str, int]:
+    """A revision torrent's files by name below the model, with their sizes."""
+    layout = lt.torrent_info(data).layout()
+    return {name: layout.file_size(i) for i, name in torrent_names(data, commit, names).items()}
 
 
 def piece_bytes(total: int) -> int:

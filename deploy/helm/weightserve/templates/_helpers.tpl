@@ -145,3 +145,8 @@ grpc:
 {{- define "weightserve.runAsGroup" -}}
 {{- .Values.securityContext.runAsGroup | default .Values.podSecurityContext.runAsGroup | default (include "weightserve.runAsUser" .) }}
 {{- end }}
+
+{{/* Whether the pods run peer fills: on, and a node cache over a central weightserve. */}}
+{{- define "weightserve.peers" -}}
+{{- if and .Values.peers.enabled (hasPrefix "http" .Values.origin.url) }}true{{ end }}
+{{- end }}

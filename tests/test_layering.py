@@ -236,6 +236,8 @@ SERVICE_FLOORS = [
         f"{SERVICE}.sources.origin.upstream",
         f"{SERVICE}.sources.origin.opening",
         f"{SERVICE}.sources.origin.past_revisions",
+        # Peer fills: an upstream origin's swarm, below the node cache that fills through it.
+        f"{SERVICE}.sources.swarm",
     ],
     [f"{SERVICE}.sources.cache"],
     [f"{SERVICE}.sources.origin"],

@@ -337,13 +337,14 @@ class PeerEngine:
         pieces = list(feeder.spans)
         started = time.monotonic()
         known_peers = set(admission.peers)
-        seen: dict[tuple[Any, ...], int] = {}  # peer connection -> payload bytes from it
         try:
-            self._until_had(handle, admission, feeder, on_bytes, pieces, seen, known_peers, started)
+            self._until_had(handle, admission, feeder, on_bytes, pieces, known_peers, started)
         finally:
-            # Peers stay connected once the fill is done: their last bytes are counted now.
-            self._from_peers(handle, seen)
-            from_peers = sum(seen.values())
+            # Every piece had that the upstream did not give came from a peer (a piece both
+            # gave counts once, as the upstream's).
+            have = handle.status(lt.torrent_handle.query_pieces).pieces
+            had = sum(length for piece, (_, _, length) in feeder.spans.items() if have[piece])
+            from_peers = max(0, had - feeder.fed)
             with self._lock:
                 self.counters.from_peers += from_peers
                 self.counters.from_upstream += feeder.fed
@@ -362,7 +363,6 @@ class PeerEngine:
         feeder: _Feeder,
         on_bytes: Callable[[int], None],
         pieces: list[int],
-        seen: dict[tuple[Any, ...], int],
         known_peers: set[tuple[str, int]],
         started: float,
     ) -> None:
@@ -380,7 +380,6 @@ class PeerEngine:
             have = status.pieces
             missing = [p for p in pieces if not have[p]]
             done = feeder.total - sum(feeder.spans[p][2] for p in missing)
-            self._from_peers(handle, seen)
             now = time.monotonic()
             if done > reported:
                 on_bytes(done - reported)
@@ -417,14 +416,6 @@ class PeerEngine:
                         handle.connect_peer(peer)
                     known_peers |= set(current.peers)
             time.sleep(POLL_SECONDS)
-
-    @staticmethod
-    def _from_peers(handle: Any, seen: dict[tuple[Any, ...], int]) -> None:
-        """Note each peer connection's payload bytes received so far."""
-        for peer in handle.get_peer_info():
-            if peer.connection_type == lt.peer_info.standard_bittorrent:
-                key = (tuple(peer.ip), str(peer.pid))
-                seen[key] = max(seen.get(key, 0), peer.total_download)
 
     # -- seeding -----------------------------------------------------------------------------
 

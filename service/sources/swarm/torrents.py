@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from weightserve.client._extras import install_hint
 from weightserve.service.sources.swarm.certs import SwarmAuthority
 
 try:
@@ -37,7 +36,11 @@ MAX_PIECES = 1 << 16
 def libtorrent_missing() -> str | None:
     """Why a swarm cannot run here (None: it can)."""
     if lt is None:
-        return f"libtorrent is not installed: {install_hint('peers')}"
+        # The wording of client/_extras.py's hints (the service imports no private client module).
+        return (
+            "libtorrent is not installed: install weightserve's peers extra (pip install -e "
+            "'.[peers]' in a checkout, or the wheel python -m build makes there with [peers])"
+        )
     return None
 
 

@@ -230,3 +230,17 @@ def test_eviction_stops_the_seeding(tmp_path: Path) -> None:
         node.catalog.cache.evict(MODEL)  # type: ignore[attr-defined]
         assert engine(node).seeding() == {}
         assert metric(node, "weightserve_peer_seeding_revisions") == 0
+
+
+def test_a_restarted_node_seeds_what_it_held(tmp_path: Path) -> None:
+    with cluster(tmp_path, 1) as (upstream, (node,), written):
+        load(node)
+        commit = engine(node).seeding()[MODEL]
+        node.stop()
+        with WeightServer(node_config(upstream, tmp_path / "n0")) as again:
+            again.start()
+            deadline = time.monotonic() + 30
+            while engine(again).seeding() != {MODEL: commit}:
+                assert time.monotonic() < deadline, engine(again).seeding()
+                time.sleep(0.1)
+            assert held(again) == written

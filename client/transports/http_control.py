@@ -100,6 +100,11 @@ class HttpControl:
         finally:
             lines.close()
 
+    def delta_size(self, model: str, since: str, revision: str | None) -> dict[str, Any]:
+        """``{base, commit, bytes, whole_bytes}``: what ``open_delta`` would send."""
+        query = urlencode({"since": since, "revision": revision or MAIN_REVISION})
+        return self.request_json("GET", http_model_path(model, "delta", "size") + "?" + query)
+
     def open_delta(self, model: str, since: str, revision: str | None) -> LineStream:
         query = urlencode({"since": since, "revision": revision or MAIN_REVISION})
         return self._lines(http_model_path(model, "delta") + "?" + query)

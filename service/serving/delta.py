@@ -191,6 +191,26 @@ class DeltaCache:
                 _, dropped = self._entries.popitem(last=False)
                 self._bytes -= sum(len(p) for p in dropped.payload) + 256
 
+    def size(self, target: Model, base: Model | None) -> tuple[int, int]:
+        """(bytes of the delta stream's body, bytes of the tensors it sends whole): every
+        tensor's entry computed (spread over the diff pool) and kept as ``stream`` keeps them,
+        so the stream that follows sends what is computed here."""
+        path = self.kept.pair(base, target) if self.kept is not None and base is not None else None
+        kept = self._load(path) if path is not None else None
+        pending = [
+            (name, _diff_pool().submit(self.entry, name, target, base, kept))
+            for name in target.tensors
+        ]
+        total = whole = 0
+        for name, future in pending:
+            found = future.result()
+            total += len(header_line(found.header))
+            if found.header.kind == WHOLE:
+                whole += target.tensors[name].nbytes
+            else:
+                total += sum(len(piece) for piece in found.payload)
+        return total + whole, whole
+
     def stream(self, target: Model, base: Model | None) -> Iterator[bytes | memoryview]:
         """The delta stream: per tensor of ``target``, one header line and its payload."""
         path = self.kept.pair(base, target) if self.kept is not None and base is not None else None

@@ -299,8 +299,15 @@ class Fills:
             if state is None or not state.complete:
                 return {}
             held = [(name, r.size, r.version) for name, r in state.files.items()]
+        worth = None
+        if self.peers is not None:
+            peers = self.peers
+
+            def worth(delta: int, whole: int) -> bool:
+                return peers.patches_worth(model_id, stale, delta, whole)
+
         return build_from_patches(
-            self.origin, model_id, held, files, stale, self.book.data_dir, self._partial
+            self.origin, model_id, held, files, stale, self.book.data_dir, self._partial, worth
         )
 
     def _fetch_file(

@@ -55,11 +55,14 @@ def build_from_patches(
     stale: list[OriginFile],
     data_dir: Path,
     partial_for: Callable[[OriginFile], Path],
+    worth: Callable[[int, int], bool] | None = None,
 ) -> dict[str, tuple[Path, str]]:
     """Build each of ``stale`` that can be: a safetensors file of the model held (``held``: the
     whole copy's files as (name, size, version)) whose tensor layout the new version keeps.
     Returns, by name, the built file (``partial_for(file)``, not yet in place) and its
-    xxh3-128, which is its listed version; any other file is left to be fetched whole."""
+    xxh3-128, which is its listed version; any other file is left to be fetched whole.
+    ``worth(delta bytes, bytes of the files to build)``: whether patching is worth it (a node
+    whose peers could bring the files instead asks); False leaves every file to be fetched."""
     if not isinstance(origin, UpstreamOrigin):
         return {}  # only a weightserve upstream serves the delta stream
     versions = {name: version for name, _, version in held}
@@ -79,6 +82,10 @@ def build_from_patches(
         if not building:
             return {}
         since, target = commit_of(model_id, held), commit_of(model_id, _named(files))
+        if worth is not None and not _worth(origin, worth, building, since, target):
+            log.info("the update of %r is fetched whole: its peers bring it for less", model_id)
+            _discard(building)
+            return {}
         return _build(origin, model_id, building, since, target)
     except WeightserveError as e:
         log.warning(
@@ -90,6 +97,23 @@ def build_from_patches(
         log.warning("building %r from patches failed (%s); fetching whole", model_id, e)
         _discard(building)
         return {}
+
+
+def _worth(
+    origin: UpstreamOrigin,
+    worth: Callable[[int, int], bool],
+    building: list[_Building],
+    since: str,
+    target: str,
+) -> bool:
+    """``worth`` of the delta's size; True where the upstream cannot tell it (patching is
+    what a node without peers does)."""
+    try:
+        delta = origin.delta_bytes(building[0].file, since, target)
+    except WeightserveError as e:
+        log.info("the upstream did not tell the update's size (%s): patching", e)
+        return True
+    return worth(delta, sum(b.file.size for b in building))
 
 
 def _named(files: Iterable[OriginFile]) -> Iterator[tuple[str, int, str]]:

@@ -330,6 +330,16 @@ class UpstreamOrigin:
     def version_id(self, file: OriginFile) -> str | None:
         return None  # an upstream serves the revisions it holds: ask it for ID@R
 
+    def delta_bytes(self, file: OriginFile, since: str, revision: str) -> int:
+        """The bytes the delta stream of ``file``'s model from ``since`` to ``revision`` would
+        send (``GET .../delta/size``, one attempt); NotFound from an upstream without it."""
+        model, _ = self._split(file.name)
+        size = getattr(self.transport, "delta_size", None)
+        if size is None:
+            raise NotFound(f"origin {self.description}: the delta's size needs its HTTP API")
+        answer = self.requests.call("get", lambda: size(model, since, revision))
+        return int(answer["bytes"])
+
     def open_delta(
         self, file: OriginFile, since: str, revision: str
     ) -> tuple[UpdateTarget, DeltaUpdates]:

@@ -550,6 +550,35 @@ def add_publish_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -
             pieces = state.deltas.stream(target, base)
             return LeasedStreamResponse(lease.handed_over(), pieces, headers, DELTA_MEDIA_TYPE)
 
+    @app.get(f"{MODEL}/delta/size", tags=["publish"])
+    async def delta_size(
+        http: Request, model: str, since: str, revision: str = MAIN_REVISION
+    ) -> dict[str, Any]:
+        """What the delta stream from `since` to `revision` weighs before it is sent:
+        `{base, commit, bytes, whole_bytes}` (`bytes`: its body; `whole_bytes`: the tensors it
+        sends whole). Every tensor's patch is computed for it, once for every worker, and the
+        stream asked for next sends them. A node cache weighs this against filling the
+        revision from its peers (docs/origins.md, "Peer fills")."""
+        http.scope[OPERATION_KEY] = "stream"
+        return await run_in_threadpool(_delta_size, http, model, since, revision)
+
+    def _delta_size(http: Request, model: str, since: str, revision: str) -> dict[str, Any]:
+        caller = access(http)
+        target = state.readable_model(caller, with_revision(model, revision))
+        base = delta_base(lambda named: state.readable_model(caller, named), model, since)
+        client = caller.client_key(http.client.host if http.client else "")
+        with StreamLease(state, "http", counted=False) as lease:  # the files held while read
+            lease.admit(target, {e.file for e in target.tensors.values()}, client)
+            if base is not None:
+                lease.hold(base, {e.file for e in base.tensors.values()})
+            total, whole = state.deltas.size(target, base)
+        return {
+            "base": base.commit if base is not None else "",
+            "commit": target.commit,
+            "bytes": total,
+            "whole_bytes": whole,
+        }
+
     @app.post(f"{MODEL}/holds", tags=["publish"])
     async def hold(http: Request, model: str) -> Response:
         """Keep a revision from retention: `{"commit": C, "seconds": S, "holder": ID}` (renew

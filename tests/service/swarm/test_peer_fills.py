@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -66,8 +67,6 @@ def cluster(tmp_path: Path, nodes: int, **upstream_extra: object) -> Iterator[tu
             stack.enter_context(WeightServer(node_config(upstream, tmp_path / f"n{i}")))
             for i in range(nodes)
         ]
-        for server in [upstream, *servers]:
-            server.start()
         yield upstream, servers, written
 
 
@@ -164,52 +163,48 @@ def test_a_node_without_the_grant_gets_nothing_from_peers(tmp_path: Path) -> Non
     root = tmp_path / "root"
     written = write_model(root, MODEL, TENSOR_BYTES, seed=4)
     config = upstream_config(root, tmp_path / "up", token_file=str(tokens))
-    with WeightServer(config) as upstream:
-        upstream.start()
-        with WeightServer(
-            node_config(upstream, tmp_path / "n0", origin_token="reader-token")
-        ) as seeder:
-            seeder.start()
-            load(seeder)
-            assert held(seeder) == written
-            seeded = engine(seeder).seeding()[MODEL]
-            # The upstream admits no node whose token may not read the model.
-            refused = connect(upstream.http_url, token="other-token")
-            stranger = PeerEngine(
-                PeerSettings(port=0, host="127.0.0.1", stall_seconds=3), refused.join_swarm
+    with (
+        WeightServer(config) as upstream,
+        WeightServer(node_config(upstream, tmp_path / "n0", origin_token="reader-token")) as seeder,
+    ):
+        load(seeder)
+        assert held(seeder) == written
+        seeded = engine(seeder).seeding()[MODEL]
+        # The upstream admits no node whose token may not read the model.
+        refused = connect(upstream.http_url, token="other-token")
+        stranger = PeerEngine(
+            PeerSettings(port=0, host="127.0.0.1", stall_seconds=3), refused.join_swarm
+        )
+        try:
+            with pytest.raises(PermissionDenied):
+                stranger.admit(MODEL, None)
+            # Nor does a peer: the torrent alone (had some other way) with a certificate
+            # that is not the revision's authority's gets no byte from the seeder.
+            admitted = connect(upstream.http_url, token="reader-token")
+            real = PeerEngine(PeerSettings(port=0, host="127.0.0.1"), admitted.join_swarm)
+            admission = real.admit(MODEL, seeded)
+            real.close()
+            admitted.close()
+            forged = replace(
+                admission,
+                certificate=SwarmAuthority.create(seeded)
+                .sign(stranger.certificate_request, "stranger")
+                .decode(),
+                peers=[("127.0.0.1", engine(seeder).port)],
+                seeds=frozenset({("127.0.0.1", engine(seeder).port)}),
             )
-            try:
-                with pytest.raises(PermissionDenied):
-                    stranger.admit(MODEL, None)
-                # Nor does a peer: the torrent alone (had some other way) with a certificate
-                # that is not the revision's authority's gets no byte from the seeder.
-                admitted = connect(upstream.http_url, token="reader-token")
-                real = PeerEngine(PeerSettings(port=0, host="127.0.0.1"), admitted.join_swarm)
-                admission = real.admit(MODEL, seeded)
-                real.close()
-                admitted.close()
-                forged = replace(
-                    admission,
-                    certificate=SwarmAuthority.create(seeded)
-                    .sign(stranger.certificate_request, "stranger")
-                    .decode(),
-                    peers=[("127.0.0.1", engine(seeder).port)],
-                    seeds=frozenset({("127.0.0.1", engine(seeder).port)}),
-                )
-                wanted = admission.files()
+            wanted = admission.files()
 
-                def no_upstream(name: str, offset: int, length: int) -> bytes:
-                    raise PermissionDenied("the stranger may not read the upstream either")
+            def no_upstream(name: str, offset: int, length: int) -> bytes:
+                raise PermissionDenied("the stranger may not read the upstream either")
 
-                with pytest.raises(SwarmUnavailable):
-                    stranger.fill(
-                        forged, wanted, tmp_path / "stranger", no_upstream, lambda n: None
-                    )
-                assert stranger.snapshot().from_peers == 0
-                assert engine(seeder).snapshot().uploaded == 0
-            finally:
-                stranger.close()
-                refused.close()
+            with pytest.raises(SwarmUnavailable):
+                stranger.fill(forged, wanted, tmp_path / "stranger", no_upstream, lambda n: None)
+            assert stranger.snapshot().from_peers == 0
+            assert engine(seeder).snapshot().uploaded == 0
+        finally:
+            stranger.close()
+            refused.close()
 
 
 def test_an_upstream_without_a_swarm_fills_the_node_alone(tmp_path: Path) -> None:
@@ -238,9 +233,78 @@ def test_a_restarted_node_seeds_what_it_held(tmp_path: Path) -> None:
         commit = engine(node).seeding()[MODEL]
         node.stop()
         with WeightServer(node_config(upstream, tmp_path / "n0")) as again:
-            again.start()
             deadline = time.monotonic() + 30
             while engine(again).seeding() != {MODEL: commit}:
                 assert time.monotonic() < deadline, engine(again).seeding()
                 time.sleep(0.1)
             assert held(again) == written
+
+
+def step(weights: dict[str, np.ndarray], seed: int, fraction: float) -> dict[str, np.ndarray]:
+    """``fraction`` of every tensor's values moved."""
+    rng = np.random.default_rng(seed)
+    moved = {}
+    for name, array in weights.items():
+        flat = array.copy().reshape(-1)
+        where = rng.choice(flat.size, max(1, int(flat.size * fraction)), replace=False)
+        flat[where] += 1.0
+        moved[name] = flat.reshape(array.shape)
+    return moved
+
+
+def test_followers_fill_a_heavy_revision_from_peers_and_patch_a_light_one(
+    tmp_path: Path,
+) -> None:
+    """Three nodes follow the upstream. A revision that moves every value in the same layout
+    would cost the upstream three deltas as big as the model: the nodes fill it through the
+    swarm instead. One that moves 1 % of the values is patched, as without peers."""
+    rng = np.random.default_rng(5)
+    first = {
+        f"layers.{i}.weight": rng.standard_normal((256, 1024), dtype=np.float32) for i in range(6)
+    }
+    root = tmp_path / "root"
+    root.mkdir()
+    config = upstream_config(root, tmp_path / "up", allow_publish=True)
+    with contextlib.ExitStack() as stack:
+        upstream = stack.enter_context(WeightServer(config))
+        with Client(upstream.http_url) as c:
+            held = c.publish(MODEL, first, message="one").commit
+        nodes = [
+            stack.enter_context(
+                WeightServer(replace(node_config(upstream, tmp_path / f"n{i}"), follow=True))
+            )
+            for i in range(3)
+        ]
+        for node in nodes:
+            load(node)
+
+        def publish_and_follow(weights: dict[str, np.ndarray], message: str) -> str:
+            with Client(upstream.http_url) as c:
+                commit = c.publish(MODEL, weights, message=message).commit
+            for node in nodes:
+                with Client(node.http_url) as c:
+                    announced = next(iter(c.model(MODEL).watch(since=held, timeout=120)))
+                    assert announced.commit == commit
+                    got = c.model(MODEL).fetch()
+                assert all(np.array_equal(got[n], weights[n]) for n in weights)
+            return commit
+
+        def patched(node: WeightServer) -> float:
+            return metric(node, "weightserve_origin_bytes_total", kind="patch")
+
+        def from_peers(node: WeightServer) -> float:
+            return metric(node, "weightserve_origin_bytes_total", kind="fill", source="peers")
+
+        total = sum(w.nbytes for w in first.values())
+        before = [(patched(n), from_peers(n)) for n in nodes]
+        heavy = step(first, 6, 1.0)
+        held = publish_and_follow(heavy, "every value")
+        after = [(patched(n), from_peers(n)) for n in nodes]
+        assert sum(a[0] - b[0] for a, b in zip(after, before, strict=True)) < total, after
+        assert sum(a[1] - b[1] for a, b in zip(after, before, strict=True)) > 0, after
+
+        light = step(heavy, 7, 0.01)
+        publish_and_follow(light, "one percent")
+        last = [(patched(n), from_peers(n)) for n in nodes]
+        assert all(c[0] > a[0] for c, a in zip(last, after, strict=True)), last  # patched
+        assert [c[1] for c in last] == [a[1] for a in after], last  # nothing through peers

@@ -308,3 +308,24 @@ def test_followers_fill_a_heavy_revision_from_peers_and_patch_a_light_one(
         last = [(patched(n), from_peers(n)) for n in nodes]
         assert all(c[0] > a[0] for c, a in zip(last, after, strict=True)), last  # patched
         assert [c[1] for c in last] == [a[1] for a in after], last  # nothing through peers
+
+
+def test_the_upload_cap_holds_for_peers_on_the_same_network(tmp_path: Path) -> None:
+    """A seeder capped at 2 MiB/s takes at least 2 s to hand a 6 MiB model to a node on its
+    own network (libtorrent exempts such peers from its limits unless told); a lower bound of
+    the cap's effect, not a timing of the transfer."""
+    root = tmp_path / "root"
+    written = write_model(root, MODEL, TENSOR_BYTES, seed=8)
+    with contextlib.ExitStack() as stack:
+        upstream = stack.enter_context(WeightServer(upstream_config(root, tmp_path / "up")))
+        capped = replace(node_config(upstream, tmp_path / "n0"), peer_upload_limit=2 << 20)
+        seeder = stack.enter_context(WeightServer(capped))
+        load(seeder)
+        taker = stack.enter_context(WeightServer(node_config(upstream, tmp_path / "n1")))
+        started = time.monotonic()
+        load(taker)
+        elapsed = time.monotonic() - started
+        assert held(taker) == written
+        got = engine(taker).snapshot()
+        assert got.from_peers >= model_bytes(written) * 0.5, got
+        assert elapsed >= 0.8 * got.from_peers / (2 << 20), (elapsed, got)

@@ -36,6 +36,11 @@ def missing() -> str | None:
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return f"{tool} is not installed (Debian: iproute2)"
+    probe = f"ws-probe-{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"ip netns add failed: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return None
 
 

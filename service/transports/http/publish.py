@@ -550,7 +550,7 @@ def add_publish_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -
             pieces = state.deltas.stream(target, base)
             return LeasedStreamResponse(lease.handed_over(), pieces, headers, DELTA_MEDIA_TYPE)
 
-    @app.get(f"{MODEL}/delta/size", tags=["publish"])
+    @get_and_head(app, f"{MODEL}/delta/size", tags=["publish"])
     async def delta_size(
         http: Request, model: str, since: str, revision: str = MAIN_REVISION
     ) -> dict[str, Any]:

@@ -1,5 +1,6 @@
-"""The delta diff's two paths (client/wire/delta_plan.py): the native one pass of
-client/wire/_diffnative.c and NumPy's. Each finds what an independent reference finds (NumPy's
+"""The delta diff's paths (client/wire/delta_plan.py): the native one pass of
+client/wire/_diffnative.c as installed (SSE2 compares on x86-64), the same built with its
+portable word-at-a-time compare (what other machines run), and NumPy's. Each finds what an independent reference finds (NumPy's
 whole-tensor compare) for every element size, on empty tensors, with nothing, some or every
 element changed, with the limit passed by one or met exactly, across compare chunks and in
 buffers at odd addresses; and both plan every tensor byte for byte alike.
@@ -9,6 +10,7 @@ it must have been (the install builds it), or the first test fails."""
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import os
 import shlex
@@ -16,13 +18,16 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+from collections.abc import Iterator
+from types import ModuleType
 
 import numpy as np
 import pytest
 import xxhash
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.support.paths import REPO
 from weightserve.client.wire import delta_plan
 from weightserve.client.wire.delta_plan import (
     COMPARE_CHUNK,
@@ -33,21 +38,65 @@ from weightserve.client.wire.delta_plan import (
 )
 
 NATIVE_MODULE = "weightserve.client.wire._diffnative"
+SOURCE = REPO / "client" / "wire" / "_diffnative.c"
 BUILT = importlib.util.find_spec(NATIVE_MODULE) is not None
-PATHS = [
-    pytest.param(False, id="numpy"),
-    pytest.param(
-        True, id="native", marks=pytest.mark.skipif(not BUILT, reason="extension not built")
-    ),
-]
 UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-PROPERTY = settings(max_examples=200, deadline=None, derandomize=True)
+# The ``native`` fixture is set up once per test, not per example: nothing in it changes.
+PROPERTY = settings(
+    max_examples=200,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 
 
 def c_compiler() -> str | None:
     """The compiler the install would build extensions with, if it is on PATH."""
     command = sysconfig.get_config_var("CC") or "cc"
     return shutil.which(shlex.split(command)[0])
+
+
+@pytest.fixture(scope="session")
+def portable_module(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
+    """The extension built with -DDIFFNATIVE_PORTABLE: the word-at-a-time compare that
+    machines without SSE2 run, which the installed (SSE2) build never takes on x86-64."""
+    compiler = c_compiler()
+    if compiler is None:
+        pytest.skip("no C compiler")
+    out = (
+        tmp_path_factory.mktemp("portable") / f"_diffnative{sysconfig.get_config_var('EXT_SUFFIX')}"
+    )
+    command = [compiler, "-shared", "-fPIC", "-O3", "-Wall", "-DDIFFNATIVE_PORTABLE",
+               f"-I{sysconfig.get_paths()['include']}", str(SOURCE), "-o", str(out)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    loader = importlib.machinery.ExtensionFileLoader("_diffnative", str(out))
+    spec = importlib.util.spec_from_file_location("_diffnative", out, loader=loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(params=["numpy", "native", "portable"])
+def native(request: pytest.FixtureRequest) -> Iterator[bool]:
+    """Each path of the diff: NumPy's (False), the installed extension (True), and the
+    extension's portable compare (True, with that build in its place)."""
+    if request.param == "numpy":
+        yield False
+        return
+    if request.param == "native":
+        if not BUILT:
+            pytest.skip("extension not built")
+        yield True
+        return
+    module = request.getfixturevalue("portable_module")
+    installed = delta_plan._diffnative
+    delta_plan._diffnative = module
+    try:
+        yield True
+    finally:
+        delta_plan._diffnative = installed
 
 
 def reference(
@@ -149,7 +198,6 @@ def diffs(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, int | None]:
     return at_offset(old, draw(offsets)), at_offset(new, draw(offsets)), limit
 
 
-@pytest.mark.parametrize("native", PATHS)
 @PROPERTY
 @given(case=diffs())
 def test_both_paths_find_what_the_reference_finds(
@@ -178,7 +226,6 @@ def large_changes(size: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
     }
 
 
-@pytest.mark.parametrize("native", PATHS)
 @pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
 def test_tensors_larger_than_a_compare_chunk(native: bool, itemsize: int) -> None:
     rng = np.random.default_rng(itemsize)
@@ -196,7 +243,6 @@ def test_tensors_larger_than_a_compare_chunk(native: bool, itemsize: int) -> Non
         assert hasher.hexdigest() == xxhash.xxh3_128_hexdigest(new.tobytes()), name
 
 
-@pytest.mark.parametrize("native", PATHS)
 @pytest.mark.parametrize(
     "where",
     [
@@ -227,7 +273,6 @@ def test_the_limit_is_met_exactly_or_passed_by_one(native: bool, where: str) -> 
     assert_same(changed_elements(old, fewer, limit, native=native), reference(old, fewer, limit))
 
 
-@pytest.mark.parametrize("native", PATHS)
 def test_more_changes_than_the_first_buffers_hold(native: bool) -> None:
     """The native path starts with buffers for a sixteenth of the tensor (at least a chunk's
     elements) and grows them: 40 % changed, under a limit of half, outgrows them."""
@@ -239,7 +284,6 @@ def test_more_changes_than_the_first_buffers_hold(native: bool) -> None:
         assert_same(changed_elements(old, new, limit, native=native), reference(old, new, limit))
 
 
-@pytest.mark.parametrize("native", PATHS)
 def test_arrays_the_native_pass_does_not_take_are_diffed_alike(native: bool) -> None:
     """Strided views and float arrays (NumPy compares floats by value: -0.0 equals 0.0, NaN
     equals nothing) go NumPy's way whatever was asked."""

@@ -23,6 +23,7 @@ from weightserve.client.wire.routes import ServerAddress
 from weightserve.client.wire.schema import MAX_GRPC_MESSAGE_BYTES, ChunkHeader
 
 if TYPE_CHECKING:
+    from weightserve.client.receive.stream import ChunkCheck
     from weightserve.client.transports.flight import FlightPool
 
 log = logging.getLogger("weightserve.client")
@@ -460,7 +461,9 @@ class _TensorDataReader:
     def read_schema(self) -> None:
         return None
 
-    def next_chunk(self, destination: Callable[[ChunkHeader], memoryview]) -> ChunkHeader | None:
+    def next_chunk(
+        self, destination: Callable[[ChunkHeader], memoryview], check: ChunkCheck | None = None
+    ) -> ChunkHeader | None:
         a, self._answer = self._answer, None
         if a is None:
             return None
@@ -477,6 +480,8 @@ class _TensorDataReader:
         )
         view = memoryview(destination(header)).cast("B")
         view[:] = a.data
+        if check is not None:
+            check(header.name, header.offset, header.digest, view)
         return header
 
     def close(self) -> None:

@@ -70,7 +70,11 @@ def once(action: Callable[[], None], after_bytes: int = 1) -> Callable[[int], No
 
 class CuttingProxy:
     """A loopback TCP proxy that cuts the first connection carrying more than ``cut_after``
-    bytes from the server, once; every other connection is passed through untouched.
+    bytes from the server, once, right after passing exactly ``cut_after`` of them on (so
+    the client has the answer's head and part of its body, however the server's writes
+    were batched: a cut before any byte looks like a kept-alive connection the server
+    closed, which a client rightly asks again on); every other connection is passed through
+    untouched.
 
     Given several upstream ports it sends each new connection to the next one in turn, as a
     plain round-robin load balancer (a Kubernetes Service) does: ``connections`` counts them.
@@ -115,16 +119,17 @@ class CuttingProxy:
         seen = 0
         with contextlib.suppress(OSError):
             while data := src.recv(256 << 10):
-                seen += len(data)
-                if from_server and seen > self.cut_after:
+                if from_server and seen + len(data) > self.cut_after:
                     with self._lock:
                         cut = self.cuts == 0
                         self.cuts += cut
                     if cut:
+                        dst.sendall(data[: self.cut_after - seen])
                         for s in (src, dst):
                             s.shutdown(socket.SHUT_RDWR)
                             s.close()
                         return
+                seen += len(data)
                 dst.sendall(data)
         for s in (src, dst):
             with contextlib.suppress(OSError):

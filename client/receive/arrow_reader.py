@@ -18,16 +18,12 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import pyarrow as pa
-import xxhash
 
 from weightserve.client.errors import TransportError
 from weightserve.client.wire.schema import TENSOR_SCHEMA, ChunkHeader
-
-if TYPE_CHECKING:  # stream.py imports the transports, which import this module
-    from weightserve.client.receive.stream import ChunkCheck
 
 __all__ = ["ArrowChunkReader", "IterSource", "Source"]
 
@@ -292,25 +288,15 @@ class ArrowChunkReader:
         self._at = at + n
         return memory[at : at + n]
 
-    def _fill(
-        self,
-        view: memoryview,
-        ended: str = "stream ended before its end marker",
-        landed: Callable[[memoryview], object] | None = None,
-    ) -> None:
-        """Fill ``view`` from the stream; ``landed`` is given each piece as it lands."""
+    def _fill(self, view: memoryview, ended: str = "stream ended before its end marker") -> None:
         if self._memory is not None:
             view[:] = self._from_memory(len(view), ended)
-            if landed is not None:
-                landed(view)
             return
         readinto = self._source.readinto
         while view:
             n = readinto(view)
             if not n:
                 raise TransportError(ended)
-            if landed is not None:
-                landed(view[:n])
             view = view[n:]
 
     def _read(self, n: int, ended: str = "stream ended before its end marker") -> bytearray:
@@ -394,12 +380,8 @@ class ArrowChunkReader:
         _schema_seen = bytes(meta)
         return schema
 
-    def next_chunk(
-        self, destination: Callable[[ChunkHeader], memoryview], check: ChunkCheck | None = None
-    ) -> ChunkHeader | None:
-        """Read one chunk into ``destination(header)``; None at the end of the stream. With
-        ``check``, the chunk's digest is checked as its pieces land (each hashed while it is
-        in the CPU's cache, not the whole chunk read back from memory afterwards)."""
+    def next_chunk(self, destination: Callable[[ChunkHeader], memoryview]) -> ChunkHeader | None:
+        """Read one chunk into ``destination(header)``; None at the end of the stream."""
         if self._done:
             return None
         if self._schema is None:
@@ -448,14 +430,7 @@ class ArrowChunkReader:
                 f"got {'read-only ' if view.readonly else ''}{view.nbytes} bytes"
             )
         self._skip(start)
-        if check is not None and check.picks(header.name, header.offset):
-            hasher = xxhash.xxh3_64()
-            self._fill(view, landed=hasher.update)
-            check.compare(
-                header.name, header.offset, header.nbytes, header.digest, hasher.intdigest()
-            )
-        else:
-            self._fill(view)
+        self._fill(view)
         self._skip(body_length - data_at - start - header.nbytes)
         return header
 

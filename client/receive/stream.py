@@ -48,42 +48,25 @@ def sampled(name: str, offset: int) -> bool:
     return xxhash.xxh3_64_intdigest(f"{name}\0{offset}".encode()) % SAMPLE_ONE_IN == 0
 
 
-class ChunkCheck:
-    """The chunk digest check of a ``verify`` policy (``verify_policy``): which chunks it
-    checks (``picks``: ``"full"`` every chunk, ~0.08 CPU-s/GiB on the bench machine,
-    ``"sample"`` the chunks ``sampled`` picks, ``"none"`` none: the transport's own checksums
-    remain, TCP's, and TLS's integrity where used) and the xxh3-64 compare, raising
-    ``DataCorruption`` on a mismatch. Every data path applies its policy through this: a
-    reader that lands a chunk in pieces hashes each as it lands (``picks``, then ``compare``),
-    others hash the chunk whole (calling it)."""
+def chunk_checker(verify: str | None = None) -> Callable[[str, int, int, Any], bool]:
+    """``check(name, offset, digest, data)`` for the policy ``verify`` (``verify_policy``):
+    checks the chunk's xxh3-64 when the policy picks it, raising ``DataCorruption`` on a
+    mismatch, and says whether it checked. Every data path applies its policy through this.
+    ``"full"`` checks every chunk (~0.08 CPU-s/GiB on the bench machine), ``"sample"`` the
+    chunks ``sampled`` picks, ``"none"`` none (the transport's own checksums remain: TCP's,
+    and TLS's integrity where used)."""
+    policy = verify_policy(verify)
 
-    __slots__ = ("policy",)
-
-    def __init__(self, verify: str | None = None) -> None:
-        self.policy = verify_policy(verify)
-
-    def picks(self, name: str, offset: int) -> bool:
-        """Whether the chunk at byte ``offset`` of tensor ``name`` is checked."""
-        return self.policy == "full" or (self.policy == "sample" and sampled(name, offset))
-
-    def compare(self, name: str, offset: int, nbytes: int, digest: int, computed: int) -> None:
-        """Raise DataCorruption unless the chunk's bytes hashed to its digest."""
-        if computed != digest:
-            raise DataCorruption(
-                f"tensor {name!r}: bytes {offset}..{offset + nbytes} do not match their digest"
-            )
-
-    def __call__(self, name: str, offset: int, digest: int, data: Any) -> bool:
-        """Check the chunk ``data`` when the policy picks it; says whether it checked."""
-        if not self.picks(name, offset):
+    def check(name: str, offset: int, digest: int, data: Any) -> bool:
+        if policy == "none" or (policy == "sample" and not sampled(name, offset)):
             return False
-        self.compare(name, offset, len(data), digest, xxhash.xxh3_64_intdigest(data))
+        if xxhash.xxh3_64_intdigest(data) != digest:
+            raise DataCorruption(
+                f"tensor {name!r}: bytes {offset}..{offset + len(data)} do not match their digest"
+            )
         return True
 
-
-def chunk_checker(verify: str | None = None) -> ChunkCheck:
-    """The check of the policy ``verify`` (``ChunkCheck``)."""
-    return ChunkCheck(verify)
+    return check
 
 
 def aligned_empty(nbytes: int, alignment: int = ALIGNMENT) -> np.ndarray:
@@ -187,8 +170,10 @@ def receive(
             # reconnecting is what the retries are for.
             reader = open_chunks(request)
             reader.read_schema()
-            while (header := reader.next_chunk(destination, check)) is not None:
+            while (header := reader.next_chunk(destination)) is not None:
                 assert partial is not None
+                chunk = partial.buffer.data[header.offset : header.offset + header.nbytes]
+                check(header.name, header.offset, header.digest, chunk)
                 partial.received += header.nbytes
                 backoff.reset()  # data flows: a later outage gets the whole budget again
                 if on_bytes is not None:
@@ -201,6 +186,7 @@ def receive(
                     else:
                         handed_over.add(header.name)
                         complete, partial = partial, None
+                        del chunk  # hold no view of a handed-over buffer
                         on_tensor(complete)
                         del complete
             missing = [n for n in expected if n not in done and n not in handed_over]

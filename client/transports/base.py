@@ -16,15 +16,12 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from weightserve.client.errors import WrongTransport
 from weightserve.client.wire.errors import WireError
 from weightserve.client.wire.routes import ServerAddress
 from weightserve.client.wire.schema import ChunkHeader
-
-if TYPE_CHECKING:  # receive/ imports this module
-    from weightserve.client.receive.stream import ChunkCheck
 
 DEFAULT_READ_TIMEOUT = 60.0  # longest silence tolerated inside a stream
 
@@ -74,14 +71,11 @@ class FileSource(ByteSource, Protocol):
 
 
 class ChunkReader(Protocol):
-    """One tensor stream, chunk by chunk (``ArrowChunkReader``, ``FlightChunkReader``).
-    ``next_chunk`` places the next chunk where ``destination(header)`` says and returns its
-    header (None at the end), its bytes checked by ``check`` first when given (a reader that
-    lands a chunk in pieces hashes each as it lands, from the CPU's cache)."""
+    """One tensor stream, chunk by chunk (``ArrowChunkReader``, ``FlightChunkReader``)."""
 
     def read_schema(self) -> Any: ...
     def next_chunk(
-        self, destination: Callable[[ChunkHeader], memoryview], check: ChunkCheck | None = None
+        self, destination: Callable[[ChunkHeader], memoryview]
     ) -> ChunkHeader | None: ...
     def close(self) -> None: ...
 

@@ -22,7 +22,7 @@ import json
 import struct
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -39,9 +39,6 @@ from weightserve.client.wire.flight_lean import (
     encode_chunk_header,
 )
 from weightserve.client.wire.schema import FIELD_NAMES, ChunkHeader
-
-if TYPE_CHECKING:
-    from weightserve.client.receive.stream import ChunkCheck
 
 __all__ = [  # the lean form's names, defined in client/wire/flight_lean.py, kept here too
     "FORMAT_HEADER",
@@ -160,9 +157,7 @@ class FlightChunkReader:
             raise TransportError(f"not a tensor stream: Flight schema fields {schema.names}")
         return schema
 
-    def next_chunk(
-        self, destination: Callable[[ChunkHeader], memoryview], check: ChunkCheck | None = None
-    ) -> ChunkHeader | None:
+    def next_chunk(self, destination: Callable[[ChunkHeader], memoryview]) -> ChunkHeader | None:
         while not self._done:
             try:
                 chunk = self._reader.read_chunk()
@@ -178,33 +173,26 @@ class FlightChunkReader:
                 meta = chunk.app_metadata
                 if batch is None or meta is None:
                     raise TransportError("a lean Flight batch without data or metadata")
-                return self._place_lean(batch.column(0), meta, destination, check)
+                return self._place_lean(batch.column(0), meta, destination)
             if batch.num_rows == 1:
-                return self._place(batch, destination, check)
+                return self._place(batch, destination)
             if batch.num_rows:
                 raise TransportError(f"a record batch of {batch.num_rows} rows (need 1 per batch)")
         return None
 
     def _place_lean(
-        self,
-        data: pa.Array,
-        meta: pa.Buffer,
-        destination: Callable[[ChunkHeader], memoryview],
-        check: ChunkCheck | None,
+        self, data: pa.Array, meta: pa.Buffer, destination: Callable[[ChunkHeader], memoryview]
     ) -> ChunkHeader:
         header = decode_chunk_header(meta, len(data))
         values = data.buffers()[1]
         source = (
             np.frombuffer(values, np.uint8, header.nbytes, data.offset) if header.nbytes else None
         )
-        _copy(destination, header, source, check)
+        _copy(destination, header, source)
         return header
 
     def _place(
-        self,
-        batch: pa.RecordBatch,
-        destination: Callable[[ChunkHeader], memoryview],
-        check: ChunkCheck | None,
+        self, batch: pa.RecordBatch, destination: Callable[[ChunkHeader], memoryview]
     ) -> ChunkHeader:
         columns = batch.columns
         data = columns[8]
@@ -222,7 +210,7 @@ class FlightChunkReader:
             end - start,
         )
         source = np.frombuffer(values, np.uint8, header.nbytes, start) if header.nbytes else None
-        _copy(destination, header, source, check)
+        _copy(destination, header, source)
         return header
 
     def close(self) -> None:
@@ -237,19 +225,12 @@ class FlightChunkReader:
 
 
 def _copy(
-    destination: Callable[[ChunkHeader], memoryview],
-    header: ChunkHeader,
-    source: Any,
-    check: ChunkCheck | None,
+    destination: Callable[[ChunkHeader], memoryview], header: ChunkHeader, source: Any
 ) -> None:
-    """The chunk's bytes (``source``, None when empty) into the buffer the caller gives,
-    checked by ``check`` where given."""
+    """The chunk's bytes (``source``, None when empty) into the buffer the caller gives."""
     view = memoryview(destination(header))
     if view.readonly or view.nbytes != header.nbytes:
         raise ValueError(f"destination for {header!r} must be writable and {header.nbytes} bytes")
-    flat = view.cast("B") if view.format != "B" else view
     if source is not None:
         # np.copyto releases the GIL for large copies; the other stream keeps running.
-        np.copyto(np.frombuffer(flat, np.uint8), source)
-    if check is not None:
-        check(header.name, header.offset, header.digest, flat)
+        np.copyto(np.frombuffer(view.cast("B") if view.format != "B" else view, np.uint8), source)

@@ -23,7 +23,6 @@ from weightserve.client.wire.routes import ServerAddress
 from weightserve.client.wire.schema import MAX_GRPC_MESSAGE_BYTES, ChunkHeader
 
 if TYPE_CHECKING:
-    from weightserve.client.receive.stream import ChunkCheck
     from weightserve.client.transports.flight import FlightPool
 
 log = logging.getLogger("weightserve.client")
@@ -461,9 +460,7 @@ class _TensorDataReader:
     def read_schema(self) -> None:
         return None
 
-    def next_chunk(
-        self, destination: Callable[[ChunkHeader], memoryview], check: ChunkCheck | None = None
-    ) -> ChunkHeader | None:
+    def next_chunk(self, destination: Callable[[ChunkHeader], memoryview]) -> ChunkHeader | None:
         a, self._answer = self._answer, None
         if a is None:
             return None
@@ -480,8 +477,6 @@ class _TensorDataReader:
         )
         view = memoryview(destination(header)).cast("B")
         view[:] = a.data
-        if check is not None:
-            check(header.name, header.offset, header.digest, view)
         return header
 
     def close(self) -> None:

@@ -27,11 +27,6 @@ KEPT_HEAD_MAX_BYTES = 2048  # heads kept parsed are at most this long (a usual h
 RCVLOWAT_BYTES = 1 << 20
 # Below this, a read's remaining bytes are taken as they come (the framing between chunks).
 RCVLOWAT_MIN_READ = 128 << 10
-# A body read smaller than this (a chunk's framing, a small tensor) receives whatever is
-# queued, up to the body's end and the buffer's size, into the connection's buffer and is
-# served from there: a stream's framing was four or five receives per chunk, each with a
-# poll (docs/performance.md, "Round 4").
-READ_AHEAD_BELOW = 16 << 10
 # How long a read waits for its low-water mark before it takes what has come: far above a
 # megabyte's time on any link the mark is for. Bytes queued but short of the mark by then (a
 # slow sender, or a kernel that cannot grow the receive buffer to the mark, Linux < 4.18)
@@ -111,9 +106,8 @@ class Http1Connection:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
             self._lowat = None
 
-    def _receive(self, most: int | None = None) -> int:
-        """Receive more into the buffer after what it holds (at most ``most`` bytes); 0 when
-        the peer closed."""
+    def _receive(self) -> int:
+        """Receive more into the buffer after what it holds; 0 when the peer closed."""
         if self.sock is None:
             raise http.client.NotConnected("the connection is closed")
         if self._lowat is not None and self._lowat > 1:  # a head or framing: any bytes do
@@ -126,8 +120,7 @@ class Http1Connection:
                 raise http.client.LineTooLong(f"a line or head over {len(self._buf)} bytes")
             self._buf[:kept] = self._buf[self._start : self._end]
             self._start, self._end = 0, kept
-        room = self._view[self._end :] if most is None else self._view[self._end :][:most]
-        n = self.sock.recv_into(room)
+        n = self.sock.recv_into(self._view[self._end :])
         self._end += n
         return n
 
@@ -192,17 +185,12 @@ class Http1Connection:
             headers[last] = f"{headers[last]}, {value}" if last in headers else value
         return int(code), 11 if version_text == "HTTP/1.1" else 10, reason.strip(), headers
 
-    def _readinto(self, view: memoryview, owed: bool = False, ahead: int = 0) -> int:
+    def _readinto(self, view: memoryview, owed: bool = False) -> int:
         """Up to ``len(view)`` body bytes: buffered ones first, else one receive straight
         into ``view``; 0 when the peer closed. ``owed``: the peer sends at least
         ``len(view)`` more bytes unasked (the rest of a body of known length), so a large
-        read may wait for a good part of them (``RCVLOWAT_BYTES``) before waking. ``ahead``:
-        the body's bytes still owed, all of which may be received ahead for a small read."""
+        read may wait for a good part of them (``RCVLOWAT_BYTES``) before waking."""
         buffered = self._end - self._start
-        if not buffered and len(view) < READ_AHEAD_BELOW and ahead > len(view):
-            buffered = self._receive(min(ahead, len(self._buf)))
-            if not buffered:
-                return 0
         if buffered:
             n = min(buffered, len(view))
             view[:n] = self._view[self._start : self._start + n]
@@ -348,7 +336,7 @@ class Http1Response:
             return n
         if len(view) > self._left:
             view = view[: self._left]
-        n = conn._readinto(view, owed=True, ahead=self._left)
+        n = conn._readinto(view, owed=True)
         if not n:
             left, self._left, self._done = self._left, 0, True
             conn.close()

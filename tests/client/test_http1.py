@@ -22,12 +22,7 @@ from weightserve.client.errors import TensorNotFound, TransportError, Weightserv
 from weightserve.client.receive.arrow_reader import ArrowChunkReader
 from weightserve.client.transports.base import Connection, StreamParams
 from weightserve.client.transports.http import HttpTransport
-from weightserve.client.transports.http1 import (
-    BUFFER_BYTES,
-    RCVLOWAT_BYTES,
-    READ_AHEAD_BELOW,
-    Http1Connection,
-)
+from weightserve.client.transports.http1 import BUFFER_BYTES, RCVLOWAT_BYTES, Http1Connection
 from weightserve.client.wire.routes import parse_url
 from weightserve.service.serving.request import TensorRequest
 from weightserve.service.serving.streams import plan_stream, stream_messages
@@ -520,56 +515,3 @@ def test_a_body_without_a_length_is_read_as_it_comes() -> None:
     finally:
         conn.close()
         server.close()
-
-
-class _CountingSocket:
-    """A socket that counts its receives (everything else passes through)."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-        self.receives = 0
-
-    def recv_into(self, *args):
-        self.receives += 1
-        return self._sock.recv_into(*args)
-
-    def __getattr__(self, name: str):
-        return getattr(self._sock, name)
-
-
-def test_small_reads_are_received_ahead_but_never_past_the_body() -> None:
-    """Reads smaller than READ_AHEAD_BELOW (a stream's framing) take what is queued into the
-    connection's buffer, up to the body's end: a 48 KiB body read 100 bytes at a time takes a
-    receive per buffer's worth, not per read, and the bytes the server wrongly sent after it
-    stay in the socket (the connection is idle after the body: nothing of it was read)."""
-    body = np.random.default_rng(3).integers(0, 256, 48 << 10, np.uint8).tobytes()
-    listener = socket.create_server(("127.0.0.1", 0))
-    done = threading.Event()
-
-    def serve() -> None:
-        sock, _ = listener.accept()
-        with sock:
-            request = b""
-            while b"\r\n\r\n" not in request:
-                request += sock.recv(65536)
-            sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body))
-            time.sleep(0.2)  # the head is read alone
-            sock.sendall(body + b"not part of the answer")
-            done.wait(10)
-
-    threading.Thread(target=serve, daemon=True).start()
-    conn = Http1Connection.tcp("127.0.0.1", listener.getsockname()[1], timeout=5)
-    try:
-        conn.send(b"GET /x HTTP/1.1\r\nHost: here\r\n\r\n")
-        resp = conn.response()
-        time.sleep(0.2)  # the body and what follows it are queued
-        counting = _CountingSocket(conn.sock)
-        conn.sock = counting  # type: ignore[assignment]
-        assert READ_AHEAD_BELOW > 100
-        assert _body(resp, piece=100) == body
-        assert counting.receives <= len(body) // BUFFER_BYTES + 1, counting.receives
-        assert conn.idle and resp.isclosed()
-    finally:
-        done.set()
-        conn.close()
-        listener.close()

@@ -12,20 +12,12 @@ from urllib.parse import quote, urlencode
 
 from weightserve.client.errors import ServerUnreachable
 from weightserve.client.transports.base import CONTROL_VERBS, LineStream, UploadPart
-from weightserve.client.wire.delta import READER_CODECS
 from weightserve.client.wire.routes import MAIN_REVISION, UPLOADS_ROUTE, http_model_path
 from weightserve.client.wire.watch import WATCH_SILENCE, read_events
 
 # Who holds a revision, where the server has no token file (with one, the token says): one id
 # per process, so another process's hold or release never changes this one's.
 HOLDER_ID = uuid.uuid4().hex
-
-
-def delta_query(since: str, revision: str | None) -> str:
-    """The delta routes' query: the revisions, and the patch encodings this reader decodes."""
-    return urlencode(
-        {"since": since, "revision": revision or MAIN_REVISION, "codecs": READER_CODECS}
-    )
 
 
 class HttpControl:
@@ -110,8 +102,9 @@ class HttpControl:
 
     def delta_size(self, model: str, since: str, revision: str | None) -> dict[str, Any]:
         """``{base, commit, bytes, whole_bytes}``: what ``open_delta`` would send."""
-        query = delta_query(since, revision)
+        query = urlencode({"since": since, "revision": revision or MAIN_REVISION})
         return self.request_json("GET", http_model_path(model, "delta", "size") + "?" + query)
 
     def open_delta(self, model: str, since: str, revision: str | None) -> LineStream:
-        return self._lines(http_model_path(model, "delta") + "?" + delta_query(since, revision))
+        query = urlencode({"since": since, "revision": revision or MAIN_REVISION})
+        return self._lines(http_model_path(model, "delta") + "?" + query)

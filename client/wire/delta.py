@@ -2,18 +2,9 @@
 
 Per tensor of revision B, in the model's order: one JSON line (``DeltaHeader``), then its
 payload: nothing (``same``), the whole tensor's bytes (``whole``: ``nbytes``), or a patch
-(``patch``: ``positions_bytes`` of the gaps between changed elements, unsigned integers of
-``gap_bytes`` encoded as ``positions_codec`` says, then ``values_bytes`` of the changed
-elements' new bytes, encoded as ``values_codec`` says). ``digest`` is the xxh3-128 of B's
-tensor.
-
-Codecs: ``""`` the bytes as they are (values only), ``zstd`` one zstd frame of them, and
-``shuffle-zstd`` one zstd frame of the bytes arranged by significance (every item's lowest
-byte, then every item's next, as Blosc's shuffle filter does): the exponent bytes of changed
-weights and the high bytes of gaps then sit together, which zstd packs smaller and 2-4x
-faster (docs/performance.md, "Delta updates on a trained model"). A reader that decodes
-``shuffle-zstd`` says so when it asks for a stream (``codecs=shuffle-zstd``); others get
-``zstd`` (a header without ``positions_codec`` means ``zstd``).
+(``patch``: ``positions_bytes`` of zstd-compressed gaps between changed elements, unsigned
+integers of ``gap_bytes``, then ``values_bytes`` of the changed elements' new bytes,
+zstd-compressed when ``values_codec`` says so). ``digest`` is the xxh3-128 of B's tensor.
 
 Every side reads it with the one strict reader below (``read_updates``, or ``read_header`` and
 ``decode_patch`` where the payloads are read apart): a header is checked whole, and a patch's
@@ -41,12 +32,7 @@ WHOLE = "whole"
 DELTA_MEDIA_TYPE = "application/x-weightserve-delta"
 KINDS = (SAME, PATCH, WHOLE)
 MAX_HEADER_LINE = 1 << 20  # one tensor's JSON line; longer is not a delta stream
-ZSTD = "zstd"
-SHUFFLE_ZSTD = "shuffle-zstd"
-CODECS = ("", ZSTD, SHUFFLE_ZSTD)  # a patch's values
-POSITION_CODECS = (ZSTD, SHUFFLE_ZSTD)  # a patch's gaps
-# What this reader says it decodes beyond zstd when it asks for a delta stream (``codecs=``).
-READER_CODECS = SHUFFLE_ZSTD
+CODECS = ("", "zstd")
 ELEMENT_SIZES = (1, 2, 4, 8)
 
 
@@ -65,7 +51,6 @@ class DeltaHeader:
     values_bytes: int = 0
     values_raw_bytes: int = 0
     values_codec: str = ""
-    positions_codec: str = ZSTD
 
     @property
     def payload_bytes(self) -> int:
@@ -106,67 +91,26 @@ class TensorUpdate:
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-def reads_shuffled(codecs: str) -> bool:
-    """Whether a reader that asked with ``codecs=`` (comma-separated names; names unknown
-    here are ignored, so a newer reader's list still works) decodes ``shuffle-zstd``."""
-    return SHUFFLE_ZSTD in (name.strip() for name in codecs.split(","))
-
-
-def shuffled(items: np.ndarray) -> np.ndarray:
-    """The bytes of ``items`` (unsigned integers) by significance: every item's lowest byte,
-    then every item's next, and so on (``unshuffled`` undoes it)."""
-    width = items.itemsize
-    if width == 1:
-        return items.view(np.uint8)
-    return np.ascontiguousarray(items.view(np.uint8).reshape(-1, width).T)
-
-
-def unshuffled(data: bytes | memoryview, width: int) -> np.ndarray:
-    """The unsigned integers of ``width`` bytes whose bytes ``data`` holds by significance."""
-    planes = np.frombuffer(data, dtype=np.uint8).reshape(width, -1)
-    item = _UNSIGNED[width]
-    # From the most significant plane down, shifted and ORed in place: several times a
-    # transposing copy's speed, and no temporary array.
-    items: np.ndarray = planes[width - 1].astype(item)
-    for k in range(width - 2, -1, -1):
-        items <<= 8
-        items |= planes[k]
-    return items
-
-
-def encode(items: np.ndarray, codec: str) -> bytes:
-    """``items`` (unsigned integers) in ``codec``'s form."""
-    if codec == SHUFFLE_ZSTD:
-        packed: bytes = pa.compress(shuffled(items), codec=ZSTD, asbytes=True)
-        return packed
-    raw = items.tobytes()
-    if codec == ZSTD:
-        packed = pa.compress(raw, codec=ZSTD, asbytes=True)
-        return packed
-    return raw
-
-
-def decode(raw: bytes | memoryview, codec: str, count: int, width: int) -> np.ndarray:
-    """``count`` unsigned integers of ``width`` bytes from ``raw`` in ``codec``'s form (a
-    header that ``check_header`` passed: the size decompressed is bounded by the tensor's)."""
-    if not codec:
-        return np.frombuffer(raw, dtype=_UNSIGNED[width])
-    data = pa.decompress(raw, count * width, codec=ZSTD, asbytes=True)
-    if codec == SHUFFLE_ZSTD:
-        return unshuffled(data, width)
-    return np.frombuffer(data, dtype=_UNSIGNED[width])
-
-
 def patch_positions(header: DeltaHeader, raw: bytes | memoryview) -> np.ndarray:
-    """The changed elements' indices (int64) from a patch's positions."""
-    gaps = decode(raw, header.positions_codec, header.count, header.gap_bytes)
+    """The changed elements' indices (int64) from a patch's positions (a header that
+    ``check_header`` passed: the size decompressed is bounded by the tensor's)."""
+    gap_type = np.dtype(_UNSIGNED[header.gap_bytes])
+    gaps = np.frombuffer(
+        pa.decompress(raw, header.count * gap_type.itemsize, codec="zstd", asbytes=True),
+        dtype=gap_type,
+    )
     positions = gaps.astype(np.int64)
     return np.cumsum(positions, out=positions)  # widened first: summing in place is faster
 
 
 def patch_values(header: DeltaHeader, raw: bytes | memoryview) -> np.ndarray:
     """The changed elements' new values, as unsigned integers of the element's size."""
-    return decode(raw, header.values_codec, header.count, header.element_bytes)
+    data = (
+        pa.decompress(raw, header.values_raw_bytes, codec=header.values_codec, asbytes=True)
+        if header.values_codec
+        else raw
+    )
+    return np.frombuffer(data, dtype=_UNSIGNED[header.element_bytes])
 
 
 class DeltaCut(EOFError):
@@ -215,7 +159,6 @@ def check_header(header: DeltaHeader) -> None:
         or not isinstance(header.shape, list)
         or not isinstance(header.digest, str)
         or not isinstance(header.values_codec, str)
-        or not isinstance(header.positions_codec, str)
         or any(type(n) is not int or n < 0 for n in (*numbers, *header.shape))
     ):
         raise InvalidRequest(f"tensor {name!r}: the delta stream's header is malformed")
@@ -231,7 +174,6 @@ def check_header(header: DeltaHeader) -> None:
         header.element_bytes not in ELEMENT_SIZES
         or header.gap_bytes not in ELEMENT_SIZES
         or header.values_codec not in CODECS
-        or header.positions_codec not in POSITION_CODECS
         or header.values_raw_bytes != header.count * header.element_bytes
         or (not header.values_codec and header.values_bytes != header.values_raw_bytes)
     ):

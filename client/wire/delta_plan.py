@@ -14,22 +14,14 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import xxhash
 
-from weightserve.client.wire.delta import (
-    PATCH,
-    SAME,
-    SHUFFLE_ZSTD,
-    WHOLE,
-    ZSTD,
-    DeltaHeader,
-    decode,
-    encode,
-)
+from weightserve.client.wire.delta import PATCH, SAME, WHOLE, DeltaHeader
 from weightserve.client.wire.dtypes import wire_dtype
 
 try:
@@ -39,6 +31,7 @@ except ImportError:  # built only where the install found a C compiler
 # Whether the diff runs natively unless a caller says otherwise.
 NATIVE = _diffnative is not None and os.environ.get("WEIGHTSERVE_NATIVE", "1") != "0"
 
+CODEC = "zstd"
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 # Elements compared at a time: the chunk's flags stay in the CPU's cache, where finding the few
 # set ones is cheap (docs/performance.md, "Delta updates on a trained model"), and the chunk of
@@ -81,13 +74,10 @@ def plan_delta(
     element_size: int,
     *,
     native: bool | None = None,
-    shuffle: bool = False,
 ) -> DeltaEntry:
     """The cheapest way from ``old`` (None: not held, or another dtype or shape) to ``new``,
     the tensor's bytes, patched as elements of ``element_size`` bytes (from CPU_BOUND_BYTES
-    on, cheap for the worker's CPU too). ``native`` as ``changed_elements``'. ``shuffle``:
-    encode a patch's gaps and values wider than a byte as ``shuffle-zstd`` (for a reader
-    that decodes it), else as ``zstd``."""
+    on, cheap for the worker's CPU too). ``native`` as ``changed_elements``'."""
 
     def entry(kind: str, digest: str, **fields: Any) -> DeltaHeader:
         return DeltaHeader(
@@ -124,15 +114,13 @@ def plan_delta(
     gaps, changed = found
     if changed.size == 0:
         return DeltaEntry(entry(SAME, digest), ())
-    positions_codec = _codec(gaps, shuffle)
-    positions = encode(gaps, positions_codec)
+    positions = pa.compress(gaps.tobytes(), codec=CODEC, asbytes=True)
     raw_values = changed.tobytes()
     values, values_codec = raw_values, ""
     if not large or len(raw_values) <= new.nbytes * VALUES_COMPRESSED_SHARE:
-        codec = _codec(changed, shuffle)
-        packed = encode(changed, codec)
+        packed = pa.compress(raw_values, codec=CODEC, asbytes=True)
         if len(packed) < len(raw_values):
-            values, values_codec = packed, codec
+            values, values_codec = packed, CODEC
     if len(positions) + len(values) >= new.nbytes:
         return DeltaEntry(entry(WHOLE, digest), (new,))
     header = entry(
@@ -145,38 +133,6 @@ def plan_delta(
         values_bytes=len(values),
         values_raw_bytes=len(raw_values),
         values_codec=values_codec,
-        positions_codec=positions_codec,
-    )
-    return DeltaEntry(header, (positions, values))
-
-
-def _codec(items: np.ndarray, shuffle: bool) -> str:
-    # Bytes shuffled alone are the bytes: plain zstd, which every reader decodes.
-    return SHUFFLE_ZSTD if shuffle and items.itemsize > 1 else ZSTD
-
-
-def unshuffled_entry(entry: DeltaEntry) -> DeltaEntry:
-    """``entry`` with every ``shuffle-zstd`` part re-encoded as ``zstd``, for a reader that
-    does not decode the former (the entry itself where nothing is shuffled)."""
-    header = entry.header
-    if header.kind != PATCH or SHUFFLE_ZSTD not in (header.positions_codec, header.values_codec):
-        return entry
-    positions, values = entry.payload
-    if header.positions_codec == SHUFFLE_ZSTD:
-        gaps = decode(positions, SHUFFLE_ZSTD, header.count, header.gap_bytes)
-        positions = encode(gaps, ZSTD)
-    values_codec = header.values_codec
-    if values_codec == SHUFFLE_ZSTD:
-        changed = decode(values, SHUFFLE_ZSTD, header.count, header.element_bytes)
-        values, values_codec = encode(changed, ZSTD), ZSTD
-        if len(values) >= changed.nbytes:  # as plan_delta: compressed only where it pays
-            values, values_codec = changed.tobytes(), ""
-    header = replace(
-        header,
-        positions_codec=ZSTD,
-        positions_bytes=len(positions),
-        values_codec=values_codec,
-        values_bytes=len(values),
     )
     return DeltaEntry(header, (positions, values))
 

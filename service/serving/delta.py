@@ -5,9 +5,7 @@ tensor; computed once per (A, B) pair and kept for every worker that asks.
 An element is the dtype's item (2 bytes for bfloat16, 1 for int8 and for quantized GGUF
 blocks, which are patched as bytes). Positions are gaps between changed elements (the
 narrowest unsigned integer that holds them), compressed with zstd; values are the changed elements'
-new bytes, compressed where that pays. Both are planned with their bytes shuffled by
-significance (``shuffle-zstd``), and re-encoded as plain ``zstd`` for a reader that does not
-say it decodes that. Each entry carries the target tensor's xxh3-128, which
+new bytes, compressed where that pays. Each entry carries the target tensor's xxh3-128, which
 the client checks after applying it. The wire format is docs/protocol.md, "Delta updates".
 Patches are kept in memory (least recently used dropped first) and, between revisions
 published under a local root, on disk beside them (``KeptDeltas``): a restart diffs nothing
@@ -28,13 +26,7 @@ from pathlib import Path
 
 from weightserve.client.errors import InvalidRequest, RevisionNotFound
 from weightserve.client.wire.delta import WHOLE
-from weightserve.client.wire.delta_plan import (
-    DeltaEntry,
-    element_bytes,
-    header_line,
-    plan_delta,
-    unshuffled_entry,
-)
+from weightserve.client.wire.delta_plan import DeltaEntry, element_bytes, header_line, plan_delta
 from weightserve.client.wire.routes import with_revision
 from weightserve.service.readers.base import TensorEntry
 from weightserve.service.serving.metrics import Metrics
@@ -110,9 +102,7 @@ def plan_entry(name: str, target: Model, base: Model | None) -> DeltaEntry:
         old = tensor_bytes(base, old_entry)
     # Quantized blocks are patched as bytes.
     size = 1 if entry.encoding is not None else element_bytes(entry.dtype)
-    planned = plan_delta(
-        name, entry.dtype, entry.shape, tensor_bytes(target, entry), old, size, shuffle=True
-    )
+    planned = plan_delta(name, entry.dtype, entry.shape, tensor_bytes(target, entry), old, size)
     # The digest and the patch are of one version of the files: checked after reading them.
     target.mapped(entry.file).ensure_unchanged(entry.offset + entry.nbytes)
     if old_entry is not None and old is not None and base is not None:
@@ -201,10 +191,10 @@ class DeltaCache:
                 _, dropped = self._entries.popitem(last=False)
                 self._bytes -= sum(len(p) for p in dropped.payload) + 256
 
-    def size(self, target: Model, base: Model | None, shuffle: bool = True) -> tuple[int, int]:
+    def size(self, target: Model, base: Model | None) -> tuple[int, int]:
         """(bytes of the delta stream's body, bytes of the tensors it sends whole): every
         tensor's entry computed (spread over the diff pool) and kept as ``stream`` keeps them,
-        so the stream that follows sends what is computed here (``shuffle`` as there)."""
+        so the stream that follows sends what is computed here."""
         path = self.kept.pair(base, target) if self.kept is not None and base is not None else None
         kept = self._load(path) if path is not None else None
         pending = [
@@ -214,8 +204,6 @@ class DeltaCache:
         total = whole = 0
         for name, future in pending:
             found = future.result()
-            if not shuffle:
-                found = unshuffled_entry(found)
             total += len(header_line(found.header))
             if found.header.kind == WHOLE:
                 whole += target.tensors[name].nbytes
@@ -223,12 +211,8 @@ class DeltaCache:
                 total += sum(len(piece) for piece in found.payload)
         return total + whole, whole
 
-    def stream(
-        self, target: Model, base: Model | None, shuffle: bool = True
-    ) -> Iterator[bytes | memoryview]:
-        """The delta stream: per tensor of ``target``, one header line and its payload;
-        without ``shuffle``, patches re-encoded for a reader that decodes no ``shuffle-zstd``
-        (what is kept stays as planned)."""
+    def stream(self, target: Model, base: Model | None) -> Iterator[bytes | memoryview]:
+        """The delta stream: per tensor of ``target``, one header line and its payload."""
         path = self.kept.pair(base, target) if self.kept is not None and base is not None else None
         kept = self._load(path) if path is not None else None
         writer = self._claim(path) if path is not None and kept is None else None
@@ -249,8 +233,6 @@ class DeltaCache:
                 found = pending.result()
                 if writer is not None:
                     writer = self._write(writer, found)
-                if not shuffle:
-                    found = unshuffled_entry(found)
                 yield header_line(found.header)
                 if found.header.kind == WHOLE:
                     yield tensor_bytes(target, entry)

@@ -6,7 +6,6 @@ in place; a patch computed once for every worker."""
 from __future__ import annotations
 
 import http.client
-import io
 import json
 
 import ml_dtypes
@@ -16,13 +15,6 @@ import pytest
 from tests.support import publishing
 from tests.support.publishing import first_weights
 from weightserve.client._client import Client
-from weightserve.client.wire.delta import (
-    SHUFFLE_ZSTD,
-    ZSTD,
-    DeltaHeader,
-    TensorUpdate,
-    read_updates,
-)
 from weightserve.service.server import WeightServer
 
 server = publishing.server  # the fixture: a server on loopback that takes publishes
@@ -192,51 +184,6 @@ def test_the_wire_form_is_readable_without_the_client(server: WeightServer) -> N
         seen[header["name"]] = header["kind"]
     assert seen == {"layers.0.w": "patch", "norm": "patch", "embed.q": "same", "head": "whole"}
     conn.close()
-
-
-def read_stream(server: WeightServer, since: str, codecs: str | None) -> dict[str, TensorUpdate]:
-    """The delta stream from ``since`` to main as a reader asking with ``codecs=`` (None: an
-    older reader, which names none) gets it, read with the one strict reader."""
-    query = f"since={since}" + (f"&codecs={codecs}" if codecs is not None else "")
-    conn = http.client.HTTPConnection("127.0.0.1", server.http_port)
-    try:
-        conn.request("GET", f"/v1/models/{MODEL}/-/delta?{query}")
-        reply = conn.getresponse()
-        assert reply.status == 200
-        return {u.name: u for u in read_updates(io.BytesIO(reply.read()))}
-    finally:
-        conn.close()
-
-
-def test_shuffled_patches_go_only_to_readers_that_say_they_decode_them(
-    server: WeightServer,
-) -> None:
-    """A reader naming ``shuffle-zstd`` gets patches with their bytes shuffled (smaller); a
-    reader that names no codec (an older client) gets the same patches in plain zstd, and a
-    header without ``positions_codec`` (an older server's, or a pair kept on disk by one)
-    still reads as zstd."""
-    r1_weights = first_weights()
-    with Client(server.http_url) as c:
-        r1 = c.publish(MODEL, r1_weights)
-        c.publish(MODEL, step(r1_weights, 0.03, 5), base=r1.commit)
-    older = read_stream(server, r1.commit, None)
-    newer = read_stream(server, r1.commit, f"lz4,{SHUFFLE_ZSTD}")  # unknown names ignored
-    assert {u.header.positions_codec for u in older.values() if u.kind == "patch"} == {ZSTD}
-    assert {u.header.values_codec for u in older.values()} <= {"", ZSTD}
-    patched = newer["layers.0.w"].header  # bfloat16 elements, gaps wider than a byte
-    assert (patched.positions_codec, patched.values_codec) == (SHUFFLE_ZSTD, SHUFFLE_ZSTD)
-    assert patched.payload_bytes < older["layers.0.w"].header.payload_bytes
-    assert older.keys() == newer.keys()
-    for name, old in older.items():
-        new = newer[name]
-        assert (old.kind, old.header.digest) == (new.kind, new.header.digest), name
-        if old.kind == "patch":
-            assert np.array_equal(old.positions, new.positions), name
-            assert np.array_equal(old.values, new.values), name
-    # An older server's header names no positions codec: zstd.
-    header = older["layers.0.w"].header
-    body = {k: v for k, v in header.to_json().items() if k != "positions_codec"}
-    assert DeltaHeader.from_json(body).positions_codec == ZSTD
 
 
 def test_a_zero_dim_array_keeps_no_dimensions(server: WeightServer) -> None:

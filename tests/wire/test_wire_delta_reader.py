@@ -22,15 +22,11 @@ from weightserve.client.errors import InvalidRequest
 from weightserve.client.wire.delta import (
     MAX_HEADER_LINE,
     PATCH,
-    SHUFFLE_ZSTD,
-    ZSTD,
     DeltaCut,
     DeltaHeader,
     check_header,
     decode_patch,
-    encode,
     read_updates,
-    shuffled,
 )
 from weightserve.service.server import ServerConfig, WeightServer
 
@@ -55,15 +51,6 @@ def patch(gaps: list[int], values: list[int], **fields: Any) -> bytes:
     return header + positions + raw
 
 
-def shuffled_patch(values: bytes) -> bytes:
-    """A patch of one change of ``w`` whose values are ``values`` compressed as shuffled."""
-    positions = pa.compress(np.array([1], np.uint32).tobytes(), codec="zstd", asbytes=True)
-    packed = pa.compress(values, codec="zstd", asbytes=True)
-    header = line(count=1, positions_bytes=len(positions), values_bytes=len(packed),
-                  values_raw_bytes=4, values_codec=SHUFFLE_ZSTD)  # fmt: skip
-    return header + positions + packed
-
-
 # The server's refusals of a patch upload (service/sources/publishing/patched_tensors.py): each a body.
 MALFORMED = {
     "not JSON": b"not json\n",
@@ -83,11 +70,6 @@ MALFORMED = {
         count=1, positions_bytes=0, values_bytes=4, values_raw_bytes=4, values_codec="lz4"
     )
     + b"\0" * 4,  # fmt: skip
-    "an unknown positions codec": line(
-        count=1, positions_bytes=0, values_bytes=4, values_raw_bytes=4, positions_codec="lz4"
-    )
-    + b"\0" * 4,  # fmt: skip
-    "shuffled values shorter than their count": shuffled_patch(b"\x07\0\0"),
     "raw values of another count": line(
         count=2, positions_bytes=0, values_bytes=4, values_raw_bytes=4
     )
@@ -188,30 +170,6 @@ def test_a_well_formed_stream_is_read_whole() -> None:
     assert got[1].positions is not None and got[1].positions.tolist() == [3, 5]
     assert got[1].values is not None and got[1].values.tolist() == [9, 10]
     assert got[2].data == whole
-
-
-@pytest.mark.parametrize("width", [1, 2, 4, 8])
-def test_shuffled_and_plain_patches_decode_alike(width: int) -> None:
-    """``shuffle-zstd`` gaps and values of every width decode to what ``zstd`` and raw give."""
-    rng = np.random.default_rng(width)
-    item = np.dtype(f"u{width}")
-    count = 3000
-    gaps = rng.integers(1, 200, count).astype(item)
-    values = rng.integers(0, np.iinfo(item).max, count, dtype=item)
-    assert shuffled(values).tobytes() != values.tobytes() or width == 1
-    decoded = []
-    for codec in ("", ZSTD, SHUFFLE_ZSTD):
-        positions = encode(gaps, codec or ZSTD)
-        packed = encode(values, codec)
-        header = DeltaHeader(kind=PATCH, name="t", dtype=f"uint{8 * width}", shape=[1 << 20],
-                             nbytes=width << 20, count=count, element_bytes=width,
-                             gap_bytes=width, positions_bytes=len(positions),
-                             values_bytes=len(packed), values_raw_bytes=values.nbytes,
-                             values_codec=codec, positions_codec=codec or ZSTD)  # fmt: skip
-        decoded.append(decode_patch(header, positions, packed))
-    for positions, got in decoded:
-        assert np.array_equal(positions, np.cumsum(gaps.astype(np.int64)))
-        assert np.array_equal(got, values)
 
 
 def test_declared_sizes_are_bounded_by_the_tensor_before_decoding() -> None:

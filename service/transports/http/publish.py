@@ -31,7 +31,7 @@ from weightserve.client.errors import (
     PublishConflict,
     WeightserveError,
 )
-from weightserve.client.wire.delta import DELTA_MEDIA_TYPE, reads_shuffled
+from weightserve.client.wire.delta import DELTA_MEDIA_TYPE
 from weightserve.client.wire.json_body import load_json_object
 from weightserve.client.wire.routes import MAIN_REVISION, UPLOADS_ROUTE, with_revision
 from weightserve.service.serving.delta import delta_base
@@ -518,20 +518,18 @@ def add_publish_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -
 
     @get_and_head(app, f"{MODEL}/delta", tags=["publish"])
     async def delta(
-        http: Request, model: str, since: str, revision: str = MAIN_REVISION, codecs: str = ""
+        http: Request, model: str, since: str, revision: str = MAIN_REVISION
     ) -> Response:
         """What a worker holding revision `since` needs to hold `revision` (default `main`):
         per tensor, one JSON line (`kind` `same`, `patch` or `whole`) and its bytes
         (docs/protocol.md, "Delta updates"). A commit `since` the server does not hold gives
         every tensor whole (`x-weightserve-delta-base` empty); a `since` that is neither a ref
-        it holds nor a commit's hex digits is a 400. `codecs`: the patch encodings the
-        reader decodes beyond `zstd`, comma-separated (`shuffle-zstd`). A data route: it
-        takes a stream slot as the tensor streams do, and holds both revisions' files while
-        it runs."""
+        it holds nor a commit's hex digits is a 400. A data route: it takes a stream slot
+        as the tensor streams do, and holds both revisions' files while it runs."""
         http.scope[OPERATION_KEY] = "stream"
-        return await run_in_threadpool(_start_delta, http, model, since, revision, codecs)
+        return await run_in_threadpool(_start_delta, http, model, since, revision)
 
-    def _start_delta(http: Request, model: str, since: str, revision: str, codecs: str) -> Response:
+    def _start_delta(http: Request, model: str, since: str, revision: str) -> Response:
         caller = access(http)
         target = state.readable_model(caller, with_revision(model, revision))
         base = delta_base(lambda named: state.readable_model(caller, named), model, since)
@@ -549,24 +547,22 @@ def add_publish_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -
                 # The status and headers a GET gets (a full server answers 429 here too),
                 # no body, and the slot free again at once.
                 return Response(headers=headers, media_type=DELTA_MEDIA_TYPE)
-            pieces = state.deltas.stream(target, base, reads_shuffled(codecs))
+            pieces = state.deltas.stream(target, base)
             return LeasedStreamResponse(lease.handed_over(), pieces, headers, DELTA_MEDIA_TYPE)
 
     @get_and_head(app, f"{MODEL}/delta/size", tags=["publish"])
     async def delta_size(
-        http: Request, model: str, since: str, revision: str = MAIN_REVISION, codecs: str = ""
+        http: Request, model: str, since: str, revision: str = MAIN_REVISION
     ) -> dict[str, Any]:
         """What the delta stream from `since` to `revision` weighs before it is sent:
         `{base, commit, bytes, whole_bytes}` (`bytes`: its body; `whole_bytes`: the tensors it
         sends whole). Every tensor's patch is computed for it, once for every worker, and the
         stream asked for next sends them. A node cache weighs this against filling the
-        revision from its peers (docs/origins.md, "Peer fills"). `codecs` as the stream's."""
+        revision from its peers (docs/origins.md, "Peer fills")."""
         http.scope[OPERATION_KEY] = "stream"
-        return await run_in_threadpool(_delta_size, http, model, since, revision, codecs)
+        return await run_in_threadpool(_delta_size, http, model, since, revision)
 
-    def _delta_size(
-        http: Request, model: str, since: str, revision: str, codecs: str
-    ) -> dict[str, Any]:
+    def _delta_size(http: Request, model: str, since: str, revision: str) -> dict[str, Any]:
         caller = access(http)
         target = state.readable_model(caller, with_revision(model, revision))
         base = delta_base(lambda named: state.readable_model(caller, named), model, since)
@@ -575,7 +571,7 @@ def add_publish_routes(app: FastAPI, state: ServiceState, access: AccessCheck) -
             lease.admit(target, {e.file for e in target.tensors.values()}, client)
             if base is not None:
                 lease.hold(base, {e.file for e in base.tensors.values()})
-            total, whole = state.deltas.size(target, base, reads_shuffled(codecs))
+            total, whole = state.deltas.size(target, base)
         return {
             "base": base.commit if base is not None else "",
             "commit": target.commit,

@@ -24,6 +24,7 @@ from weightserve.client.transports.base import (
     LineStream,
     TLSOptions,
     Transport,
+    carries,
 )
 from weightserve.client.transports.planes import make_transport
 from weightserve.client.wire.delta import TensorUpdate
@@ -38,6 +39,7 @@ __all__ = [
     "TensorUpdate",
     "Transport",
     "UpdateTarget",
+    "carries",
     "connect",
     "iter_updates",
 ]
@@ -52,6 +54,6 @@ def connect(
 ) -> Transport:
     """The transport to ``server`` (a URL, ``http(s)://`` or ``grpc(s)://``, or a parsed
     address) that its scheme names; close it when done. A verb it does not carry (a watch's
-    lines over gRPC) raises ``WrongTransport``."""
+    lines over gRPC) raises ``WrongTransport``; ``carries(transport, verb)`` says beforehand."""
     address = parse_url(server)[0] if isinstance(server, str) else server
     return make_transport(address, Connection(token, tls, timeout))

@@ -185,6 +185,8 @@ CONTROL_VERBS = frozenset(
         "open_watch",
         "hold",
         "open_delta",
+        "delta_size",
+        "join_swarm",
     }
 )
 
@@ -243,6 +245,15 @@ class ControlTransport(Protocol):
         ``revision`` (None: ``main``); its headers name the target."""
         ...
 
+    def delta_size(self, model: str, since: str, revision: str | None) -> dict[str, Any]:
+        """``{base, commit, bytes, whole_bytes}``: what ``open_delta`` would send."""
+        ...
+
+    def join_swarm(self, model: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A node cache joining a revision's swarm (docs/origins.md, "Peer fills"): the
+        torrent, the node's certificate and the peers."""
+        ...
+
 
 class Transport(DataTransport, ControlTransport, Protocol):
     """A server as the client holds it: its data plane and its control plane."""
@@ -295,6 +306,12 @@ class RefusesControl:
 
     def open_delta(self, model: str, since: str, revision: str | None) -> LineStream:
         raise self._refuse("a delta update")
+
+    def delta_size(self, model: str, since: str, revision: str | None) -> dict[str, Any]:
+        raise self._refuse("the size of a delta update")
+
+    def join_swarm(self, model: str, body: dict[str, Any]) -> dict[str, Any]:
+        raise self._refuse("joining a revision's swarm")
 
 
 def carries(transport: ControlTransport, verb: str) -> bool:

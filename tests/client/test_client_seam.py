@@ -120,6 +120,10 @@ def test_each_transport_says_which_control_verbs_it_carries() -> None:
             grpc.hold("m", "a" * 40, 10)
         with pytest.raises(WrongTransport, match="^an NDJSON watch needs an http://"):
             grpc.open_watch(None, None)
+        with pytest.raises(WrongTransport, match="^the size of a delta update needs an http://"):
+            grpc.delta_size("m", "a" * 40, None)
+        with pytest.raises(WrongTransport, match="^joining a revision's swarm needs an http://"):
+            grpc.join_swarm("m", {})
     finally:
         http.close()
         grpc.close()

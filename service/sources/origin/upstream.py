@@ -29,6 +29,7 @@ from weightserve.client.remote import (
     TLSOptions,
     Transport,
     UpdateTarget,
+    carries,
     connect,
 )
 from weightserve.client.wire.delta import DeltaCut, read_updates
@@ -219,10 +220,9 @@ class UpstreamOrigin:
         """The upstream's answer to a node joining a revision's swarm (``POST
         /v1/models/ID/-/swarm``, one attempt: a node that cannot join fills from the upstream
         alone). NotFound from an upstream without the route; only the HTTP API has it."""
-        join = getattr(self.transport, "join_swarm", None)
-        if join is None:
+        if not carries(self.transport, "join_swarm"):
             raise NotFound(f"origin {self.description}: peer fills need its HTTP API")
-        return self.requests.call("swarm", lambda: join(model, body))
+        return self.requests.call("swarm", lambda: self.transport.join_swarm(model, body))
 
     def _split(self, name: str) -> tuple[str, str]:
         """(model id, file name on the upstream) of an origin file name, as last listed."""
@@ -334,10 +334,11 @@ class UpstreamOrigin:
         """The bytes the delta stream of ``file``'s model from ``since`` to ``revision`` would
         send (``GET .../delta/size``, one attempt); NotFound from an upstream without it."""
         model, _ = self._split(file.name)
-        size = getattr(self.transport, "delta_size", None)
-        if size is None:
+        if not carries(self.transport, "delta_size"):
             raise NotFound(f"origin {self.description}: the delta's size needs its HTTP API")
-        answer = self.requests.call("get", lambda: size(model, since, revision))
+        answer = self.requests.call(
+            "get", lambda: self.transport.delta_size(model, since, revision)
+        )
         return int(answer["bytes"])
 
     def open_delta(

@@ -3,8 +3,9 @@
  * NumPy takes three passes for it (a flag per element, flatnonzero, a gather), and those are
  * most of the server's diff at RL densities (docs/performance.md, "Delta updates on a trained
  * model"). This module compares the old and new bytes 64 elements at a time (16 bytes per
- * instruction with SSE2, 8 bytes per word elsewhere), skips a block with no change, and for each changed element of the others writes the gap from the previous
- * changed element and the new element straight into the caller's buffers. Only the CPython
+ * instruction with SSE2, 8 bytes per word elsewhere), skips a block with no change, and for
+ * each changed element of the others writes the gap from the previous changed element and
+ * the new element straight into the caller's buffers. Only the CPython
  * C API and the buffer protocol: it builds against any NumPy, and delta_plan.py falls back to
  * NumPy where it was not built.
  */
@@ -32,17 +33,6 @@ typedef struct {
     uint64_t widest;
 } Diff;
 
-/* Eight bytes as a little-endian integer, whatever the machine's order and the address's
- * alignment, so that the first element of a word is in its low bits everywhere. Compilers
- * make this one load on little-endian machines. */
-static inline uint64_t
-load_word(const unsigned char *at)
-{
-    return (uint64_t)at[0] | (uint64_t)at[1] << 8 | (uint64_t)at[2] << 16 |
-           (uint64_t)at[3] << 24 | (uint64_t)at[4] << 32 | (uint64_t)at[5] << 40 |
-           (uint64_t)at[6] << 48 | (uint64_t)at[7] << 56;
-}
-
 /* -DDIFFNATIVE_PORTABLE builds the fallback where the builtin exists, to test it. */
 #if (defined(__GNUC__) || defined(__clang__)) && !defined(DIFFNATIVE_PORTABLE)
 #define lowest_bit(x) ((Py_ssize_t)__builtin_ctzll(x))
@@ -60,38 +50,6 @@ lowest_bit(uint64_t x)
     return positions[((x & (0 - x)) * UINT64_C(0x03f79d71b4cb0a89)) >> 58];
 }
 #endif
-
-/* One bit per element of the word ``x`` (old XOR new), set where the element changed, the
- * first element in bit 0: the top bit of each nonzero lane, gathered by a multiply whose
- * partial products land on distinct bits. No branch: at RL densities whether a word or a
- * block changed is close to a coin toss, and a mispredicted branch cost more than this. */
-static inline uint64_t
-changed_lanes_1(uint64_t x)
-{
-    const uint64_t low = UINT64_C(0x7f7f7f7f7f7f7f7f);
-    uint64_t tops = (((x & low) + low) | x) & ~low;
-    return ((tops >> 7) * UINT64_C(0x0102040810204080)) >> 56;
-}
-
-static inline uint64_t
-changed_lanes_2(uint64_t x)
-{
-    const uint64_t low = UINT64_C(0x7fff7fff7fff7fff);
-    uint64_t tops = (((x & low) + low) | x) & ~low;
-    return (((tops >> 15) * UINT64_C(0x0001000200040008)) >> 48) & 0xf;
-}
-
-static inline uint64_t
-changed_lanes_4(uint64_t x)
-{
-    return (uint64_t)((x & UINT64_C(0xffffffff)) != 0) | (uint64_t)((x >> 32) != 0) << 1;
-}
-
-static inline uint64_t
-changed_lanes_8(uint64_t x)
-{
-    return x != 0;
-}
 
 /* block_changes_SIZE(old_block, new_block): one bit per element of a block of
  * BLOCK_ELEMENTS elements of SIZE bytes, set where the element changed, the first element in
@@ -159,6 +117,49 @@ block_changes_8(const unsigned char *o, const unsigned char *n)
     return changed;
 }
 #else
+/* Eight bytes as a little-endian integer, whatever the machine's order and the address's
+ * alignment, so that the first element of a word is in its low bits everywhere. Compilers
+ * make this one load on little-endian machines. */
+static inline uint64_t
+load_word(const unsigned char *at)
+{
+    return (uint64_t)at[0] | (uint64_t)at[1] << 8 | (uint64_t)at[2] << 16 |
+           (uint64_t)at[3] << 24 | (uint64_t)at[4] << 32 | (uint64_t)at[5] << 40 |
+           (uint64_t)at[6] << 48 | (uint64_t)at[7] << 56;
+}
+
+/* One bit per element of the word ``x`` (old XOR new), set where the element changed, the
+ * first element in bit 0: the top bit of each nonzero lane, gathered by a multiply whose
+ * partial products land on distinct bits. No branch: at RL densities whether a word or a
+ * block changed is close to a coin toss, and a mispredicted branch cost more than this. */
+static inline uint64_t
+changed_lanes_1(uint64_t x)
+{
+    const uint64_t low = UINT64_C(0x7f7f7f7f7f7f7f7f);
+    uint64_t tops = (((x & low) + low) | x) & ~low;
+    return ((tops >> 7) * UINT64_C(0x0102040810204080)) >> 56;
+}
+
+static inline uint64_t
+changed_lanes_2(uint64_t x)
+{
+    const uint64_t low = UINT64_C(0x7fff7fff7fff7fff);
+    uint64_t tops = (((x & low) + low) | x) & ~low;
+    return (((tops >> 15) * UINT64_C(0x0001000200040008)) >> 48) & 0xf;
+}
+
+static inline uint64_t
+changed_lanes_4(uint64_t x)
+{
+    return (uint64_t)((x & UINT64_C(0xffffffff)) != 0) | (uint64_t)((x >> 32) != 0) << 1;
+}
+
+static inline uint64_t
+changed_lanes_8(uint64_t x)
+{
+    return x != 0;
+}
+
 #define DEFINE_BLOCK_CHANGES(SIZE)                                                  \
     static inline uint64_t block_changes_##SIZE(const unsigned char *o,            \
                                                 const unsigned char *n)            \

@@ -156,7 +156,12 @@ def table(results: dict[str, Any]) -> str:
     c = results["contenders"]
     ceiling = results["ceiling"]["gbps"]
     pagecache = c.get("pagecache_read", {}).get("gbps", float("nan"))
+    machine = results.get("machine", {})
     lines = [
+        # The same VM lands on different hosts, whose per-byte costs differ by up to 2x
+        # (docs/performance.md, "Round 4"): ratios are only comparable on one CPU.
+        f"machine: {machine.get('cpu', '?')}, {machine.get('nproc', '?')} CPUs, "
+        f"kernel {machine.get('kernel', '?')}, tree {machine.get('git', '?')}",
         f"checkpoint: {results['checkpoint']['tensors']} tensors, "
         f"{results['checkpoint']['bytes'] / (1 << 30):.2f} GiB bf16; "
         f"{results['config']['rounds']} rounds, alternating; median [min-max]",

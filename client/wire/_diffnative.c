@@ -5,9 +5,9 @@
  * model"). This module compares the old and new bytes 64 elements at a time (16 bytes per
  * instruction with SSE2, 8 bytes per word elsewhere), skips a block with no change, and for
  * each changed element of the others writes the gap from the previous changed element and
- * the new element straight into the caller's buffers. Only the CPython
- * C API and the buffer protocol: it builds against any NumPy, and delta_plan.py falls back to
- * NumPy where it was not built.
+ * the new element straight into the caller's buffers. Only the CPython C API and the buffer
+ * protocol: it builds against any NumPy, and delta_plan.py falls back to NumPy where it was
+ * not built.
  */
 
 #define PY_SSIZE_T_CLEAN

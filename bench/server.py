@@ -4,7 +4,8 @@ A separate process so that no client shares the server's GIL (an in-process serv
 make every client/server pair fight over one interpreter lock and measure that instead).
 Prints ``BENCH-READY {"http_url", "grpc_url", "unix_url", "pid"}`` and serves until stdin
 closes. It also listens on a same-node socket in a temporary directory (``unix_url``). An
-optional second argument is the handoff's snapshot budget in bytes (0: the client copies).
+optional second argument is the handoff's snapshot budget in bytes (0: the client copies;
+``-``: the default); ``--no-sendfile`` anywhere after ROOT serves HTTP as the flag does.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import tempfile
 from bench.procs import serve_until_stdin_closes
 
 
-def main(root: str, snapshot_bytes: int | None = None) -> None:
+def main(root: str, snapshot_bytes: int | None = None, sendfile: bool = True) -> None:
     from weightserve.service.server import ServerConfig, WeightServer
 
     logging.basicConfig(level=logging.WARNING)
@@ -30,6 +31,7 @@ def main(root: str, snapshot_bytes: int | None = None) -> None:
             flight_port=0,
             uds=uds,
             handoff_snapshot_bytes=snapshot_bytes,
+            sendfile=sendfile,
             allow_publish=True,  # bench.publish; a loopback server of the bench's own
         )
         server = WeightServer(config).start()
@@ -47,4 +49,6 @@ def main(root: str, snapshot_bytes: int | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else None)
+    args = [a for a in sys.argv[1:] if a != "--no-sendfile"]
+    budget = args[1] if len(args) > 1 and args[1] != "-" else None
+    main(args[0], int(budget) if budget is not None else None, "--no-sendfile" not in sys.argv)

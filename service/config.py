@@ -195,6 +195,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("--idle-timeout", "WEIGHTSERVE_IDLE_TIMEOUT", Limits.idle_timeout,
             "seconds a client may read nothing before its stream is cut", positive_seconds,
             "60 s"),
+    Setting("--no-sendfile", "WEIGHTSERVE_NO_SENDFILE", False,
+            "HTTP: write tensor and file bytes from the file's mapping (one copy) instead of "
+            "with sendfile, where sendfile's pages cost more (some VM hosts, loopback peers)"),
     Setting("--token-file", "WEIGHTSERVE_TOKEN_FILE", None,
             "bearer tokens, one per line, each optionally followed by the model ids or "
             "patterns it may read; re-read when it changes", str, "none: no authentication"),

@@ -94,6 +94,9 @@ class ServerConfig:
     # How often the root is searched for new or removed models.
     rescan_seconds: float = default_of("rescan")
     watch: bool = True  # rescan on file-system events too (inotify), not only periodically
+    # HTTP sends file bytes with sendfile; False: written from the mapping (one copy), which
+    # some hosts' loopback and VM networking make cheaper for both ends (docs/performance.md).
+    sendfile: bool = True
     # A node cache over an upstream weightserve watches its announcements (sources/origin/follow.py).
     follow: bool = True
     # Where file content digests are remembered across restarts (file-digests.sqlite); None:
@@ -577,7 +580,7 @@ class WeightServer:
         on the same-node socket, Flight before gRPC (GetServerInfo must never answer "no
         Flight" while it starts), gRPC (on the socket too), the handoff socket."""
         c = self.config
-        app = create_app(self.state)
+        app = create_app(self.state, sendfile=c.sendfile)
         idle, grace = self.state.limits.idle_timeout, c.grace_seconds
         self._http = UvicornListener(
             app, c.host, c.http_port, idle_timeout=idle, grace_seconds=grace, **self._http_tls()

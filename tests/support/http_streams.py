@@ -23,17 +23,18 @@ from weightserve.service.transports.http.app import WeightserveApp, create_app
 
 @contextlib.contextmanager
 def serving(
-    state: ServiceState, protocol: str, uds: str | None = None
+    state: ServiceState, protocol: str, uds: str | None = None, sendfile: bool = True
 ) -> Iterator[tuple[int, WeightserveApp]]:
     """uvicorn with ``protocol`` on a loopback port or on the Unix socket ``uds``: (port,
-    the app, which counts the streams it wrote directly)."""
+    the app, which counts the streams it wrote directly); ``sendfile`` as ``--no-sendfile``
+    leaves it."""
     sock = None
     options: dict = {"uds": uds} if uds else {}
     if uds is None:
         # IPPROTO_TCP as the server's own listener declares it (asyncio sets TCP_NODELAY).
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.bind(("127.0.0.1", 0))
-    app = create_app(state)
+    app = create_app(state, sendfile=sendfile)
     assert isinstance(app, WeightserveApp)
     config = uvicorn.Config(app, http=protocol, lifespan="off", log_level="warning", **options)
     server = uvicorn.Server(config)

@@ -42,7 +42,7 @@ class _App(WeightserveApp, LaneFirst):
     small-tensor lane (``LaneFirst``), then FastAPI."""
 
 
-def create_app(state: ServiceState) -> FastAPI:
+def create_app(state: ServiceState, sendfile: bool = True) -> FastAPI:
     app = _App(
         title="weightserve",
         description="Model weights as Apache Arrow streams. Tensor data: Arrow IPC stream, "
@@ -53,6 +53,7 @@ def create_app(state: ServiceState) -> FastAPI:
         docs_url=None,  # add_offline_docs: the pages' assets come from this server, no CDN
         redoc_url=None,
     )
+    app.use_sendfile = sendfile
     access = access_check(state)
     streams = TensorStreams(state, access)
 

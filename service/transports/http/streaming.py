@@ -428,6 +428,7 @@ class _SocketWriter:
         writer = cls(account, sock.fileno(), idle_timeout)
         app = scope.get("app")
         if isinstance(app, WeightserveApp):
+            writer.use_sendfile = writer.use_sendfile and app.use_sendfile
             app.direct_streams += 1
             app.open_writers.add(writer)
         return writer
@@ -632,6 +633,10 @@ class WeightserveApp(FastAPI):
     direct_streams = 0
     direct_bytes = 0
     sendfile_bytes = 0
+    # False (``--no-sendfile``): file bytes are written from the mapping instead, one copy in
+    # the server; on some hosts loopback and VM networking make sendfile's pages dearer for
+    # both ends than that copy (docs/performance.md, "sendfile or a copy").
+    use_sendfile = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

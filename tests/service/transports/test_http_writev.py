@@ -79,6 +79,25 @@ def test_large_bodies_are_written_directly_and_match(state, protocol) -> None:
         assert app.sendfile_bytes == 2 * BIG_BYTES
 
 
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+def test_no_sendfile_writes_the_same_bytes_from_the_mapping(state, transport, tmp_path) -> None:
+    # --no-sendfile: the direct writer still takes the body, but copies the tensor bytes
+    # from the file's mapping; what the client gets is byte for byte the same.
+    uds = str(tmp_path / "ws.sock") if transport == "unix" else None
+    chunk = (1 << 20) + 4  # padded chunks too
+    with serving(state, "httptools", uds=uds, sendfile=False) as (port, app):
+        conn = _UnixConnection(uds) if uds else http.client.HTTPConnection("127.0.0.1", port)
+        body = fetch(conn, BIG, chunk)
+        conn.close()
+        assert body == expected_body(state, BIG, chunk)
+        assert app.direct_streams == 1
+        deadline = time.monotonic() + 10
+        while app.direct_bytes < len(body) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert app.direct_bytes == len(body)
+        assert app.sendfile_bytes == 0
+
+
 def test_chunk_padding_goes_out_in_front_of_the_next_framing(state) -> None:
     # Chunks of 1 MiB + 4 bytes: each but the last is padded to 8 bytes by a suffix, which
     # the direct writer holds back and sends in front of the next chunk's framing.

@@ -16,8 +16,10 @@ as a worker would; the server runs here. Each vLLM process takes 40-80 s on 2 co
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -124,15 +126,33 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         yield Served(server, checkpoint, dir_b)
 
 
+# Short temporary directories for the workers, removed when the module's tests end.
+_worker_tmp_dirs: list[Path] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _remove_worker_tmp_dirs() -> Iterator[None]:
+    yield
+    while _worker_tmp_dirs:
+        shutil.rmtree(_worker_tmp_dirs.pop(), ignore_errors=True)
+
+
 def worker_environment(home: Path, served: Served | None) -> dict[str, str]:
     """A vLLM process with every cache and temporary file under ``home`` (what the worker
-    writes is there to inspect), its Hub client at the server, no other network."""
-    for sub in ("tmp", "hf", "vllm"):
+    writes is there to inspect), its Hub client at the server, no other network.
+
+    Its TMPDIR is a short directory that ``home/tmp`` links to: vLLM makes its ZMQ sockets
+    there, and a socket's path must fit in 107 bytes, which a test's own directory (longer
+    still under pytest-xdist) need not."""
+    for sub in ("hf", "vllm"):
         (home / sub).mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="vllm-"))
+    _worker_tmp_dirs.append(tmp)
+    (home / "tmp").symlink_to(tmp, target_is_directory=True)
     env = {
         **child_environment(),
         "HOME": str(home),
-        "TMPDIR": str(home / "tmp"),
+        "TMPDIR": str(tmp),
         "HF_HOME": str(home / "hf"),
         "VLLM_CACHE_ROOT": str(home / "vllm"),
         "XDG_CACHE_HOME": str(home / "cache"),
@@ -211,15 +231,20 @@ def baselines(served: Served, tmp_path_factory: pytest.TempPathFactory) -> dict[
     return tokens
 
 
+def files_under(home: Path) -> list[Path]:
+    """Every file under ``home``, the worker's TMPDIR (linked from it) included."""
+    return [Path(d, name) for d, _, names in os.walk(home, followlinks=True) for name in names]
+
+
 def large_files(home: Path) -> list[Path]:
-    return [p for p in home.rglob("*") if p.is_file() and p.stat().st_size > MiB]
+    return [p for p in files_under(home) if p.stat().st_size > MiB]
 
 
 def assert_no_weights_written(home: Path, served: Served) -> None:
     """Nothing of the weights under the worker's home: the only files over 1 MiB are copies
     of the model's side files (its 3.4 MiB tokenizer.json, which vLLM reads from disk)."""
     side = {f.read_bytes() for f in served.side_files.values() if f.stat().st_size > MiB}
-    written = sum(p.stat().st_size for p in home.rglob("*") if p.is_file())
+    written = sum(p.stat().st_size for p in files_under(home) if p.is_file())
     for path in large_files(home):
         assert path.read_bytes() in side, f"{path} ({path.stat().st_size} bytes) was written"
     model_bytes = (served.checkpoint / "model.safetensors").stat().st_size

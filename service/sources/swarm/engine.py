@@ -208,7 +208,9 @@ class PeerEngine:
         self.counters = PeerCounters()
         self._listening = threading.Event()
         self._listen_error: str | None = None
-        self._closing = threading.Event()
+        self._closing = threading.Event()  # no more announcements
+        # The alert pump stops last: closing waits on its torrent_removed alerts.
+        self._alerts_stop = threading.Event()
         # The binding takes a settings dict (its stubs name only settings_pack).
         self._session = lt.session(_session_settings(settings))  # type: ignore[call-overload]
         everyone = lt.ip_filter()
@@ -515,7 +517,7 @@ class PeerEngine:
             self._removed.pop(key, None)
 
     def _pump_alerts(self) -> None:
-        while not self._closing.is_set():
+        while not self._alerts_stop.is_set():
             if self._session.wait_for_alert(200) is None:
                 continue
             for alert in self._session.pop_alerts():
@@ -553,11 +555,16 @@ class PeerEngine:
         return counters
 
     def close(self) -> None:
+        """Stop announcing, remove every seeded torrent (each waits for libtorrent's alert
+        that its files are closed, so the pump runs until they are), then pause."""
         self._closing.set()
         with self._lock:
             models = list(self._seeded)
         for model in models:
             self.stop(model)
+        self._alerts_stop.set()
+        if self._alerts is not threading.current_thread():
+            self._alerts.join(5)
         self._session.pause()
 
 

@@ -227,6 +227,24 @@ def test_eviction_stops_the_seeding(tmp_path: Path) -> None:
         assert metric(node, "weightserve_peer_seeding_revisions") == 0
 
 
+def test_closing_a_seeding_node_waits_for_libtorrent_not_for_a_timeout(tmp_path: Path) -> None:
+    # Each torrent's removal waits for libtorrent's alert that its files are closed; closing
+    # once stopped the alert pump before removing, so a node seeding two revisions took 30 s
+    # to stop (the second removal's alert had no pump left to hear it).
+    other = "team/other"
+    write_model(tmp_path / "root", other, TENSOR_BYTES, seed=4)
+    with cluster(tmp_path, 1) as (upstream, (node,), written):
+        load(node)
+        with Client(node.http_url) as client:
+            assert client.model(other).fetch()
+        peers = engine(node)
+        assert set(peers.seeding()) == {MODEL, other}
+        started = time.monotonic()
+        peers.close()
+        assert time.monotonic() - started < 10
+        assert peers.seeding() == {}
+
+
 def test_a_restarted_node_seeds_what_it_held(tmp_path: Path) -> None:
     with cluster(tmp_path, 1) as (upstream, (node,), written):
         load(node)

@@ -4,8 +4,8 @@ A separate process so that no client shares the server's GIL (an in-process serv
 make every client/server pair fight over one interpreter lock and measure that instead).
 Prints ``BENCH-READY {"http_url", "grpc_url", "unix_url", "pid"}`` and serves until stdin
 closes. It also listens on a same-node socket in a temporary directory (``unix_url``). An
-optional second argument is the handoff's snapshot budget in bytes (0: the client copies;
-``-``: the default); ``--no-sendfile`` anywhere after ROOT serves HTTP as the flag does.
+optional second argument is the handoff's snapshot budget in bytes (0: the client copies);
+``--no-sendfile`` anywhere after ROOT serves HTTP as the flag does.
 """
 
 from __future__ import annotations
@@ -50,5 +50,4 @@ def main(root: str, snapshot_bytes: int | None = None, sendfile: bool = True) ->
 
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if a != "--no-sendfile"]
-    budget = args[1] if len(args) > 1 and args[1] != "-" else None
-    main(args[0], int(budget) if budget is not None else None, "--no-sendfile" not in sys.argv)
+    main(args[0], int(args[1]) if len(args) > 1 else None, "--no-sendfile" not in sys.argv)

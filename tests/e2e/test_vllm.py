@@ -233,7 +233,8 @@ def baselines(served: Served, tmp_path_factory: pytest.TempPathFactory) -> dict[
 
 def files_under(home: Path) -> list[Path]:
     """Every file under ``home``, the worker's TMPDIR (linked from it) included."""
-    return [Path(d, name) for d, _, names in os.walk(home, followlinks=True) for name in names]
+    found = (Path(d, name) for d, _, names in os.walk(home, followlinks=True) for name in names)
+    return [p for p in found if p.is_file()]
 
 
 def large_files(home: Path) -> list[Path]:
@@ -244,7 +245,7 @@ def assert_no_weights_written(home: Path, served: Served) -> None:
     """Nothing of the weights under the worker's home: the only files over 1 MiB are copies
     of the model's side files (its 3.4 MiB tokenizer.json, which vLLM reads from disk)."""
     side = {f.read_bytes() for f in served.side_files.values() if f.stat().st_size > MiB}
-    written = sum(p.stat().st_size for p in files_under(home) if p.is_file())
+    written = sum(p.stat().st_size for p in files_under(home))
     for path in large_files(home):
         assert path.read_bytes() in side, f"{path} ({path.stat().st_size} bytes) was written"
     model_bytes = (served.checkpoint / "model.safetensors").stat().st_size

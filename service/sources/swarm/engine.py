@@ -563,8 +563,7 @@ class PeerEngine:
         for model in models:
             self.stop(model)
         self._alerts_stop.set()
-        if self._alerts is not threading.current_thread():
-            self._alerts.join(5)
+        self._alerts.join(5)
         self._session.pause()
 
 

@@ -6,6 +6,11 @@ parser were most of a small request's client time (docs/performance.md, "Small r
 
 Failures raise http.client's exceptions (``RemoteDisconnected``, ``BadStatusLine``,
 ``IncompleteRead``, ``LineTooLong``...), so callers handle both connections alike.
+
+A large body read runs in one native call where the extension was built
+(client/transports/socket_loops.py): the GIL is let go once per read instead of at every
+receive and poll, and the bytes after the read land in the connection's buffer in the same
+receive. Without it, or with ``WEIGHTSERVE_NATIVE=0``, the same reads run in Python.
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ import contextlib
 import http.client
 import select
 import socket
+
+from weightserve.client.transports import socket_loops
+from weightserve.client.transports.socket_loops import _socketio
 
 BUFFER_BYTES = 64 << 10  # holds any head we accept, and a small answer whole
 MAX_HEAD_BYTES = BUFFER_BYTES
@@ -39,7 +47,9 @@ class Http1Connection:
     """One kept-alive HTTP/1.1 connection: ``send`` a request, ``response`` reads its answer
     (one at a time: the previous answer's body must be read, or the connection closed)."""
 
-    __slots__ = ("sock", "_buf", "_view", "_start", "_end", "_heads", "_lowat", "_poller")
+    __slots__ = (
+        "sock", "native", "_buf", "_view", "_start", "_end", "_heads", "_lowat", "_poller",
+    )  # fmt: skip
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock: socket.socket | None = sock
@@ -47,6 +57,8 @@ class Http1Connection:
         tcp = sock.family in (socket.AF_INET, socket.AF_INET6)
         self._lowat: int | None = 1 if tcp and hasattr(select, "poll") else None
         self._poller: select.poll | None = None
+        # Large body reads in one native call (the module's docstring).
+        self.native = socket_loops.NATIVE
         self._buf = bytearray(BUFFER_BYTES)
         self._view = memoryview(self._buf)
         self._start = self._end = 0  # unread received bytes: _buf[_start:_end]
@@ -200,6 +212,8 @@ class Http1Connection:
         if sock is None:
             raise http.client.NotConnected("the connection is closed")
         lowat = self._lowat
+        if owed and self.native and len(view) >= RCVLOWAT_MIN_READ:
+            return self._receive_owed(sock, view)
         if lowat is None:
             return sock.recv_into(view)
         # Never wait for more than the peer owes: a poll would sit out the timeout.
@@ -214,6 +228,28 @@ class Http1Connection:
             if self._readable(sock, 0):  # bytes came, short of the mark: not for this link
                 self._lowat = None
         return sock.recv_into(view)
+
+    def _receive_owed(self, sock: socket.socket, view: memoryview) -> int:
+        """All of ``view`` (owed by the peer, the connection's buffer empty) in one native
+        call; what arrives past it in the same receive is kept in the buffer. Fewer bytes
+        only where the peer closed."""
+        assert _socketio is not None
+        timeout = sock.gettimeout()
+        lowat = self._lowat
+        self._start = self._end = 0
+        n, spilled, mark, current = _socketio.recv_into_all(
+            sock.fileno(),
+            view,
+            self._view,
+            -1 if timeout is None else int(timeout * 1000),
+            0 if lowat is None else RCVLOWAT_BYTES,
+            lowat or 1,
+            RCVLOWAT_PATIENCE_MS,
+        )
+        self._end = spilled
+        if lowat is not None:
+            self._lowat = current if mark else None  # 0: the mark is not for this link
+        return n
 
     def _readable(self, sock: socket.socket, timeout_ms: int) -> bool:
         poller = self._poller

@@ -1,11 +1,16 @@
 """The lean HTTP/1.1 connection of tensor streams (client/transports/http1.py): its parser
 against answers written byte for byte by a loopback server (lengths, chunks, bodies that run
 to the close, odd heads, cut answers), and the transport over it: errors from the server's
-error body, a connection kept after an error, one the server closed while idle."""
+error body, a connection kept after an error, one the server closed while idle.
+
+Large body reads run in Python and in the native loop (client/transports/_socketio.c); the
+tests of those reads run on both (``body_reads``), and a real model's load is compared byte
+for byte with both."""
 
 from __future__ import annotations
 
 import http.client
+import importlib.util
 import socket
 import tempfile
 import threading
@@ -17,9 +22,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from tests.support.native import c_compiler, printed_with_native_setting
 from weightserve.client import Client
 from weightserve.client.errors import TensorNotFound, TransportError, WeightserveError
 from weightserve.client.receive.arrow_reader import ArrowChunkReader
+from weightserve.client.transports import socket_loops
 from weightserve.client.transports.base import Connection, StreamParams
 from weightserve.client.transports.http import HttpTransport
 from weightserve.client.transports.http1 import BUFFER_BYTES, RCVLOWAT_BYTES, Http1Connection
@@ -28,6 +35,9 @@ from weightserve.service.serving.request import TensorRequest
 from weightserve.service.serving.streams import plan_stream, stream_messages
 from weightserve.service.sources.local.catalog import Catalog
 from weightserve.service.transports.http.streaming import whole_body
+
+NATIVE_MODULE = "weightserve.client.transports._socketio"
+BUILT = importlib.util.find_spec(NATIVE_MODULE) is not None
 
 # What a scripted connection does with each request: the bytes to answer, then whether to
 # close the connection.
@@ -80,6 +90,16 @@ class ScriptedServer:
 
     def close(self) -> None:
         self.listener.close()
+
+
+@pytest.fixture(params=["python", "native"])
+def body_reads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Connections made in the test read large bodies in Python, or in the native loop
+    (skipped where the extension was not built)."""
+    if request.param == "native" and not BUILT:
+        pytest.skip("the native reads are not built")
+    monkeypatch.setattr(socket_loops, "NATIVE", request.param == "native")
+    return request.param
 
 
 @pytest.fixture
@@ -168,7 +188,7 @@ def test_odd_heads(scripted) -> None:
     conn.close()
 
 
-def test_a_body_larger_than_the_buffer_lands_in_place(scripted) -> None:
+def test_a_body_larger_than_the_buffer_lands_in_place(scripted, body_reads) -> None:
     payload = np.random.default_rng(1).integers(0, 256, 3 * BUFFER_BYTES + 5, np.uint8).tobytes()
     server = scripted(
         [(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload, True)]
@@ -214,13 +234,18 @@ def test_answers_that_are_not_http_1(scripted, answer: bytes, error: type[Except
         b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort",
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\na\r\nshort",
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+        # Past the size the native loop takes (RCVLOWAT_MIN_READ): cut after some bytes came.
+        b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (1 << 20, bytes(300 << 10)),
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s"
+        % (1 << 20, bytes(300 << 10)),
     ],
+    ids=["length", "chunk", "chunk-size", "large-length", "large-chunk"],
 )
-def test_a_body_cut_short_fails(scripted, answer: bytes) -> None:
+def test_a_body_cut_short_fails(scripted, body_reads, answer: bytes) -> None:
     server = scripted([(answer, True)])
     conn, resp = _exchange(server)
     with pytest.raises(http.client.IncompleteRead):
-        _body(resp)
+        _body(resp, piece=1 << 20)
     assert not conn.idle  # closed: never pooled again
     conn.close()
 
@@ -418,7 +443,9 @@ def _timed_reads(resp, into: memoryview) -> tuple[int, int, float]:
 
 
 @pytest.mark.parametrize("framing", ["length", "chunked"])
-def test_a_large_body_read_wakes_per_megabyte_and_never_waits_past_its_end(framing) -> None:
+def test_a_large_body_read_wakes_per_megabyte_and_never_waits_past_its_end(
+    framing, body_reads
+) -> None:
     """A body trickling in 16 KiB writes: a large read waits (SO_RCVLOWAT) for a megabyte
     at a time instead of waking for each write, and its last bytes, with nothing sent
     after them on the open connection, are read at once, not after the idle timeout."""
@@ -447,7 +474,7 @@ def test_a_large_body_read_wakes_per_megabyte_and_never_waits_past_its_end(frami
         server.close()
 
 
-def test_a_sender_slower_than_the_mark_is_read_as_it_comes() -> None:
+def test_a_sender_slower_than_the_mark_is_read_as_it_comes(body_reads) -> None:
     """A body flowing at ~1 MiB/s, under a megabyte per the mark's patience: the first read
     takes what came after the patience and the connection stops using the mark; the read
     timeout still means "no bytes for that long" (one timeout, not two, when the server then
@@ -476,7 +503,7 @@ def test_a_sender_slower_than_the_mark_is_read_as_it_comes() -> None:
         server.close()
 
 
-def test_a_server_silent_mid_body_times_out_once() -> None:
+def test_a_server_silent_mid_body_times_out_once(body_reads) -> None:
     """A server that owes a large body and sends none of it: the read gives up after the
     mark's patience and one read timeout, not two; the mark stays in use (nothing came)."""
     server = TricklingServer(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (2 << 20), b"", 1)
@@ -495,7 +522,7 @@ def test_a_server_silent_mid_body_times_out_once() -> None:
         server.close()
 
 
-def test_a_body_without_a_length_is_read_as_it_comes() -> None:
+def test_a_body_without_a_length_is_read_as_it_comes(body_reads) -> None:
     """A body that runs to the close owes no byte count: a large read takes what has
     come while the server pauses with the connection open."""
     head = b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n"
@@ -515,3 +542,56 @@ def test_a_body_without_a_length_is_read_as_it_comes() -> None:
     finally:
         conn.close()
         server.close()
+
+
+def test_large_reads_keep_what_follows_them_in_the_buffer(scripted, body_reads) -> None:
+    """Reads of a body's parts, each owed in full (as a stream's chunks are): every byte
+    lands once and in order; the native loop takes the bytes past a part into the
+    connection's buffer in the same receive, and the next read starts from there."""
+    payload = np.random.default_rng(3).integers(0, 256, 3 << 20, np.uint8).tobytes()
+    server = scripted(
+        [(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload, True)]
+    )
+    conn, resp = _exchange(server)
+    into = memoryview(bytearray(len(payload)))
+    part = 700 << 10  # above RCVLOWAT_MIN_READ, so the native loop takes each part
+    got = followed = 0
+    while got < len(payload):
+        got += resp.readinto(into[got : got + part])
+        followed += conn._end > conn._start  # bytes past the part already buffered
+    assert bytes(into) == payload and resp.isclosed()
+    if body_reads == "native":
+        assert followed, "no part's receive took the bytes after it"
+    conn.close()
+
+
+def test_a_real_models_load_is_the_same_through_both_reads(
+    server, reference, model_root, body_reads
+) -> None:
+    """MiniLM's whole load (two streams of 8 MiB chunks, the framing between them) against
+    the safetensors reader's bytes."""
+    if "minilm" in model_root.skipped:
+        pytest.skip(model_root.skipped["minilm"])
+    with Client(server.http_url) as client:
+        got = client.model("minilm").fetch()
+    expected = reference("minilm")
+    assert list(got) == list(expected)
+    for name, ref in expected.items():
+        assert got[name].dtype == ref.array.dtype and got[name].shape == ref.array.shape, name
+        assert got[name].tobytes() == ref.array.tobytes(), name
+
+
+def test_the_native_reads_are_built_where_a_c_compiler_exists() -> None:
+    compiler = c_compiler()
+    if compiler is None:
+        pytest.skip("no C compiler: the install leaves the extension out and Python reads")
+    assert BUILT, (
+        f"{compiler} exists but {NATIVE_MODULE} is not built: pip install -e . builds it "
+        "(its errors show with pip install -v)"
+    )
+
+
+@pytest.mark.parametrize("setting", [None, "0"])
+def test_weightserve_native_picks_the_loops_at_import(setting: str | None) -> None:
+    code = "from weightserve.client.transports import socket_loops; print(socket_loops.NATIVE)"
+    assert printed_with_native_setting(code, setting) == str(BUILT and setting != "0")

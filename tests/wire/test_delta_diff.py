@@ -13,10 +13,7 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import os
-import shlex
-import shutil
 import subprocess
-import sys
 import sysconfig
 from collections.abc import Iterator
 from types import ModuleType
@@ -27,6 +24,7 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.support.native import c_compiler, printed_with_native_setting
 from tests.support.paths import REPO
 from weightserve.client.wire import delta_plan
 from weightserve.client.wire.delta_plan import (
@@ -48,12 +46,6 @@ PROPERTY = settings(
     derandomize=True,
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
-
-
-def c_compiler() -> str | None:
-    """The compiler the install would build extensions with, if it is on PATH."""
-    command = sysconfig.get_config_var("CC") or "cc"
-    return shutil.which(shlex.split(command)[0])
 
 
 @pytest.fixture(scope="session")
@@ -155,15 +147,8 @@ def test_the_extension_is_built_where_a_c_compiler_exists() -> None:
 
 @pytest.mark.parametrize("setting", [None, "0", "1"])
 def test_weightserve_native_picks_the_path_at_import(setting: str | None) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "WEIGHTSERVE_NATIVE"}
-    if setting is not None:
-        env["WEIGHTSERVE_NATIVE"] = setting
     code = "from weightserve.client.wire import delta_plan; print(delta_plan.NATIVE)"
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == str(BUILT and setting != "0")
+    assert printed_with_native_setting(code, setting) == str(BUILT and setting != "0")
 
 
 def test_asking_for_the_native_path_without_the_extension_says_so() -> None:

@@ -29,6 +29,12 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 
 from weightserve.client.errors import ModelUnavailable, WeightserveError
+from weightserve.client.transports import socket_loops
+from weightserve.client.transports.socket_loops import (
+    WRITE_FILE_ENDED,
+    WRITE_TIMED_OUT,
+    _socketio,
+)
 from weightserve.client.wire.schema import ARROW_STREAM_MEDIA_TYPE
 from weightserve.service.serving.lease import StreamLease
 from weightserve.service.serving.streams import FileMessage, MessageStream
@@ -407,6 +413,9 @@ class _SocketWriter:
         if self.sock.family not in (socket.AF_INET, socket.AF_INET6):
             self.cork = None
         self.use_sendfile = hasattr(os, "sendfile")
+        # A write (and its waits for room) in one native call, the GIL released throughout
+        # (client/transports/socket_loops.py); the loops below where not built.
+        self.native = socket_loops.NATIVE
         self.pending = b""  # a chunk's padding, sent in front of the next framing
         self.unaccounted = 0  # body bytes written that uvicorn has not been told of yet
 
@@ -489,6 +498,14 @@ class _SocketWriter:
         views = [memoryview(p).cast("B") for p in (self.pending, *parts) if len(p)]
         self.pending = b""
         total = sum(len(v) for v in views)
+        if self.native:
+            assert _socketio is not None
+            written, outcome = _socketio.writev_all(self.fd, views, self.idle_ms)
+            self.unaccounted += written
+            self.written += written
+            if outcome:
+                raise self._write_error(outcome)
+            return
         while views:
             try:
                 n = os.writev(self.fd, views)
@@ -508,6 +525,22 @@ class _SocketWriter:
         file_fd = message.mapped.fileno()
         at = start = message.file_offset
         end = start + count
+        if self.native:
+            assert _socketio is not None
+            sent, outcome = _socketio.sendfile_all(self.fd, file_fd, start, count, self.idle_ms)
+            at += sent
+            self.unaccounted += sent
+            self.written += sent
+            self.sent_from_files += sent
+            if not outcome:
+                return
+            if outcome == WRITE_FILE_ENDED:
+                raise _truncated(message)
+            if not (outcome > 0 and not sent and outcome in _NO_SENDFILE):
+                raise self._write_error(outcome)
+            self.use_sendfile = False
+            self.write_all(message[1:2])
+            return
         while at < end:
             try:
                 n = os.sendfile(self.fd, file_fd, at, end - at)
@@ -521,10 +554,7 @@ class _SocketWriter:
                 self.write_all(message[1:2])
                 return
             if n == 0:  # the end of the file came first: truncated since it was mapped
-                raise ModelUnavailable(
-                    f"{message.mapped.path.name} was truncated while being served; the "
-                    "model reloads on its next request"
-                )
+                raise _truncated(message)
             at += n
             self.unaccounted += n
             self.written += n
@@ -532,7 +562,13 @@ class _SocketWriter:
 
     def _wait_writable(self) -> None:
         if not self.poller.poll(self.idle_ms):
-            raise TimeoutError(f"the client read nothing for {self.idle_ms / 1000:.1f} s")
+            raise self._write_error(WRITE_TIMED_OUT)
+
+    def _write_error(self, outcome: int) -> OSError:
+        """The error for a native write loop's outcome (or a wait that timed out here)."""
+        if outcome == WRITE_TIMED_OUT:
+            return TimeoutError(f"the client read nothing for {self.idle_ms / 1000:.1f} s")
+        return OSError(outcome, os.strerror(outcome))  # BrokenPipeError etc. by errno
 
     @contextlib.contextmanager
     def _corked(self) -> Iterator[None]:
@@ -556,6 +592,13 @@ class _SocketWriter:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def _truncated(message: FileMessage) -> ModelUnavailable:
+    return ModelUnavailable(
+        f"{message.mapped.path.name} was truncated while being served; the model reloads on "
+        "its next request"
+    )
 
 
 # sendfile's errors that mean "not from this file to this socket" rather than a failed write.

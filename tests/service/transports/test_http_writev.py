@@ -1,7 +1,8 @@
 """HTTP stream bodies go out straight to the socket (``_SocketWriter``: tensor bytes with
 sendfile from the file, framing with writev) on uvicorn's plain HTTP/1.1 connections,
 httptools and h11, TCP and a Unix socket alike, and the bytes are those the ASGI path sends.
-Small bodies keep the ASGI path (no thread hop)."""
+Small bodies keep the ASGI path (no thread hop). Every test runs with the writer's loops in
+Python and in the native extension (client/transports/socket_loops.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import http.client
 import os
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,7 @@ from safetensors.numpy import save_file
 
 from tests.support.http_streams import expected_body, fetch, serving
 from weightserve.client.errors import ModelUnavailable
+from weightserve.client.transports import socket_loops
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.serving.streams import (
     FileMessage,
@@ -30,6 +33,16 @@ from weightserve.service.transports.http import streaming as http_streaming
 BIG = "big.weight"  # 3 MiB: more than DIRECT_WRITE_MIN_BYTES, and several 1 MiB chunks
 BIG_BYTES = 768 * 1024 * 4
 SMALL = "small.norm"
+
+
+@pytest.fixture(autouse=True, params=["python", "native"])
+def write_loops(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Writers made during the test write in Python, or in the native loops (skipped where
+    the extension was not built)."""
+    if request.param == "native" and socket_loops._socketio is None:
+        pytest.skip("the native loops are not built")
+    monkeypatch.setattr(socket_loops, "NATIVE", request.param == "native")
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -198,3 +211,52 @@ def test_file_ranges_go_out_with_sendfile(state) -> None:
             time.sleep(0.01)
         assert app.direct_streams == 2
         assert app.sendfile_bytes == expected
+
+
+def _big_stream(root: Path) -> Iterator[tuple]:
+    """The messages of one 3 MiB tensor's stream, in 4 MiB chunks (one chunk)."""
+    (root / "m").mkdir()
+    save_file({BIG: np.ones((768, 1024), np.float32)}, str(root / "m" / "model.safetensors"))
+    model = ServiceState(Catalog(root)).catalog.get("m")
+    return stream_messages(model, plan_stream(model, TensorRequest(names=(BIG,))), 4 << 20)
+
+
+@pytest.mark.parametrize("sendfile", [True, False])
+def test_a_client_that_stops_reading_is_cut_after_the_idle_timeout(
+    tmp_path: Path, sendfile: bool
+) -> None:
+    # A socket that is never read fills: the writer waits for room, at most the idle
+    # timeout, and says so; the bytes that went are counted either way.
+    messages = _big_stream(tmp_path)
+    sender, receiver = socket.socketpair()
+    sender.setblocking(False)
+    writer = http_streaming._SocketWriter(lambda n: None, sender.fileno(), idle_timeout=0.3)
+    writer.use_sendfile = sendfile
+    try:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="read nothing for 0.3 s"):
+            writer.write_some(messages)
+        assert 0.25 < time.monotonic() - start < 5
+        assert 0 < writer.written < BIG_BYTES
+        # Past the framing, what went is the tensor's bytes, by sendfile or by the copy.
+        assert (writer.sent_from_files > 0) is sendfile
+    finally:
+        writer.close()
+        sender.close()
+        receiver.close()
+
+
+@pytest.mark.parametrize("sendfile", [True, False])
+def test_a_client_gone_fails_the_write(tmp_path: Path, sendfile: bool) -> None:
+    messages = _big_stream(tmp_path)
+    sender, receiver = socket.socketpair()
+    sender.setblocking(False)
+    receiver.close()
+    writer = http_streaming._SocketWriter(lambda n: None, sender.fileno(), idle_timeout=5)
+    writer.use_sendfile = sendfile
+    try:
+        with pytest.raises(BrokenPipeError):
+            writer.write_some(messages)
+    finally:
+        writer.close()
+        sender.close()

@@ -205,3 +205,25 @@ def test_bench_gpu_harness_on_the_cpu(tmp_path: Path) -> None:
     )
     assert all(row["gbps"] > 0 for row in rows.values())
     assert all(row["of_raw_tcp"] > 0 for key, row in rows.items() if key.startswith("ws_"))
+
+
+def test_bench_native_loops_quick(tmp_path: Path) -> None:
+    """``python -m bench.native_loops --quick``: every row loaded in every round, with CPU
+    figures and a ratio against the raw reader, JSON written (no timing is asserted)."""
+    out = tmp_path / "native-loops.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.native_loops", "--quick", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if proc.returncode == 2 and "not built" in proc.stdout:
+        pytest.skip("the native loops are not built")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    results = json.loads(out.read_text())
+    rows = {"sendfile_native", "sendfile_python", "copy_native", "copy_python"}
+    assert set(results["samples"]) == rows | {"raw_mmap_2conn_lowat_xxh3"}
+    assert all(len(got) == 2 for got in results["samples"].values())
+    assert all(s["wall_s"] > 0 for got in results["samples"].values() for s in got)
+    assert all(r > 0 for got in results["x_raw_per_round"].values() for r in got)

@@ -9,9 +9,9 @@
  * ``recv_into_all`` receives a whole chunk's bytes in one call, keeping the connection's
  * low-water mark as http1.py does, and the bytes that follow the chunk (the next chunk's
  * framing) land in a second buffer in the same receive. ``writev_all`` and ``sendfile_all``
- * are the server's side: a chunk written whole, waiting on a full socket in between, in one
- * call. Only POSIX sockets and the CPython C API; socket_loops.py says whether it was built,
- * and the callers run the same loops in Python where it was not.
+ * (Linux only) are the server's side: a chunk written whole, waiting on a full socket in
+ * between, in one call. Only POSIX sockets and the CPython C API; socket_loops.py says whether
+ * it was built, and the callers run the same loops in Python where it was not.
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -21,7 +21,9 @@
 #include <limits.h>
 #include <poll.h>
 #include <sys/socket.h>
-#include <sys/sendfile.h>
+#ifdef __linux__
+#include <sys/sendfile.h> /* Linux's sendfile; other systems' differs, and they go without */
+#endif
 #include <sys/uio.h>
 
 /* What ``recv_loop`` ended on. */
@@ -381,6 +383,7 @@ done:
     return result;
 }
 
+#ifdef __linux__
 static int
 sendfile_loop(int fd, int file_fd, off_t *offset, Py_ssize_t *left, int idle_ms)
 {
@@ -451,13 +454,16 @@ sendfile_all(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     return Py_BuildValue("(ni)", (Py_ssize_t)count_arg - left, outcome);
 }
+#endif /* __linux__ */
 
 static PyMethodDef methods[] = {
     {"recv_into_all", (PyCFunction)(void (*)(void))recv_into_all, METH_FASTCALL,
      recv_into_all_doc},
     {"writev_all", (PyCFunction)(void (*)(void))writev_all, METH_FASTCALL, writev_all_doc},
+#ifdef __linux__
     {"sendfile_all", (PyCFunction)(void (*)(void))sendfile_all, METH_FASTCALL,
      sendfile_all_doc},
+#endif
     {NULL, NULL, 0, NULL},
 };
 

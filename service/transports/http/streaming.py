@@ -525,7 +525,7 @@ class _SocketWriter:
         file_fd = message.mapped.fileno()
         at = start = message.file_offset
         end = start + count
-        if self.native:
+        if self.native and hasattr(_socketio, "sendfile_all"):  # Linux's sendfile only
             assert _socketio is not None
             sent, outcome = _socketio.sendfile_all(self.fd, file_fd, start, count, self.idle_ms)
             at += sent

@@ -2,7 +2,7 @@
 ``python -m bench.native_loops --size-gib 1 --rounds 10``.
 
 Four servers serve one checkpoint: with ``sendfile`` and with ``--no-sendfile``, each once
-with the native loops (client/transports/socket_loops.py) and once with
+with the native loops (client/wire/socket_loops.py) and once with
 ``WEIGHTSERVE_NATIVE=0``. One client process fetches the whole model from each in turn, its
 own loops switched to match the server's, and then reads it from the verifying raw reader
 (``raw_mmap_2conn_lowat_xxh3``, bench/ceilings.py), every round in the same order. One warm
@@ -31,7 +31,7 @@ from bench.checkpoint import MODEL_ID, RESULTS_DIR, Checkpoint, quick
 from bench.procs import ServerProcess, cpu_seconds
 from bench.procs import write_json_atomically as write_json
 from bench.weightserve_loads import fetch_load
-from weightserve.client.transports import socket_loops
+from weightserve.client.wire import socket_loops
 
 RESULTS = RESULTS_DIR / "native-loops.json"
 # (row, server's extra arguments, native loops on both sides)

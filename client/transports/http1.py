@@ -8,7 +8,7 @@ Failures raise http.client's exceptions (``RemoteDisconnected``, ``BadStatusLine
 ``IncompleteRead``, ``LineTooLong``...), so callers handle both connections alike.
 
 A large body read runs in one native call where the extension was built
-(client/transports/socket_loops.py): the GIL is let go once per read instead of at every
+(client/wire/socket_loops.py): the GIL is let go once per read instead of at every
 receive and poll, and the bytes after the read land in the connection's buffer in the same
 receive. Without it, or with ``WEIGHTSERVE_NATIVE=0``, the same reads run in Python.
 """
@@ -20,8 +20,8 @@ import http.client
 import select
 import socket
 
-from weightserve.client.transports import socket_loops
-from weightserve.client.transports.socket_loops import _socketio
+from weightserve.client.wire import socket_loops
+from weightserve.client.wire.socket_loops import _socketio
 
 BUFFER_BYTES = 64 << 10  # holds any head we accept, and a small answer whole
 MAX_HEAD_BYTES = BUFFER_BYTES

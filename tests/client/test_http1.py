@@ -3,7 +3,7 @@ against answers written byte for byte by a loopback server (lengths, chunks, bod
 to the close, odd heads, cut answers), and the transport over it: errors from the server's
 error body, a connection kept after an error, one the server closed while idle.
 
-Large body reads run in Python and in the native loop (client/transports/_socketio.c); the
+Large body reads run in Python and in the native loop (client/wire/_socketio.c); the
 tests of those reads run on both (``body_reads``), and a real model's load is compared byte
 for byte with both."""
 
@@ -26,17 +26,17 @@ from tests.support.native import c_compiler, printed_with_native_setting
 from weightserve.client import Client
 from weightserve.client.errors import TensorNotFound, TransportError, WeightserveError
 from weightserve.client.receive.arrow_reader import ArrowChunkReader
-from weightserve.client.transports import socket_loops
 from weightserve.client.transports.base import Connection, StreamParams
 from weightserve.client.transports.http import HttpTransport
 from weightserve.client.transports.http1 import BUFFER_BYTES, RCVLOWAT_BYTES, Http1Connection
+from weightserve.client.wire import socket_loops
 from weightserve.client.wire.routes import parse_url
 from weightserve.service.serving.request import TensorRequest
 from weightserve.service.serving.streams import plan_stream, stream_messages
 from weightserve.service.sources.local.catalog import Catalog
 from weightserve.service.transports.http.streaming import whole_body
 
-NATIVE_MODULE = "weightserve.client.transports._socketio"
+NATIVE_MODULE = "weightserve.client.wire._socketio"
 BUILT = importlib.util.find_spec(NATIVE_MODULE) is not None
 
 # What a scripted connection does with each request: the bytes to answer, then whether to
@@ -593,5 +593,5 @@ def test_the_native_reads_are_built_where_a_c_compiler_exists() -> None:
 
 @pytest.mark.parametrize("setting", [None, "0"])
 def test_weightserve_native_picks_the_loops_at_import(setting: str | None) -> None:
-    code = "from weightserve.client.transports import socket_loops; print(socket_loops.NATIVE)"
+    code = "from weightserve.client.wire import socket_loops; print(socket_loops.NATIVE)"
     assert printed_with_native_setting(code, setting) == str(BUILT and setting != "0")

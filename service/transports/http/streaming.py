@@ -29,13 +29,13 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 
 from weightserve.client.errors import ModelUnavailable, WeightserveError
-from weightserve.client.transports import socket_loops
-from weightserve.client.transports.socket_loops import (
+from weightserve.client.wire import socket_loops
+from weightserve.client.wire.schema import ARROW_STREAM_MEDIA_TYPE
+from weightserve.client.wire.socket_loops import (
     WRITE_FILE_ENDED,
     WRITE_TIMED_OUT,
     _socketio,
 )
-from weightserve.client.wire.schema import ARROW_STREAM_MEDIA_TYPE
 from weightserve.service.serving.lease import StreamLease
 from weightserve.service.serving.streams import FileMessage, MessageStream
 from weightserve.service.transports.http.body_reader import SocketBodyReader, plain_socket
@@ -414,7 +414,7 @@ class _SocketWriter:
             self.cork = None
         self.use_sendfile = hasattr(os, "sendfile")
         # A write (and its waits for room) in one native call, the GIL released throughout
-        # (client/transports/socket_loops.py); the loops below where not built.
+        # (client/wire/socket_loops.py); the loops below where not built.
         self.native = socket_loops.NATIVE
         self.pending = b""  # a chunk's padding, sent in front of the next framing
         self.unaccounted = 0  # body bytes written that uvicorn has not been told of yet

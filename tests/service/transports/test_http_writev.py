@@ -2,7 +2,7 @@
 sendfile from the file, framing with writev) on uvicorn's plain HTTP/1.1 connections,
 httptools and h11, TCP and a Unix socket alike, and the bytes are those the ASGI path sends.
 Small bodies keep the ASGI path (no thread hop). Every test runs with the writer's loops in
-Python and in the native extension (client/transports/socket_loops.py)."""
+Python and in the native extension (client/wire/socket_loops.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from safetensors.numpy import save_file
 
 from tests.support.http_streams import expected_body, fetch, serving
 from weightserve.client.errors import ModelUnavailable
-from weightserve.client.transports import socket_loops
+from weightserve.client.wire import socket_loops
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.serving.streams import (
     FileMessage,

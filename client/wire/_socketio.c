@@ -479,8 +479,8 @@ static PyModuleDef_Slot slots[] = {
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
-    "weightserve.client.transports._socketio",
-    "Socket loops with the GIL released throughout (client/transports/socket_loops.py).",
+    "weightserve.client.wire._socketio",
+    "Socket loops with the GIL released throughout (client/wire/socket_loops.py).",
     0,
     methods,
     slots,

@@ -1,4 +1,4 @@
-"""The optional native socket loops (client/transports/_socketio.c), built at install where a
+"""The optional native socket loops (client/wire/_socketio.c), built at install where a
 C compiler is: a large HTTP body read (client/transports/http1.py) and the HTTP server's
 direct write of a chunk (service/transports/http/streaming.py) each run in one call with the
 GIL released throughout, instead of giving it up and taking it back at every receive, write
@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 try:
-    import weightserve.client.transports._socketio as _socketio
+    import weightserve.client.wire._socketio as _socketio
 except ImportError:  # built only where the install found a C compiler
     _socketio = None
 

@@ -19,6 +19,7 @@ from bench.procs import serve_until_stdin_closes
 
 
 def main(root: str, snapshot_bytes: int | None = None, sendfile: bool = True) -> None:
+    from weightserve.service import server as server_module
     from weightserve.service.server import ServerConfig, WeightServer
 
     logging.basicConfig(level=logging.WARNING)
@@ -35,6 +36,10 @@ def main(root: str, snapshot_bytes: int | None = None, sendfile: bool = True) ->
             allow_publish=True,  # bench.publish; a loopback server of the bench's own
         )
         server = WeightServer(config).start()
+        # As ``weightserve serve`` does once it is up; an A/B's older tree may not have it.
+        freeze = getattr(server_module, "freeze_startup_heap", None)
+        if freeze is not None:
+            freeze()
         try:
             serve_until_stdin_closes(
                 {

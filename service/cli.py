@@ -39,7 +39,7 @@ def _models_wanted() -> str:
 def run_serve(args: argparse.Namespace) -> int:
     """Serve as ``args`` (and the environment) say until SIGTERM or SIGINT: 0 after a clean
     shutdown; 2, with one line on stderr naming the setting to change, when it cannot start."""
-    from weightserve.service.server import StartupError
+    from weightserve.service.server import StartupError, freeze_startup_heap
 
     try:
         apply_environment(args)
@@ -76,6 +76,7 @@ def run_serve(args: argparse.Namespace) -> int:
         )
     for model_id in list(catalog.models)[:5]:
         print(f"  model {server.http_url}/v1/models/{model_id}", flush=True)
+    freeze_startup_heap()
     print("ready", flush=True)
 
     stop.wait()

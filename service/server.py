@@ -10,6 +10,7 @@ streams get ``grace`` seconds to finish, then the listeners stop.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import ssl
 import threading
@@ -130,6 +131,21 @@ class ServerConfig:
     # Memory for the handoff's sealed snapshots (service/sources/files/snapshots.py); None: a
     # quarter of what the server may use, 0: none (clients copy).
     handoff_snapshot_bytes: int | None = None
+
+
+def freeze_startup_heap() -> None:
+    """Leave every object alive now out of the cyclic collector's passes (``gc.freeze``), what
+    is garbage already collected first. Call it once the server is up.
+
+    A started server holds about 100,000 objects (FastAPI's routes and models, grpc,
+    pyarrow), and each full collection walked them all with the GIL held: a stall of 40-50 ms
+    for every stream and request, about once per dozen whole-model loads (docs/performance.md,
+    "A server's startup heap"). Objects made later are collected as before. Only for a process
+    that is the server (``serve``, the bench's server): garbage that forms among the frozen
+    objects is never freed, which the later work of a process embedding a server could make.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def is_origin_uri(root: str) -> bool:

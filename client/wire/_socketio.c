@@ -74,6 +74,17 @@ set_lowat(Recv *r, int bytes)
     return -1;
 }
 
+/* The outcome of a poll or receive that failed with errno. */
+static int
+recv_failed(Recv *r)
+{
+    if (errno == EINTR) {
+        return RECV_INTERRUPTED;
+    }
+    r->error = errno;
+    return RECV_ERROR;
+}
+
 /* Runs without the GIL. Waits before every receive: a receive straight after another would
  * take the few segments that came in between and undo what the mark is for. */
 static int
@@ -92,11 +103,7 @@ recv_loop(Recv *r)
                       (r->timeout_ms < 0 || r->patience_ms < r->timeout_ms);
         int ready = poll(&pfd, 1, patient ? r->patience_ms : r->timeout_ms);
         if (ready < 0) {
-            if (errno == EINTR) {
-                return RECV_INTERRUPTED;
-            }
-            r->error = errno;
-            return RECV_ERROR;
+            return recv_failed(r);
         }
         if (ready == 0) {
             if (!patient) {
@@ -118,11 +125,7 @@ recv_loop(Recv *r)
                     return RECV_TIMED_OUT;
                 }
                 if (ready < 0) {
-                    if (errno == EINTR) {
-                        return RECV_INTERRUPTED;
-                    }
-                    r->error = errno;
-                    return RECV_ERROR;
+                    return recv_failed(r);
                 }
             }
         }
@@ -146,11 +149,7 @@ recv_loop(Recv *r)
         if (errno == EAGAIN || errno == EWOULDBLOCK) {
             continue; /* a spurious wake-up */
         }
-        if (errno == EINTR) {
-            return RECV_INTERRUPTED;
-        }
-        r->error = errno;
-        return RECV_ERROR;
+        return recv_failed(r);
     }
     return RECV_FILLED;
 }

@@ -497,7 +497,6 @@ class _SocketWriter:
     def write_all(self, parts: tuple) -> None:
         views = [memoryview(p).cast("B") for p in (self.pending, *parts) if len(p)]
         self.pending = b""
-        total = sum(len(v) for v in views)
         if self.native:
             assert _socketio is not None
             written, outcome = _socketio.writev_all(self.fd, views, self.idle_ms)
@@ -506,6 +505,7 @@ class _SocketWriter:
             if outcome:
                 raise self._write_error(outcome)
             return
+        total = sum(len(v) for v in views)
         while views:
             try:
                 n = os.writev(self.fd, views)
@@ -528,7 +528,6 @@ class _SocketWriter:
         if self.native and hasattr(_socketio, "sendfile_all"):  # Linux's sendfile only
             assert _socketio is not None
             sent, outcome = _socketio.sendfile_all(self.fd, file_fd, start, count, self.idle_ms)
-            at += sent
             self.unaccounted += sent
             self.written += sent
             self.sent_from_files += sent

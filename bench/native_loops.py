@@ -1,7 +1,7 @@
 """The native socket loops against the Python ones, both sides of a load at once:
 ``python -m bench.native_loops --size-gib 1 --rounds 10``.
 
-Four servers serve one checkpoint: with ``sendfile`` and with ``--no-sendfile``, each once
+Four servers serve one checkpoint: with ``--sendfile=on`` and ``--sendfile=off``, each once
 with the native loops (client/wire/socket_loops.py) and once with
 ``WEIGHTSERVE_NATIVE=0``. One client process fetches the whole model from each in turn, its
 own loops switched to match the server's, and then reads it from the verifying raw reader
@@ -36,10 +36,10 @@ from weightserve.client.wire import socket_loops
 RESULTS = RESULTS_DIR / "native-loops.json"
 # (row, server's extra arguments, native loops on both sides)
 SERVERS = [
-    ("sendfile_native", [], True),
-    ("sendfile_python", [], False),
-    ("copy_native", ["--no-sendfile"], True),
-    ("copy_python", ["--no-sendfile"], False),
+    ("sendfile_native", ["--sendfile=on"], True),
+    ("sendfile_python", ["--sendfile=on"], False),
+    ("copy_native", ["--sendfile=off"], True),
+    ("copy_python", ["--sendfile=off"], False),
 ]
 RAW = "raw_mmap_2conn_lowat_xxh3"
 

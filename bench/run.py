@@ -131,16 +131,17 @@ def contenders(
             sample=True, base=base, model_id=MODEL_ID)  # fmt: skip
     add("ws_flight_fetch_conc4", "concurrent", "bench.weightserve_loads:fetch_load", n=4,
         base=grpc, model_id=MODEL_ID, flight=True)  # fmt: skip
-    # The same HTTP loads from a server run with --no-sendfile (file bytes copied from the
-    # mapping): which of the two costs less depends on the host (docs/performance.md).
-    copy = getattr(args, "copy_http_url", None)
-    if copy:
-        add("ws_http_max_nosendfile", "no_sendfile", "bench.weightserve_loads:max_load",
-            base=copy, model_id=MODEL_ID)  # fmt: skip
-        add("ws_http_fetch_nosendfile", "no_sendfile", "bench.weightserve_loads:fetch_load",
-            base=copy, model_id=MODEL_ID)  # fmt: skip
-        add("ws_http_max_nosendfile_conc4", "no_sendfile", "bench.weightserve_loads:max_load",
-            n=4, base=copy, model_id=MODEL_ID)  # fmt: skip
+    # The same HTTP loads from a server run with --sendfile on: the default (auto) copies
+    # the file bytes for a loopback peer; which costs less depends on the host
+    # (docs/performance.md, "sendfile or a copy").
+    sendfile_url = getattr(args, "sendfile_http_url", None)
+    if sendfile_url:
+        add("ws_http_max_sendfile", "sendfile", "bench.weightserve_loads:max_load",
+            base=sendfile_url, model_id=MODEL_ID)  # fmt: skip
+        add("ws_http_fetch_sendfile", "sendfile", "bench.weightserve_loads:fetch_load",
+            base=sendfile_url, model_id=MODEL_ID)  # fmt: skip
+        add("ws_http_max_sendfile_conc4", "sendfile", "bench.weightserve_loads:max_load",
+            n=4, base=sendfile_url, model_id=MODEL_ID)  # fmt: skip
     # The same node: the server's Unix socket, by zero-copy handoff and by an HTTP copy over it.
     unix = getattr(args, "unix_url", None)
     if unix:
@@ -175,7 +176,7 @@ def measure(c: Contender, pids: dict[str, int]) -> dict:
     """One round of one contender, with the CPU its server used meanwhile."""
     server = "raw" if c.key.startswith("raw_") else "ws" if c.key.startswith("ws_") else None
     server = "flight" if c.key.startswith("flight_") else server
-    server = "ws_copy" if c.group == "no_sendfile" else server
+    server = "ws_sendfile" if c.group == "sendfile" else server
     cpu0 = cpu_seconds(pids[server]) if server else None
     if c.sample_server:
         with MemorySampler(pids["ws"]) as mem:
@@ -386,11 +387,14 @@ def main(argv: list[str] | None = None) -> int:
         args.unix_url = ws.info.get("unix_url")
         pids = {"ws": ws_pid, "raw": raw.pid, "flight": flight_min.pid}
         asked = args.only.split(",") if args.only else []
-        if not asked or any("no_sendfile" in k or "nosendfile" in k for k in asked):
-            copying = optional_servers.enter_context(
-                ServerProcess("bench.server", str(ck.root), "--no-sendfile")
+        if not asked or any(
+            k == "sendfile" or k.endswith(("_sendfile", "_sendfile_conc4")) for k in asked
+        ):
+            sending = optional_servers.enter_context(
+                ServerProcess("bench.server", str(ck.root), "--sendfile=on")
             )
-            args.copy_http_url, pids["ws_copy"] = copying.info["http_url"], copying.info["pid"]
+            args.sendfile_http_url = sending.info["http_url"]
+            pids["ws_sendfile"] = sending.info["pid"]
         todo = contenders(ck, raw.info["port"], web.port, http, grpc, args, flight_min.info["port"])
         if args.unix_url and any(c.group == "same_node" for c in todo):
             # The handoff makes its sealed snapshot of the file once per file version: make it

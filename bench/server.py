@@ -5,7 +5,8 @@ make every client/server pair fight over one interpreter lock and measure that i
 Prints ``BENCH-READY {"http_url", "grpc_url", "unix_url", "pid"}`` and serves until stdin
 closes. It also listens on a same-node socket in a temporary directory (``unix_url``). An
 optional second argument is the handoff's snapshot budget in bytes (0: the client copies);
-``--no-sendfile`` anywhere after ROOT serves HTTP as the flag does.
+``--sendfile=on|off|auto`` (or ``--no-sendfile``) anywhere after ROOT serves HTTP as the flag
+does.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import tempfile
 from bench.procs import serve_until_stdin_closes
 
 
-def main(root: str, snapshot_bytes: int | None = None, sendfile: bool = True) -> None:
+def main(root: str, snapshot_bytes: int | None = None, sendfile: str = "auto") -> None:
     from weightserve.service import server as server_module
     from weightserve.service.server import ServerConfig, WeightServer
 
@@ -54,5 +55,7 @@ def main(root: str, snapshot_bytes: int | None = None, sendfile: bool = True) ->
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--no-sendfile"]
-    main(args[0], int(args[1]) if len(args) > 1 else None, "--no-sendfile" not in sys.argv)
+    modes = [a.removeprefix("--sendfile=") for a in sys.argv if a.startswith("--sendfile=")]
+    mode = "off" if "--no-sendfile" in sys.argv else (modes or ["auto"])[-1]
+    args = [a for a in sys.argv[1:] if not a.startswith(("--sendfile=", "--no-sendfile"))]
+    main(args[0], int(args[1]) if len(args) > 1 else None, mode)

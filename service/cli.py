@@ -149,7 +149,7 @@ def _configured_server(args: argparse.Namespace) -> WeightServer:
         ),
         "rescan_seconds": args.rescan,
         "watch": not args.no_watch,
-        "sendfile": not args.no_sendfile,
+        "sendfile": "off" if args.no_sendfile else args.sendfile,
         "follow": not args.no_follow,
         "peers": not args.no_peers,
         "cache_dir": str(cache_dir),

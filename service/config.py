@@ -32,6 +32,7 @@ from weightserve.service.sources.publishing.intake import (
     UPLOAD_IDLE_SECONDS,
 )
 from weightserve.service.sources.swarm.engine import DEFAULT_PEER_PORT
+from weightserve.service.transports.http.streaming import SENDFILE_MODES
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", re.IGNORECASE)
 _UNITS = {
@@ -195,9 +196,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("--idle-timeout", "WEIGHTSERVE_IDLE_TIMEOUT", Limits.idle_timeout,
             "seconds a client may read nothing before its stream is cut", positive_seconds,
             "60 s"),
+    Setting("--sendfile", "WEIGHTSERVE_SENDFILE", "auto",
+            "HTTP: which peers get tensor and file bytes with sendfile rather than written "
+            "from the file's mapping (one copy in the server): auto (peers on other hosts; "
+            "those on this host, by loopback, Unix socket or this host's address, load "
+            "faster from the copy), on (all), off (none)", one_of(*SENDFILE_MODES)),
     Setting("--no-sendfile", "WEIGHTSERVE_NO_SENDFILE", False,
-            "HTTP: write tensor and file bytes from the file's mapping (one copy) instead of "
-            "with sendfile, where sendfile's pages cost more (some VM hosts, loopback peers)"),
+            "the same as --sendfile off (kept for existing deployments)"),
     Setting("--token-file", "WEIGHTSERVE_TOKEN_FILE", None,
             "bearer tokens, one per line, each optionally followed by the model ids or "
             "patterns it may read; re-read when it changes", str, "none: no authentication"),
@@ -311,8 +316,8 @@ _METAVARS: dict[Callable[[str], object], str] = {
     file_mode: "MODE",
     user_ids: "UIDS",
 }
-# Settings whose plain-string value is not a file.
-_METAVARS_BY_DEST = {"cache_dir": "DIR", "origin_token": "TOKEN"}
+# Settings whose value is not named by its check (a plain string is a file).
+_METAVARS_BY_DEST = {"cache_dir": "DIR", "origin_token": "TOKEN", "sendfile": "PEERS"}
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:

@@ -55,7 +55,7 @@ from weightserve.service.transports.flight import FlightListener
 from weightserve.service.transports.grpc import GrpcListener
 from weightserve.service.transports.handoff import HandoffEndpoint, HandoffListener, HandoffServer
 from weightserve.service.transports.http.app import create_app
-from weightserve.service.transports.http.streaming import WeightserveApp
+from weightserve.service.transports.http.streaming import SendfileMode, WeightserveApp
 from weightserve.service.transports.http.uvicorn_listener import UvicornListener
 from weightserve.service.transports.listener import (
     Listener,
@@ -95,9 +95,9 @@ class ServerConfig:
     # How often the root is searched for new or removed models.
     rescan_seconds: float = default_of("rescan")
     watch: bool = True  # rescan on file-system events too (inotify), not only periodically
-    # HTTP sends file bytes with sendfile; False: written from the mapping (one copy), which
-    # some hosts' loopback and VM networking make cheaper for both ends (docs/performance.md).
-    sendfile: bool = True
+    # Which HTTP peers get file bytes with sendfile rather than written from the mapping (one
+    # copy): auto (peers on other hosts), on, off (transports/http/streaming.py sendfile_to).
+    sendfile: SendfileMode = default_of("sendfile")
     # A node cache over an upstream weightserve watches its announcements (sources/origin/follow.py).
     follow: bool = True
     # Where file content digests are remembered across restarts (file-digests.sqlite); None:

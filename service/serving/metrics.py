@@ -78,6 +78,13 @@ class Metrics:
             "transport",
             "model",
         )
+        self.http_direct_bytes = counter(
+            "weightserve_http_direct_bytes_total",
+            "HTTP body bytes written straight to the socket by a stream's writer thread, by "
+            "how: sendfile (from the file's page cache) or write (framing, and file bytes "
+            "copied from the mapping: --sendfile)",
+            "how",
+        )
         self.open_streams = gauge(
             "weightserve_open_streams", "Tensor streams in progress", "transport"
         )

@@ -19,15 +19,16 @@ from weightserve.service.serving.streams import (
     stream_messages,
 )
 from weightserve.service.transports.http.app import WeightserveApp, create_app
+from weightserve.service.transports.http.streaming import SendfileMode
 
 
 @contextlib.contextmanager
 def serving(
-    state: ServiceState, protocol: str, uds: str | None = None, sendfile: bool = True
+    state: ServiceState, protocol: str, uds: str | None = None, sendfile: SendfileMode = "on"
 ) -> Iterator[tuple[int, WeightserveApp]]:
     """uvicorn with ``protocol`` on a loopback port or on the Unix socket ``uds``: (port,
-    the app, which counts the streams it wrote directly); ``sendfile`` as ``--no-sendfile``
-    leaves it."""
+    the app, which counts the streams it wrote directly); ``sendfile`` as ``--sendfile``
+    sets it (``on`` here, so that loopback peers exercise it)."""
     sock = None
     options: dict = {"uds": uds} if uds else {}
     if uds is None:

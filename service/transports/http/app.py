@@ -28,7 +28,7 @@ from weightserve.service.transports.http.middleware import (
 )
 from weightserve.service.transports.http.ops import add_model_info_route, add_operations_routes
 from weightserve.service.transports.http.publish import add_publish_routes
-from weightserve.service.transports.http.streaming import WeightserveApp
+from weightserve.service.transports.http.streaming import SendfileMode, WeightserveApp
 from weightserve.service.transports.http.swarm import add_swarm_routes
 from weightserve.service.transports.http.tensors import (
     TensorStreams,
@@ -42,7 +42,7 @@ class _App(WeightserveApp, LaneFirst):
     small-tensor lane (``LaneFirst``), then FastAPI."""
 
 
-def create_app(state: ServiceState, sendfile: bool = True) -> FastAPI:
+def create_app(state: ServiceState, sendfile: SendfileMode = "auto") -> FastAPI:
     app = _App(
         title="weightserve",
         description="Model weights as Apache Arrow streams. Tensor data: Arrow IPC stream, "
@@ -53,7 +53,7 @@ def create_app(state: ServiceState, sendfile: bool = True) -> FastAPI:
         docs_url=None,  # add_offline_docs: the pages' assets come from this server, no CDN
         redoc_url=None,
     )
-    app.use_sendfile = sendfile
+    app.sendfile = sendfile
     access = access_check(state)
     streams = TensorStreams(state, access)
 

@@ -60,6 +60,14 @@ def state(tmp_path_factory: pytest.TempPathFactory) -> ServiceState:
     return ServiceState(Catalog(root))
 
 
+def written_by(state: ServiceState, how: str) -> float:
+    """``weightserve_http_direct_bytes_total{how}`` as /metrics has it."""
+    value = state.metrics.registry.get_sample_value(
+        "weightserve_http_direct_bytes_total", {"how": how}
+    )
+    return value or 0.0
+
+
 class _UnixConnection(http.client.HTTPConnection):
     def __init__(self, path: str) -> None:
         super().__init__("localhost", timeout=30)
@@ -88,17 +96,21 @@ def test_large_bodies_are_written_directly_and_match(state, protocol) -> None:
         while app.direct_bytes < 2 * len(first) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert app.direct_bytes == 2 * len(first)
-        # The tensor's bytes went from the file with sendfile, the framing around them not.
+        # The tensor's bytes went from the file with sendfile (--sendfile on: a loopback
+        # peer too), the framing around them not.
         assert app.sendfile_bytes == 2 * BIG_BYTES
 
 
+@pytest.mark.parametrize("mode", ["off", "auto"])
 @pytest.mark.parametrize("transport", ["tcp", "unix"])
-def test_no_sendfile_writes_the_same_bytes_from_the_mapping(state, transport, tmp_path) -> None:
-    # --no-sendfile: the direct writer still takes the body, but copies the tensor bytes
-    # from the file's mapping; what the client gets is byte for byte the same.
+def test_copies_write_the_same_bytes_from_the_mapping(state, transport, mode, tmp_path) -> None:
+    # --sendfile off, and auto for a peer on this host (loopback, a Unix socket): the direct
+    # writer still takes the body, but copies the tensor bytes from the file's mapping; what
+    # the client gets is byte for byte the same.
     uds = str(tmp_path / "ws.sock") if transport == "unix" else None
     chunk = (1 << 20) + 4  # padded chunks too
-    with serving(state, "httptools", uds=uds, sendfile=False) as (port, app):
+    before = {how: written_by(state, how) for how in ("sendfile", "write")}
+    with serving(state, "httptools", uds=uds, sendfile=mode) as (port, app):
         conn = _UnixConnection(uds) if uds else http.client.HTTPConnection("127.0.0.1", port)
         body = fetch(conn, BIG, chunk)
         conn.close()
@@ -109,6 +121,9 @@ def test_no_sendfile_writes_the_same_bytes_from_the_mapping(state, transport, tm
             time.sleep(0.01)
         assert app.direct_bytes == len(body)
         assert app.sendfile_bytes == 0
+    # /metrics says the same: every byte written, none with sendfile.
+    assert written_by(state, "write") - before["write"] == len(body)
+    assert written_by(state, "sendfile") == before["sendfile"]
 
 
 def test_chunk_padding_goes_out_in_front_of_the_next_framing(state) -> None:

@@ -6,6 +6,7 @@ Python and in the native extension (client/wire/socket_loops.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import os
 import socket
@@ -145,6 +146,37 @@ def test_small_bodies_keep_the_asgi_path(state) -> None:
         assert app.direct_streams == 0
         assert body == expected_body(state, SMALL, 1 << 20)
         conn.close()
+
+
+def server_end(client: socket.socket) -> socket.socket:
+    """This process's end of ``client``'s TCP connection (uvicorn serves in a thread here):
+    a duplicate of the socket whose peer is ``client``'s own address."""
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            candidate = socket.socket(fileno=os.dup(int(fd)))
+            if candidate.type == socket.SOCK_STREAM and candidate.family == socket.AF_INET:
+                with contextlib.suppress(OSError):
+                    if candidate.getpeername() == client.getsockname():
+                        return candidate
+            candidate.close()
+    raise AssertionError("the server's end of the connection is not in this process")
+
+
+@pytest.mark.parametrize("mode", ["auto", "on"])
+def test_a_same_host_peer_that_gets_copies_gets_a_bounded_send_buffer(state, mode) -> None:
+    # auto copies for a loopback peer, and bounds the connection's send buffer so that the
+    # copies stay in the caches; with sendfile (on) autotuning keeps it.
+    with serving(state, "httptools", sendfile=mode) as (port, app):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        body = fetch(conn, BIG, 1 << 20)
+        assert body == expected_body(state, BIG, 1 << 20)
+        assert app.direct_streams == 1
+        assert conn.sock is not None
+        with server_end(conn.sock) as end:
+            send_buffer = end.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        conn.close()
+    bounded = 2 * http_streaming.SAME_HOST_SEND_BUFFER  # the kernel doubles what is set
+    assert (send_buffer == bounded) is (mode == "auto"), send_buffer
 
 
 def test_a_unix_socket_gets_direct_writes(state, tmp_path: Path) -> None:

@@ -617,10 +617,10 @@ def _truncated(message: FileMessage) -> ModelUnavailable:
 
 # The send buffer (SO_SNDBUF; the kernel doubles it) of a TCP connection to a peer on this
 # host that gets copies. Over loopback the buffer covers no network delay, only the time the
-# receiver takes to be scheduled, and autotuning's several MiB leave both copies, the
-# server's in and the client's out, going through memory instead of the caches: a 1 GiB
-# load took 0.34 s with this against 0.40 s without, and less CPU on both sides; half of it
-# stalled the sender (docs/performance.md, "A send buffer for same-host peers").
+# receiver takes to be scheduled; autotuning's several MiB queued leave the client copying
+# (and hashing) what left the caches long ago: a 1 GiB load took 0.34 s with this against
+# 0.40 s without, with less CPU on both sides; half of it stalled the sender
+# (docs/performance.md, "A send buffer for same-host peers").
 SAME_HOST_SEND_BUFFER = 512 << 10
 
 SendfileMode = Literal["auto", "on", "off"]

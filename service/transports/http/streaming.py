@@ -2,9 +2,10 @@
 exact Content-Length (no chunked-encoding copy) and cut when the client goes away or stalls.
 
 On plain TCP or a Unix socket under uvicorn the body goes out through ``_SocketWriter``:
-tensor and file bytes with ``sendfile`` from the checkpoint file, the framing around them with
-``writev``, no user-space copy. ``WeightserveApp`` is the outermost ASGI layer, which notes
-uvicorn's connection where the writer finds it.
+tensor and file bytes with ``sendfile`` from the checkpoint file to a peer on another host,
+copied from the file's mapping for one on this host (``--sendfile``, ``sendfile_to``), the
+framing around them with ``writev``, no copy in user space. ``WeightserveApp`` is the
+outermost ASGI layer, which notes uvicorn's connection where the writer finds it.
 """
 
 from __future__ import annotations
@@ -386,7 +387,8 @@ _CYCLE_TYPES = _uvicorn_cycle_types()
 
 class _SocketWriter:
     """Writes stream messages straight to the connection's socket: a ``FileMessage``'s data
-    with ``sendfile`` from its file, everything else with ``writev``.
+    with ``sendfile`` from its file (unless ``sendfile_to`` says a copy), everything else
+    with ``writev``.
 
     asyncio (before 3.12) copies whatever a socket doesn't take at once into its own buffer,
     which was most of the HTTP server's time; here nothing in user space copies tensor bytes,

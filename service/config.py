@@ -9,7 +9,7 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from weightserve.client.arg_types import (
     non_empty,
@@ -32,7 +32,11 @@ from weightserve.service.sources.publishing.intake import (
     UPLOAD_IDLE_SECONDS,
 )
 from weightserve.service.sources.swarm.engine import DEFAULT_PEER_PORT
-from weightserve.service.transports.http.streaming import SENDFILE_MODES
+
+# ``--sendfile``: which HTTP peers get file bytes with sendfile (transports/http/streaming.py
+# ``sendfile_to``).
+SendfileMode = Literal["auto", "on", "off"]
+SENDFILE_MODES: tuple[SendfileMode, ...] = ("auto", "on", "off")
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", re.IGNORECASE)
 _UNITS = {

@@ -24,7 +24,7 @@ import uvicorn
 
 from weightserve.client.errors import ModelUnavailable, WeightserveError
 from weightserve.client.remote import TLSOptions
-from weightserve.service.config import default_of
+from weightserve.service.config import SendfileMode, default_of
 from weightserve.service.serving.auth import TokenStore
 from weightserve.service.serving.feed import RevisionFeed
 from weightserve.service.serving.metrics import Metrics
@@ -55,7 +55,7 @@ from weightserve.service.transports.flight import FlightListener
 from weightserve.service.transports.grpc import GrpcListener
 from weightserve.service.transports.handoff import HandoffEndpoint, HandoffListener, HandoffServer
 from weightserve.service.transports.http.app import create_app
-from weightserve.service.transports.http.streaming import SendfileMode, WeightserveApp
+from weightserve.service.transports.http.streaming import WeightserveApp
 from weightserve.service.transports.http.uvicorn_listener import UvicornListener
 from weightserve.service.transports.listener import (
     Listener,

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from weightserve.service.config import SendfileMode
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.serving.streams import (
     TensorRequest,
@@ -19,7 +20,6 @@ from weightserve.service.serving.streams import (
     stream_messages,
 )
 from weightserve.service.transports.http.app import WeightserveApp, create_app
-from weightserve.service.transports.http.streaming import SendfileMode
 
 
 @contextlib.contextmanager

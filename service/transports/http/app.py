@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from weightserve.client.errors import InvalidRequest, WeightserveError
+from weightserve.service.config import SendfileMode
 from weightserve.service.serving.state import ServiceState
 from weightserve.service.transports.http.admin import add_admin_routes
 from weightserve.service.transports.http.browser import add_browser_routes
@@ -28,7 +29,7 @@ from weightserve.service.transports.http.middleware import (
 )
 from weightserve.service.transports.http.ops import add_model_info_route, add_operations_routes
 from weightserve.service.transports.http.publish import add_publish_routes
-from weightserve.service.transports.http.streaming import SendfileMode, WeightserveApp
+from weightserve.service.transports.http.streaming import WeightserveApp
 from weightserve.service.transports.http.swarm import add_swarm_routes
 from weightserve.service.transports.http.tensors import (
     TensorStreams,

@@ -23,7 +23,7 @@ import socket
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -38,6 +38,7 @@ from weightserve.client.wire.socket_loops import (
     WRITE_TIMED_OUT,
     _socketio,
 )
+from weightserve.service.config import SendfileMode
 from weightserve.service.serving.lease import StreamLease
 from weightserve.service.serving.streams import FileMessage, MessageStream
 from weightserve.service.transports.http.body_reader import SocketBodyReader, plain_socket
@@ -624,9 +625,6 @@ def _truncated(message: FileMessage) -> ModelUnavailable:
 # 0.40 s without, with less CPU on both sides; half of it stalled the sender
 # (docs/performance.md, "A send buffer for same-host peers").
 SAME_HOST_SEND_BUFFER = 512 << 10
-
-SendfileMode = Literal["auto", "on", "off"]
-SENDFILE_MODES: tuple[SendfileMode, ...] = ("auto", "on", "off")
 
 
 def sendfile_to(mode: SendfileMode, same_host: bool) -> bool:

@@ -54,13 +54,13 @@ def digests(arrays: dict[str, np.ndarray]) -> dict[str, str]:
 
 
 def load_from(hosts: Hosts, host: str, url: str, least_sendfile: float, least_write: float) -> dict:
-    done = subprocess.run(
-        ["ip", "netns", "exec", f"{hosts.tag}-{host}", sys.executable, "-c", _CLIENT, url,
-         str(least_sendfile), str(least_write)],
-        capture_output=True, text=True, env=env(), timeout=300,
+    client = hosts.popen(
+        host, [sys.executable, "-c", _CLIENT, url, str(least_sendfile), str(least_write)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(),
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    out, err = client.communicate(timeout=300)
+    assert client.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def test_auto_sends_with_sendfile_to_other_hosts_and_copies_for_this_one(tmp_path: Path) -> None:

@@ -658,7 +658,9 @@ def same_host_peer(sock: socket.socket) -> bool:
     return peer.is_loopback or peer == local
 
 
-def _unmapped(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> Any:
+def _unmapped(
+    address: ipaddress.IPv4Address | ipaddress.IPv6Address,
+) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     """An IPv4 peer of a dual-stack socket (``::ffff:127.0.0.1``) as its IPv4 address."""
     mapped = getattr(address, "ipv4_mapped", None)
     return mapped if mapped is not None else address

@@ -24,6 +24,7 @@ overrides, e.g. ``http`` for HTTP over the socket), ``http://`` and ``grpc://`` 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -59,10 +60,16 @@ def import_transport(base: str) -> None:
 
     if base.startswith("grpc"):
         import grpc  # noqa: F401
+        import grpc._channel  # noqa: F401  - grpc imports it at the first channel
         import pyarrow.flight  # noqa: F401
 
         from weightserve.client.transports import flight as _flight  # noqa: F401
         from weightserve.client.wire.proto.weightserve.v1 import weightserve_pb2  # noqa: F401
+
+        # The transport imports the method table at its construction (an older tree's
+        # client has none).
+        with contextlib.suppress(ImportError):
+            from weightserve.client.wire import grpc_methods  # noqa: F401
 
 
 def remote_weights_class():

@@ -115,6 +115,11 @@ class Client(AbstractContextManager["Client"]):
         """The data planes bulk fetches use (chosen at the first; see client/transports/planes.py)."""
         return self._planes.planes()
 
+    def choose_planes_early(self) -> None:
+        """Start choosing the data planes in the background (``PlaneChooser.choose_early``):
+        a model about to be loaded calls it before reading its index."""
+        self._planes.choose_early()
+
     def _with_retry(self, call: Callable[[], Any], what: str) -> Any:
         return call_with_retry(call, self.retry_seconds, what, self.on_wait)
 
@@ -211,6 +216,7 @@ class RemoteModel:
         self.client = client
         self.id = with_revision(model_id, revision)
         self.options = options or FetchOptions()
+        client.choose_planes_early()
         self.info = client.model_info(self.id)
         self.last_update: dict[str, int] = {}  # what the last ``update`` did (by outcome)
         self.last_removed: list[str] = []  # the tensors it removed from the state

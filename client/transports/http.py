@@ -8,6 +8,10 @@ socket's errors become weightserve errors here and nowhere else: before an answe
 from __future__ import annotations
 
 import contextlib
+
+# socket.getaddrinfo encodes every str host with the idna codec, whose module (and
+# unicodedata) would otherwise be imported inside a process's first request.
+import encodings.idna  # noqa: F401
 import http.client
 import json
 import socket
@@ -214,7 +218,7 @@ class HttpTransport(HttpControl, DataTransport):
         return known
 
     def _lean_request(
-        self, method: str, path: str, request: bytes
+        self, method: str, path: str, request: bytes, ok: tuple[int, ...] = (200,)
     ) -> tuple[Http1Connection, Http1Response]:
         """``_request`` for a tensor stream on a plain socket: ``request`` (whole) written in
         one send on an ``Http1Connection`` from its own kept-alive pool."""
@@ -224,7 +228,7 @@ class HttpTransport(HttpControl, DataTransport):
             return conn.response(method)
 
         conn, resp = self._exchange(self._lean_take, send)
-        self._refuse_unless((200,), method, path, conn, resp)
+        self._refuse_unless(ok, method, path, conn, resp)
         return conn, resp
 
     def _request(
@@ -416,8 +420,21 @@ class HttpTransport(HttpControl, DataTransport):
         return self._json("/v1/models")
 
     def server_info(self) -> dict[str, Any]:
-        """The server's data planes (``GET /v1/server``); {} from a server without it."""
-        return self._json("/v1/server", missing={})
+        """The server's data planes (``GET /v1/server``); {} from a server without it.
+
+        Asked on the tensor streams' pool where there is one (not over TLS): a model being
+        opened chooses its data planes beside its index read (client/transports/planes.py),
+        and the load's first stream then goes on this request's connection."""
+        path = "/v1/server"
+        if self._ssl is not None:
+            return self._json(path, missing={})
+        request = self._lean_head("GET", path) + b"\r\n"
+        conn, resp = self._lean_request("GET", path, request, ok=(200, 404))
+        what = f"{self.address.url}{path}: answer cut short"
+        with map_http_errors(ServerUnreachable, what, conn.close):
+            raw = resp.read()
+        self.release(conn, resp)
+        return json.loads(raw) if resp.status == 200 and raw else {}
 
     def model_info(self, model: str) -> dict[str, Any]:
         return self._json(http_model_path(model))

@@ -82,8 +82,36 @@ class PlaneChooser:
         self._lock = threading.Lock()
         self._planes: Planes | None = None
         self._extra: list[Transport] = []  # transports opened here, closed with the client
+        self._early: threading.Thread | None = None
+        self._early_error: BaseException | None = None
 
-    def planes(self) -> Planes:
+    def choose_early(self) -> None:
+        """Start choosing in the background, so that the server's answer (and, for a
+        ``grpc://`` URL, the check of its HTTP port) comes while the caller reads the model's
+        index instead of after it: a load's first stream then starts one or two round trips
+        sooner. ``planes()`` waits for it; an error it met is raised there."""
+        with self._lock:
+            if self._planes is not None or self._early is not None:
+                return
+            self._early = threading.Thread(
+                target=self._choose_early, name="weightserve-planes", daemon=True
+            )
+            self._early.start()
+
+    def _choose_early(self) -> None:
+        try:
+            self.planes(early=True)
+        except BaseException as e:  # noqa: BLE001 - raised to the first planes() call
+            self._early_error = e
+
+    def planes(self, early: bool = False) -> Planes:
+        early_thread = self._early
+        if not early and early_thread is not None:
+            early_thread.join()
+            self._early = None
+            error, self._early_error = self._early_error, None
+            if error is not None:
+                raise error
         with self._lock:
             if self._planes is None:
                 planes, settled = self._choose()
@@ -107,6 +135,9 @@ class PlaneChooser:
                 self._planes.handoff = None
 
     def close(self) -> None:
+        early = self._early
+        if early is not None:  # it may still open a transport to close here
+            early.join(self.connection.timeout)
         for t in self._extra:
             t.close()
 

@@ -331,6 +331,7 @@ def test_the_servers_errors_over_the_lean_connection(server, reference, monkeypa
         made = _counting(transport, monkeypatch)
         model = client.model("mixed")
         revision = model.info.revision
+        client.planes()  # as a fetch does first: the planes' request is back in the pool
         with pytest.raises(TensorNotFound):  # the server's answer, not the client's index
             transport.open_stream("mixed", StreamParams(names=["no.such"], revision=revision))
         got = model.fetch(["float32"])["float32"]

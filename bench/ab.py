@@ -40,6 +40,7 @@ RAW = [(mode, conns) for mode in ("sendfile", "mmap") for conns in (1, 2)]
 CONTENDERS = {
     "ws_http_max": ("max_load", "GB/s"),
     "ws_http_fetch": ("fetch_load", "GB/s"),
+    "ws_grpc_max": ("max_load", "GB/s"),  # a grpc:// URL: metadata over gRPC, data over HTTP
     "ws_http_small_latency": ("small_requests", "p50 ms"),
 }
 SIDES = ("this", "ref")
@@ -237,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
                     for side in SIDES if r % 2 == 0 else SIDES[::-1]:
                         t = time.monotonic()
                         info = servers[side]
-                        todo = jobs(key, info["http_url"], ck, args, clients[side])
+                        url = info["grpc_url"] if key.startswith("ws_grpc") else info["http_url"]
+                        todo = jobs(key, url, ck, args, clients[side])
                         c = Contender(key, "ab", todo)
                         measured[key][side].append(measure(c, {"ws": info["pid"]}))
                         log(f"  round {r + 1}/{rounds} {key:<24} {side:<4} "

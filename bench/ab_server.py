@@ -28,6 +28,7 @@ def main(root: str) -> None:
         serve_until_stdin_closes(
             {
                 "http_url": server.http_url,
+                "grpc_url": getattr(server, "grpc_url", None),
                 "pid": os.getpid(),
                 "service_dir": os.path.dirname(weightserve.service.__file__),
             }

@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     ck.ensure(log)
     warm_page_cache(ck.path)
     size = ck.path.stat().st_size
-    started, load_before = time.time(), os.getloadavg()
+    started, load_before, ticks_before = time.time(), os.getloadavg(), report.cpu_ticks()
     hold = guest_memory.held(log) if args.hold_freed_memory else contextlib.nullcontext("default")
     with tempfile.TemporaryDirectory(prefix="ws-ab-") as tmp:
         importable = export_tree(commit, Path(tmp))
@@ -264,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
             else "each tree's own, a fresh process per load (bench.worker)",
             "wall_seconds": round(time.time() - started, 1),
             "loadavg_1min": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+            "steal_fraction": report.steal_fraction(ticks_before),
             "nice": os.nice(0),
             "page_reporting": page_reporting,
         },

@@ -92,6 +92,33 @@ def _file_name_only(arg: str) -> str:
     return key + sep + value
 
 
+def _noise(config: dict[str, Any]) -> str:
+    """The run's load average (start, end) and steal, for reading its spread."""
+    load, steal = config.get("loadavg_1min"), config.get("steal_fraction")
+    out = f"; load average {load[0]}-{load[1]}" if load else ""
+    return out + (f", steal {steal:.1%}" if steal is not None else "")
+
+
+def cpu_ticks() -> tuple[int, int] | None:
+    """(all, stolen) CPU ticks since boot from /proc/stat; None where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    # user nice system idle iowait irq softirq steal (guest time is within user)
+    return sum(fields[:8]), fields[7] if len(fields) > 7 else 0
+
+
+def steal_fraction(before: tuple[int, int] | None) -> float | None:
+    """The share of this machine's CPU time the hypervisor gave to others since ``before``
+    (``cpu_ticks()``): on a shared VM, noise no ordering of rounds removes."""
+    after = cpu_ticks()
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    return round((after[1] - before[1]) / (after[0] - before[0]), 4)
+
+
 def machine() -> dict[str, Any]:
     cpu = "unknown"
     try:
@@ -164,7 +191,8 @@ def table(results: dict[str, Any]) -> str:
         f"kernel {machine.get('kernel', '?')}, tree {machine.get('git', '?')}",
         f"checkpoint: {results['checkpoint']['tensors']} tensors, "
         f"{results['checkpoint']['bytes'] / (1 << 30):.2f} GiB bf16; "
-        f"{results['config']['rounds']} rounds, alternating; median [min-max]",
+        f"{results['config']['rounds']} rounds, alternating; median [min-max]"
+        + _noise(results["config"]),
         f"ceiling (best raw loopback TCP): {ceiling:.2f} GB/s ({results['ceiling']['key']}); "
         f"page cache: {pagecache:.2f} GB/s; static web server: {results['config']['static_server']}",
         "x4 rows: aggregate GB/s of 4 client processes; 'x ceil' there is against the best "

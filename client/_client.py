@@ -112,7 +112,8 @@ class Client(AbstractContextManager["Client"]):
         self._planes = PlaneChooser(self.transport, self.data_plane, self.connection)
 
     def planes(self) -> Planes:
-        """The data planes bulk fetches use (chosen at the first; see client/transports/planes.py)."""
+        """The data planes bulk fetches use (chosen once, from the first model opened; see
+        client/transports/planes.py)."""
         return self._planes.planes()
 
     def choose_planes_early(self) -> None:

@@ -72,8 +72,9 @@ class Planes:
 
 
 class PlaneChooser:
-    """Chooses once (at the first bulk fetch), then keeps the choice; ``handoff_failed``
-    drops the handoff for the rest of the client's life."""
+    """Chooses once (beside the first model's index read, else at the first bulk fetch), then
+    keeps the choice; ``handoff_failed`` drops the handoff for the rest of the client's
+    life."""
 
     def __init__(self, transport: Transport, plane: str, connection: Connection) -> None:
         self.transport = transport

@@ -6,6 +6,7 @@ No timing assertions: only that every contender ran and produced positive number
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -96,7 +97,12 @@ def test_bench_quick(tmp_path: Path) -> None:
     assert len(goals) >= 12
     for g in goals:
         assert {"goal", "target", "measured", "met"} <= set(g)
-        assert g["measured"] >= 0
+        if "RSS before the load" in g["goal"]:
+            # What a load added beyond its bytes: below 0 where its arrays landed in heap
+            # pages the process already held (the quick checkpoint is a few MiB).
+            assert math.isfinite(g["measured"]), g
+        else:
+            assert g["measured"] >= 0, g
 
 
 @pytest.mark.slow

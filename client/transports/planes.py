@@ -101,18 +101,22 @@ class PlaneChooser:
 
     def _choose_early(self) -> None:
         try:
-            self.planes(early=True)
+            self._settle()
         except BaseException as e:  # noqa: BLE001 - raised to the first planes() call
             self._early_error = e
 
-    def planes(self, early: bool = False) -> Planes:
-        early_thread = self._early
-        if not early and early_thread is not None:
-            early_thread.join()
+    def planes(self) -> Planes:
+        early = self._early
+        if early is not None:
+            early.join()
             self._early = None
             error, self._early_error = self._early_error, None
             if error is not None:
                 raise error
+        return self._settle()
+
+    def _settle(self) -> Planes:
+        """The planes chosen, choosing them if none are yet."""
         with self._lock:
             if self._planes is None:
                 planes, settled = self._choose()

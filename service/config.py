@@ -31,7 +31,10 @@ from weightserve.service.sources.publishing.intake import (
     UPLOAD_BODY_TIMEOUT,
     UPLOAD_IDLE_SECONDS,
 )
-from weightserve.service.sources.swarm.engine import DEFAULT_PEER_PORT
+from weightserve.service.sources.swarm.engine import (
+    DEFAULT_PEER_PATIENCE_SECONDS,
+    DEFAULT_PEER_PORT,
+)
 
 # ``--sendfile``: which HTTP peers get file bytes with sendfile (transports/http/streaming.py
 # ``sendfile_to``).
@@ -290,6 +293,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("--peer-upload-limit", "WEIGHTSERVE_PEER_UPLOAD_LIMIT", 0,
             "with an http(s):// origin: bytes per second this node uploads to all peers "
             "together, e.g. 100MB; 0: no limit", byte_budget, "no limit"),
+    Setting("--peer-patience-seconds", "WEIGHTSERVE_PEER_PATIENCE_SECONDS",
+            DEFAULT_PEER_PATIENCE_SECONDS,
+            "with an http(s):// origin: while a node fills from its peers, the upstream gives "
+            "what is missing once no peer is connected, or no peer brought a verified piece, "
+            "for this long", positive_seconds),
     Setting("--require-models", "WEIGHTSERVE_REQUIRE_MODELS", False,
             "refuse to start when the root holds no servable model (otherwise: a warning)"),
     Setting("--log-level", "WEIGHTSERVE_LOG_LEVEL", "info",

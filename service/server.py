@@ -121,6 +121,7 @@ class ServerConfig:
     peer_port: int = default_of("peer_port")
     peer_address: str | None = None
     peer_upload_limit: int = default_of("peer_upload_limit")
+    peer_patience_seconds: float = default_of("peer_patience_seconds")
     # Same-node Unix sockets (docs/deploy.md): HTTP on UDS, gRPC on UDS.grpc and the
     # zero-copy descriptor handoff on UDS.handoff; None: none. Plain (no TLS): the kernel is
     # the transport, and peers are told apart by their credentials.
@@ -443,6 +444,7 @@ def _peer_fills(config: ServerConfig, origin: Origin) -> PeerFills | None:
         host=config.host,
         advertise=config.peer_address,
         upload_limit=config.peer_upload_limit,
+        patience_seconds=config.peer_patience_seconds,
     )
     try:
         engine = PeerEngine(settings, origin.join_swarm)

@@ -47,9 +47,10 @@ DEFAULT_STALL_SECONDS = 30.0
 _ANNOUNCES_WHILE_FILLING = (0.3, 0.6, 1.2, 2.5, 5.0)
 
 
-# Peers bringing no verified byte for this long: the upstream gives what is missing (a peer
-# gone, a share that stopped).
-_PEER_PATIENCE = 1.0
+# No peer connected, or peers bringing no verified byte, for this long: the upstream gives
+# what is missing (a peer gone, a share that stopped). Peers on one network answer in
+# milliseconds; a node whose cores are busy with other work may want longer.
+DEFAULT_PEER_PATIENCE_SECONDS = 1.0
 # Reads of the upstream in flight per fill (its pieces are 256 KiB and up).
 _FEED_STREAMS = 4
 
@@ -121,7 +122,8 @@ class SwarmUnavailable(Exception):
 @dataclass(frozen=True)
 class PeerSettings:
     """How a node takes part: where it listens for peers, what it tells the upstream, how
-    fast it may upload to all peers together (bytes/s, 0: no cap)."""
+    fast it may upload to all peers together (bytes/s, 0: no cap), how long a fill waits on
+    silent peers before the upstream gives what is missing, and before it is abandoned."""
 
     port: int = DEFAULT_PEER_PORT
     host: str = "0.0.0.0"
@@ -130,6 +132,7 @@ class PeerSettings:
     )
     upload_limit: int = 0
     stall_seconds: float = DEFAULT_STALL_SECONDS
+    patience_seconds: float = DEFAULT_PEER_PATIENCE_SECONDS
 
 
 @dataclass
@@ -393,8 +396,9 @@ class PeerEngine:
                 p.connection_type == lt.peer_info.standard_bittorrent
                 for p in handle.get_peer_info()
             )
-            alone = not current.peers or (not peered and now - started > _PEER_PATIENCE)
-            if alone or now - last_gain > _PEER_PATIENCE:
+            patience = self.settings.patience_seconds
+            alone = not current.peers or (not peered and now - started > patience)
+            if alone or now - last_gain > patience:
                 # Alone, or the peers stopped bringing bytes: the upstream gives what no
                 # connected peer has (all of it, alone), then what is still missing.
                 availability = handle.piece_availability()

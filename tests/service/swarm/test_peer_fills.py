@@ -349,7 +349,10 @@ def test_the_upload_cap_holds_for_peers_on_the_same_network(tmp_path: Path) -> N
         capped = replace(node_config(upstream, tmp_path / "n0"), peer_upload_limit=2 << 20)
         seeder = stack.enter_context(WeightServer(capped))
         load(seeder)
-        taker = stack.enter_context(WeightServer(node_config(upstream, tmp_path / "n1")))
+        # Patient: a capped seed sends in bursts, and a busy machine can space them past the
+        # default second, after which the upstream would give what is missing.
+        patient = node_config(upstream, tmp_path / "n1", peer_patience_seconds=20.0)
+        taker = stack.enter_context(WeightServer(patient))
         started = time.monotonic()
         load(taker)
         elapsed = time.monotonic() - started
